@@ -1,0 +1,1 @@
+"""graphpipe placeholder; the real package docstring comes with the public API."""

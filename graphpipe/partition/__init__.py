@@ -1,0 +1,203 @@
+"""Partition: cut a traced, profiled op graph into a graph of stages (a `Plan`).
+
+    cfg = PlanConfig(devices=8, micro_batches=8, partitioner="graph")
+    plan = partition(gm, prof, cfg)
+
+Partitioners:
+    graph       GraphPipe: DP over the series-parallel tree (`search`), branches become
+                concurrent stages on disjoint devices. The sequential plan is computed too and
+                kept when it is better under the same cost model, so "graph" is never worse.
+    sequential  PipeDream: the same DP over one series of all units in topological order.
+    manual      `PlanConfig.pins` place modules or ops on stages (`manual`).
+
+Steps: the op graph (`opgraph.op_graph`) is coarsened into units (`sptree.coarsen`, each at
+most 1/(2N) of the model's time), decomposed (`sptree.decompose`, or `linearise`), searched
+(`search.search`) and assembled into a Plan (`assemble.assemble`), which is then validated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+
+from graphpipe.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.errors import ConfigError, PlanError
+from graphpipe.ir import Plan
+from graphpipe.opgraph import graph_hash, op_graph
+from graphpipe.partition.assemble import assemble
+from graphpipe.partition.manual import groups_from_pins
+from graphpipe.partition.search import search
+from graphpipe.partition.sptree import coarsen, decompose, linearise
+from graphpipe.profile import Profile, ProfileConfig, profile
+from graphpipe.trace import LeafSpec, trace, trace_info
+
+__all__ = ["PlanConfig", "partition", "plan"]
+
+PARTITIONERS = ("graph", "sequential", "manual")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What to plan for. Every field but `devices` has a default."""
+
+    devices: int  # N: devices (ranks) to spread the model over
+    micro_batches: int = 4  # M: micro-batches per mini-batch
+    partitioner: str = "graph"  # "graph", "sequential" or "manual" (needs pins)
+    memory_budget: float | None = None  # bytes per device; None = unlimited
+    weight_versions: int = 1  # weight copies the weight policy keeps (flush 1, 2bw 2)
+    optimizer_slots: int = 2  # optimizer state tensors per parameter (Adam 2)
+    link: LinkModel = field(default_factory=LinkModel)  # bandwidth and latency between devices
+    replication: bool = True  # allow data-parallel stages (replicas > 1)
+    pins: Mapping[str, int] | None = None  # manual: op name or module path -> stage
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # how op times are obtained
+    leaf_modules: Sequence[LeafSpec] = ()  # module types/paths traced as single nodes
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ConfigError(f"devices must be >= 1, got {self.devices}")
+        if self.micro_batches < 1:
+            raise ConfigError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.partitioner not in PARTITIONERS:
+            raise ConfigError(
+                f"partitioner must be one of {PARTITIONERS}, got {self.partitioner!r}"
+            )
+        if self.partitioner == "manual" and not self.pins:
+            raise ConfigError("partitioner='manual' needs pins: {module path or op: stage}")
+
+    @classmethod
+    def build(cls, devices: int, **options: Any) -> PlanConfig:
+        """`PlanConfig(devices, **options)`, naming any unknown option."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown plan options {unknown}; known: {sorted(known)}")
+        if options.get("pins") and "partitioner" not in options:
+            options["partitioner"] = "manual"
+        return cls(devices=devices, **options)
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    devices: int,
+    **options: Any,
+) -> Plan:
+    """Trace, profile and partition a model: the whole planner in one call.
+
+    Args:
+        model: The model.
+        example_inputs: One mini-batch; dim 0 is the batch and must split into
+            `micro_batches` equal micro-batches.
+        devices: N, the number of devices.
+        **options: Any `PlanConfig` field (micro_batches, partitioner, memory_budget, ...).
+
+    Returns:
+        A validated `Plan`.
+
+    Raises:
+        ConfigError: an unknown option, or a batch that does not split into micro-batches.
+        TraceError: the model cannot be traced.
+        PlanError: no plan meets the constraints.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        >>> p = plan(m, torch.randn(8, 16), devices=2, micro_batches=4)
+        >>> len(p.stages) <= 2
+        True
+    """
+    config = PlanConfig.build(devices, **options)
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    gm = trace(model, inputs, leaf_modules=config.leaf_modules)
+    b = micro_batch_size(trace_info(gm).batch_size, config.micro_batches)
+    prof = profile(gm, inputs, b, config.profile)
+    return partition(gm, prof, config)
+
+
+def micro_batch_size(batch: int, micro_batches: int) -> int:
+    """batch / M, which must be a whole number."""
+    if batch % micro_batches:
+        raise ConfigError(
+            f"a batch of {batch} does not split into {micro_batches} equal micro-batches"
+        )
+    return batch // micro_batches
+
+
+def partition(gm: fx.GraphModule, prof: Profile, config: PlanConfig) -> Plan:
+    """Cut a traced and profiled graph into a validated Plan (see the module docstring).
+
+    Args:
+        gm: A graph made by `graphpipe.trace`.
+        prof: Its profile for one micro-batch size.
+        config: What to plan for.
+
+    Returns:
+        The plan, validated against `gm`.
+
+    Raises:
+        PlanError: more devices than ops, or nothing fits the memory budget.
+    """
+    g = op_graph(gm, prof)
+    ops = sum(1 for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method"))
+    if config.devices > ops:
+        raise PlanError(f"{config.devices} devices for a graph of only {ops} ops; use at most {ops}")
+    cost = _cost_model(config, prof)
+    digest = graph_hash(gm)
+    if config.partitioner == "manual":
+        assert config.pins is not None  # checked by PlanConfig
+        result = assemble(g, groups_from_pins(g, config.pins), cost, config.devices, "manual",
+                          digest)
+    elif config.partitioner == "sequential":
+        result = _searched(g, cost, config, "sequential", digest)
+    else:
+        result = _best_of_graph_and_sequential(g, cost, config, digest)
+    result.validate(g)
+    return result
+
+
+def _cost_model(config: PlanConfig, prof: Profile) -> CostModel:
+    return CostModel(
+        micro_batch_size=prof.micro_batch_size,
+        micro_batches=config.micro_batches,
+        link=config.link,
+        memory=MemoryModel(config.memory_budget, config.weight_versions, config.optimizer_slots),
+        profile=prof.mode,
+        device=prof.device,
+    )
+
+
+def _searched(g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, digest: str) -> Plan:
+    start = time.perf_counter()
+    total = sum(d["forward"] + d["backward"] for _, d in g.nodes(data=True))
+    units = coarsen(g, total / (2 * config.devices))
+    units.graph["tensor_bytes"] = {n: g.nodes[n]["act"] for n in g}
+    tree = decompose(units) if kind == "graph" else linearise(units)
+    limit = config.devices if config.replication else 1
+    result = search(units, tree, cost, config.devices, max_replicas=limit)
+    groups = [(frozenset(n for u in p.units for n in u), p.replicas) for p in result.pieces]
+    info = {"units": units.number_of_nodes(), "dp_bottleneck": result.tau,
+            "candidates": result.candidates, "iterations": result.iterations}
+    return assemble(g, groups, cost, config.devices, kind, digest,
+                    search_time=time.perf_counter() - start, info=info)
+
+
+def _best_of_graph_and_sequential(
+    g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str
+) -> Plan:
+    graph_plan = _searched(g, cost, config, "graph", digest)
+    seq_plan = _searched(g, cost, config, "sequential", digest)
+    total_time = graph_plan.search_time + seq_plan.search_time
+    if seq_plan.bottleneck < graph_plan.bottleneck:
+        note = (f"the sequential plan ({seq_plan.bottleneck:.4g} s) beat the series-parallel "
+                f"search ({graph_plan.bottleneck:.4g} s) and is kept")
+        return replace(seq_plan, partitioner="graph", search_time=total_time,
+                       info={**seq_plan.info, "chosen": "sequential", "note": note})
+    return replace(graph_plan, search_time=total_time,
+                   info={**graph_plan.info, "chosen": "graph",
+                         "sequential_bottleneck": seq_plan.bottleneck})
