@@ -42,10 +42,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
-
-with warnings.catch_warnings():  # the CPU wheel warns that NumPy is missing; we do not use it
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from graphpipe.errors import ConfigError, TraceError
 
