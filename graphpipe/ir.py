@@ -172,8 +172,9 @@ class Plan:
             f"{format_time(s.time)} {format_bytes(s.memory_bytes)}"
             for s in self.stages
         ]
-        lines += [f"  S{e.src}->S{e.dst} {format_bytes(e.bytes)} {list(e.tensors)}"
-                  for e in self.edges]
+        lines += [
+            f"  S{e.src}->S{e.dst} {format_bytes(e.bytes)} {list(e.tensors)}" for e in self.edges
+        ]
         return "\n".join(lines)
 
     def __iter__(self) -> Iterator[Stage]:
@@ -197,4 +198,3 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
         graph_hash=str(data["graph_hash"]),
         info=dict(data.get("info", {})),
     )
-

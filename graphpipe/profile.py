@@ -234,24 +234,55 @@ def _median_time(fn: Callable[[], Any], config: ProfileConfig, device: torch.dev
     return statistics.median(samples)
 
 
-def _forward_backward(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                      params: list[torch.Tensor]) -> Callable[[], None]:
+def _forward_backward(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: Sequence[torch.Tensor],
+) -> Callable[[], None]:
     """A closure that runs fn forward with grads and back-propagates ones through it."""
 
     def run() -> None:
-        leaves = [a.detach().requires_grad_() if isinstance(a, torch.Tensor)
-                  and a.is_floating_point() else a for a in args]
+        leaves = [
+            a.detach().requires_grad_()
+            if isinstance(a, torch.Tensor) and a.is_floating_point()
+            else a
+            for a in args
+        ]
         out, _ = tree_flatten(fn(*leaves, **kwargs))
         outs = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
-        wrt = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad] + params
+        grads = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
+        wrt = [*grads, *params]
         if outs and wrt:
             torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
 
     return run
 
 
-def _measure(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], b: int,
-             config: ProfileConfig, log: Log) -> Profile:
+def _time_node(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    backward: bool,
+    config: ProfileConfig,
+    device: torch.device,
+) -> NodeTime:
+    with torch.no_grad():
+        fwd = _median_time(lambda: fn(*args, **kwargs), config, device)
+    if not backward:
+        return NodeTime(fwd, 0.0)
+    params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    both = _median_time(_forward_backward(fn, args, kwargs, params), config, device)
+    return NodeTime(fwd, max(both - fwd, 0.0))
+
+
+def _measure(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[torch.Tensor],
+    b: int,
+    config: ProfileConfig,
+    log: Log,
+) -> Profile:
     device = torch.device(config.device)
     local = copy.deepcopy(gm).to(device)
     inputs = [_randomise(resize_batch(x.to(device), b)) for x in example_inputs]
@@ -261,15 +292,10 @@ def _measure(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], b: int,
     nodes = [n for n in local.graph.nodes if _is_compute(n)]
     times = {n.name: NodeTime(0.0, 0.0) for n in local.graph.nodes}
     for i, node in enumerate(nodes):
-        fn, (args, kwargs) = _callable(local, node), recorder.inputs[node.name]
-        with torch.no_grad():
-            fwd = _median_time(lambda: fn(*args, **kwargs), config, device)
-        bwd = 0.0
-        if _on_grad_path(node):
-            params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
-            both = _median_time(_forward_backward(fn, args, kwargs, params), config, device)
-            bwd = max(both - fwd, 0.0)
-        times[node.name] = NodeTime(fwd, bwd)
+        args, kwargs = recorder.inputs[node.name]
+        times[node.name] = _time_node(
+            _callable(local, node), args, kwargs, _on_grad_path(node), config, device
+        )
         if (i + 1) % 50 == 0 or i + 1 == len(nodes):
             log(f"profiled {i + 1}/{len(nodes)} nodes on {device}")
     return Profile(b, "measure", str(device), times)

@@ -112,7 +112,7 @@ def trace(
     leaf_types, leaf_paths = _split_leaves(model, leaf_modules)
     try:
         gm, method, fx_error = _fx_trace(model, leaf_types, leaf_paths), "fx", None
-    except Exception as fx_exc:  # noqa: BLE001 - any failure here means "try export"
+    except Exception as fx_exc:
         fx_error = f"{type(fx_exc).__name__}: {fx_exc}"
         gm, method = _export_trace(model, inputs, fx_error), "export"
     _drop_dead_getitems(gm)
@@ -145,8 +145,9 @@ def _normalise_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
         raise ConfigError(
             f"example_inputs must be a tensor or a non-empty tuple of tensors, got {type(inputs)}"
         )
-    bad = [f"#{i}: {type(x).__name__}" for i, x in enumerate(inputs)
-           if not isinstance(x, torch.Tensor)]
+    bad = [
+        f"#{i}: {type(x).__name__}" for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)
+    ]
     if bad:
         raise ConfigError("every example input must be a tensor", bad)
     if inputs[0].dim() == 0:
@@ -168,7 +169,9 @@ def _split_leaves(
         elif isinstance(leaf, type) and issubclass(leaf, nn.Module):
             types.append(leaf)
         else:
-            raise ConfigError(f"leaf_modules entries must be nn.Module types or paths, got {leaf!r}")
+            raise ConfigError(
+                f"leaf_modules entries must be nn.Module types or paths, got {leaf!r}"
+            )
     return tuple(types), frozenset(paths)
 
 
@@ -215,7 +218,7 @@ def _export_trace(
     try:
         with _quiet_torch():
             exported = torch.export.export(model, inputs, strict=False)
-    except Exception as exc:  # noqa: BLE001 - both tracers failed: report both reasons
+    except Exception as exc:
         raise TraceError(
             f"could not trace {type(model).__name__}. torch.fx.symbolic_trace failed "
             f"({_first_line(fx_error)}) and torch.export (non-strict) failed "
@@ -328,8 +331,7 @@ class _Annotator(fx.Interpreter):
             value = self.fetch_attr(str(n.target))
             tensors = [value] if isinstance(value, torch.Tensor) else []
         return {
-            self._canonical.get(id(t), str(n.target)): t.numel() * t.element_size()
-            for t in tensors
+            self._canonical.get(id(t), str(n.target)): t.numel() * t.element_size() for t in tensors
         }
 
 

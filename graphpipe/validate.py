@@ -49,8 +49,11 @@ def _as_op_graph(graph: Any) -> nx.DiGraph:
         for node in graph.graph.nodes:
             if node.op not in ("placeholder", "get_attr"):
                 g.add_node(node.name)
-                g.add_edges_from((a.name, node.name) for a in node.all_input_nodes
-                                 if a.op not in ("placeholder", "get_attr"))
+                g.add_edges_from(
+                    (a.name, node.name)
+                    for a in node.all_input_nodes
+                    if a.op not in ("placeholder", "get_attr")
+                )
         return g
     raise PlanError(f"can only validate against an fx.GraphModule or nx.DiGraph, got {type(graph)}")
 
@@ -60,7 +63,9 @@ def _structure(plan: Plan) -> list[str]:
     count = len(plan.stages)
     for i, s in enumerate(plan.stages):
         if s.index != i:
-            problems.append(f"stage at position {i} has index {s.index}; indices must be 0..{count - 1}")
+            problems.append(
+                f"stage at position {i} has index {s.index}; indices must be 0..{count - 1}"
+            )
         if not s.nodes:
             problems.append(f"stage {s.index} has no ops")
         if not s.devices:
@@ -78,7 +83,9 @@ def _structure(plan: Plan) -> list[str]:
     for device, n in sorted(owners.items()):
         if n > 1:
             holders = [s.index for s in plan.stages if device in s.devices]
-            problems.append(f"device {device} is given to stages {holders}; device groups must be disjoint")
+            problems.append(
+                f"device {device} is given to stages {holders}; device groups must be disjoint"
+            )
     for e in plan.edges:
         if not (0 <= e.src < count and 0 <= e.dst < count):
             problems.append(f"edge S{e.src}->S{e.dst} names a stage outside 0..{count - 1}")
@@ -107,15 +114,20 @@ def _against_graph(plan: Plan, g: nx.DiGraph) -> list[str]:
     if problems:
         return problems
     stage_of = plan.stage_of
-    for s in plan.stages:
-        path = _leaves_and_returns(g, set(s.nodes))
+    for stage in plan.stages:
+        path = _leaves_and_returns(g, set(stage.nodes))
         if path:
-            problems.append(f"stage {s.index} is not convex: path {' -> '.join(path)} leaves and re-enters it")
+            problems.append(
+                f"stage {stage.index} is not convex: path {' -> '.join(path)} leaves it and "
+                "comes back"
+            )
     carried = {(e.src, e.dst): set(e.tensors) for e in plan.edges}
     for a, b in g.edges:
         s, t = stage_of[a], stage_of[b]
         if s != t and a not in carried.get((s, t), set()):
-            problems.append(f"op edge {a} -> {b} crosses S{s}->S{t} but no stage edge carries {a!r}")
+            problems.append(
+                f"op edge {a} -> {b} crosses S{s}->S{t} but no stage edge carries {a!r}"
+            )
     return problems
 
 

@@ -37,7 +37,14 @@ from graphpipe.partition.sptree import coarsen, decompose, linearise
 from graphpipe.profile import Profile, ProfileConfig, profile
 from graphpipe.trace import LeafSpec, trace, trace_info
 
-__all__ = ["PlanConfig", "partition", "plan"]
+__all__ = [
+    "PlanConfig",
+    "cost_model",
+    "micro_batch_size",
+    "partition",
+    "partition_op_graph",
+    "plan",
+]
 
 PARTITIONERS = ("graph", "sequential", "manual")
 
@@ -143,16 +150,35 @@ def partition(gm: fx.GraphModule, prof: Profile, config: PlanConfig) -> Plan:
     Raises:
         PlanError: more devices than ops, or nothing fits the memory budget.
     """
-    g = op_graph(gm, prof)
-    ops = sum(1 for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method"))
+    cost = cost_model(config, prof.micro_batch_size, prof.mode, prof.device)
+    return partition_op_graph(op_graph(gm, prof), cost, config, graph_hash(gm))
+
+
+def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str) -> Plan:
+    """`partition` on the networkx op graph (`opgraph.op_graph`) with an explicit cost model.
+
+    Args:
+        g: The op graph.
+        cost: The cost model.
+        config: What to plan for.
+        digest: The traced graph's hash, recorded in the plan.
+
+    Returns:
+        The plan, validated against `g`.
+
+    Raises:
+        PlanError: more devices than ops, or nothing fits the memory budget.
+    """
+    ops = sum(1 for n in g if n != "output")
     if config.devices > ops:
-        raise PlanError(f"{config.devices} devices for a graph of only {ops} ops; use at most {ops}")
-    cost = _cost_model(config, prof)
-    digest = graph_hash(gm)
+        raise PlanError(
+            f"{config.devices} devices for a graph of only {ops} ops; use at most {ops}"
+        )
     if config.partitioner == "manual":
         assert config.pins is not None  # checked by PlanConfig
-        result = assemble(g, groups_from_pins(g, config.pins), cost, config.devices, "manual",
-                          digest)
+        result = assemble(
+            g, groups_from_pins(g, config.pins), cost, config.devices, "manual", digest
+        )
     elif config.partitioner == "sequential":
         result = _searched(g, cost, config, "sequential", digest)
     else:
@@ -161,14 +187,17 @@ def partition(gm: fx.GraphModule, prof: Profile, config: PlanConfig) -> Plan:
     return result
 
 
-def _cost_model(config: PlanConfig, prof: Profile) -> CostModel:
+def cost_model(
+    config: PlanConfig, micro_batch_size: int, profile: str = "flops", device: str = "cpu"
+) -> CostModel:
+    """The CostModel a PlanConfig implies for micro-batches of `micro_batch_size`."""
     return CostModel(
-        micro_batch_size=prof.micro_batch_size,
+        micro_batch_size=micro_batch_size,
         micro_batches=config.micro_batches,
         link=config.link,
         memory=MemoryModel(config.memory_budget, config.weight_versions, config.optimizer_slots),
-        profile=prof.mode,
-        device=prof.device,
+        profile=profile,
+        device=device,
     )
 
 
@@ -181,23 +210,49 @@ def _searched(g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, dig
     limit = config.devices if config.replication else 1
     result = search(units, tree, cost, config.devices, max_replicas=limit)
     groups = [(frozenset(n for u in p.units for n in u), p.replicas) for p in result.pieces]
-    info = {"units": units.number_of_nodes(), "dp_bottleneck": result.tau,
-            "candidates": result.candidates, "iterations": result.iterations}
-    return assemble(g, groups, cost, config.devices, kind, digest,
-                    search_time=time.perf_counter() - start, info=info)
+    info = {
+        "units": units.number_of_nodes(),
+        "dp_bottleneck": result.tau,
+        "candidates": result.candidates,
+        "iterations": result.iterations,
+    }
+    return assemble(
+        g,
+        groups,
+        cost,
+        config.devices,
+        kind,
+        digest,
+        search_time=time.perf_counter() - start,
+        info=info,
+    )
 
 
 def _best_of_graph_and_sequential(
     g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str
 ) -> Plan:
     graph_plan = _searched(g, cost, config, "graph", digest)
-    seq_plan = _searched(g, cost, config, "sequential", digest)
+    try:
+        seq_plan = _searched(g, cost, config, "sequential", digest)
+    except PlanError as exc:  # a graph plan can fit where no sequential one does
+        return replace(
+            graph_plan,
+            info={**graph_plan.info, "chosen": "graph", "sequential": f"infeasible: {exc}"},
+        )
     total_time = graph_plan.search_time + seq_plan.search_time
     if seq_plan.bottleneck < graph_plan.bottleneck:
-        note = (f"the sequential plan ({seq_plan.bottleneck:.4g} s) beat the series-parallel "
-                f"search ({graph_plan.bottleneck:.4g} s) and is kept")
-        return replace(seq_plan, partitioner="graph", search_time=total_time,
-                       info={**seq_plan.info, "chosen": "sequential", "note": note})
-    return replace(graph_plan, search_time=total_time,
-                   info={**graph_plan.info, "chosen": "graph",
-                         "sequential_bottleneck": seq_plan.bottleneck})
+        note = (
+            f"the sequential plan ({seq_plan.bottleneck:.4g} s) beat the series-parallel "
+            f"search ({graph_plan.bottleneck:.4g} s) and is kept"
+        )
+        return replace(
+            seq_plan,
+            partitioner="graph",
+            search_time=total_time,
+            info={**seq_plan.info, "chosen": "sequential", "note": note},
+        )
+    return replace(
+        graph_plan,
+        search_time=total_time,
+        info={**graph_plan.info, "chosen": "graph", "sequential_bottleneck": seq_plan.bottleneck},
+    )

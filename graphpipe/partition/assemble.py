@@ -5,6 +5,9 @@ Every partitioner (graph, sequential, manual) ends here, so all plans are costed
 - stages are ordered topologically (ties broken by graph order), devices handed out in that
   order, contiguous per stage;
 - a stage edge carries each crossing tensor once, whatever the number of its consumers;
+- a sequential plan is a chain: consecutive stages get an edge even when no tensor flows
+  between them (a dependency-only edge, 0 bytes), as in PipeDream, so its depth is its
+  number of stages and the baseline gains no concurrency the graph partitioner alone finds;
 - in_flight(s) = min(M, stages on the longest path from s to a sink), the graph 1F1B count;
 - the bottleneck is the largest of every stage's `time` and every stage's send and receive
   time: `link.transfer` of the bytes it sends (receives) per micro-batch, all edges together.
@@ -59,7 +62,7 @@ def assemble(
         raise PlanError(f"the stages need {needed} devices but only {num_devices} are available")
     order = _stage_order(g, groups)
     stage_of = {n: i for i, gi in enumerate(order) for n in groups[gi][0]}
-    edges = _stage_edges(g, stage_of)
+    edges = _stage_edges(g, stage_of, chain=partitioner == "sequential", count=len(order))
     stage_graph = nx.DiGraph()
     stage_graph.add_nodes_from(range(len(order)))
     stage_graph.add_edges_from((e.src, e.dst) for e in edges)
@@ -100,12 +103,17 @@ def _stage_order(g: nx.DiGraph, groups: Sequence[Group]) -> list[int]:
         raise PlanError(f"the stage graph has a cycle: {names}") from None
 
 
-def _stage_edges(g: nx.DiGraph, stage_of: dict[str, int]) -> list[StageEdge]:
+def _stage_edges(
+    g: nx.DiGraph, stage_of: dict[str, int], chain: bool, count: int
+) -> list[StageEdge]:
     crossing: dict[tuple[int, int], set[str]] = {}
     for a, b in g.edges:
         s, t = stage_of[a], stage_of[b]
         if s != t:
             crossing.setdefault((s, t), set()).add(a)
+    if chain:
+        for s in range(count - 1):
+            crossing.setdefault((s, s + 1), set())
     return [
         StageEdge(
             src=s,
@@ -126,8 +134,12 @@ def _heights(stage_graph: nx.DiGraph) -> dict[int, int]:
 
 
 def _stage(
-    g: nx.DiGraph, index: int, nodes: frozenset[str], devices: tuple[int, ...],
-    height: int, cost: CostModel,
+    g: nx.DiGraph,
+    index: int,
+    nodes: frozenset[str],
+    devices: tuple[int, ...],
+    height: int,
+    cost: CostModel,
 ) -> Stage:
     ordered = tuple(sorted(nodes, key=lambda n: g.nodes[n]["order"]))
     forward = sum(g.nodes[n]["forward"] for n in ordered)

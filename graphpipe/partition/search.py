@@ -1,4 +1,4 @@
-"""Search: a dynamic program over the series-parallel tree, inside a binary search on the bottleneck.
+"""Search: a DP over the series-parallel tree, inside a binary search on the bottleneck.
 
 This follows GraphPipe (Jeon et al., "GraphPipe: Improving Performance and Scalability of DNN
 Training with Graph Pipeline Parallelism", ASPLOS'25): a binary search on the target time per
@@ -18,30 +18,38 @@ A stage with downstream k has k + 1 in flight (the graph 1F1B warm-up), and r(P,
 fewest replicas that let piece P meet tau and memory with i in flight.
 
     leaf:     F = r(leaf, k + 1)                              if k + 1 <= d
-    series:   G(L, x) = 0 if x >= k;  F = G(0, d), where G(j, x) is the least of
-                F(c_j, y, x) + G(j + 1, y)                    (child j alone, recursively)
-                r(c_j..c_e, y + 1) + G(e + 1, y)              (children j..e merged, e > j)
-              over k <= y < x, and a cut after child j (or e) must transfer within tau
+    series:   the node's units in topological order are positions 0..n-1; a child occupies a
+              contiguous block of them. G(n, x) = 0 if x >= k; F = G(0, d), where G(p, x) is
+              the least, over k <= y < x, of
+                r(positions p..q-1, y + 1) + G(q, y)          (one stage, any q > p)
+                F(child, y, x) + G(q, y)                      (a child starting at p and
+                                                               ending before q, recursively)
+              and the cut before q must transfer within tau. Cutting anywhere in the order is
+              what a sequential pipeline does; recursing into a child is what keeps parallel
+              branches apart. So every sequential plan is in the search space.
     parallel: children sorted by time, split into contiguous groups; a group of one child
               costs F(child, k, d), a larger group is one stage costing r(group, k + 1);
               F is the least sum over the splits.
+
+Cut transfers count each tensor once (fan-out to several consumer stages is not multiplied);
+the assembled Plan counts every stage edge, so its bottleneck can differ slightly from tau.
 
 Without a memory budget r does not depend on the in-flight count, so F(node, k, d) =
 F(node, 0, d - k) and one table per node suffices.
 
 The outer loop binary-searches tau over the sorted candidate values (every stage time of every
-piece and replica count, and every cut time): the optimum is one of them, so the result is
-exact for this cost model. At the smallest feasible tau it keeps the smallest d with
-F(root, 0, d) <= N.
+piece and replica count, and every cut time, at least the perfect-balance bound): the optimum
+is one of them, so the result is exact for this cost model. At the smallest feasible tau it
+keeps the smallest d with F(root, 0, d) <= N.
 
-Complexity per tau: O(sum over series nodes of L^2 D + L D^2, plus sum over parallel nodes of
-L^2 D), times D with a memory budget. There are O(log #candidates) values of tau.
+Complexity per tau: O(sum over series nodes of n^2 D + L D^2, plus sum over parallel nodes of
+L^2 D), times D with a memory budget; n is a series node's unit count and L a node's child
+count. There are O(log #candidates) values of tau.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -114,82 +122,110 @@ def search(
     return _Search(g, tree, cost, devices, max_replicas or devices).run()
 
 
+@dataclass
+class _SeriesInfo:
+    """A series node laid out as positions: its units in topological order."""
+
+    positions: tuple[Unit, ...]
+    children: dict[
+        int, tuple[Series | Parallel, int]
+    ]  # start position -> (non-leaf child, end position)
+    cut_times: list[float]  # transfer time across the cut before position q (0..n)
+
+
 class _Search:
     def __init__(
         self, g: nx.DiGraph, tree: SPNode, cost: CostModel, devices: int, max_replicas: int
     ) -> None:
-        self.g, self.tree, self.cost, self.n = g, tree, cost, devices
+        self.g, self.cost, self.n = g, cost, devices
+        self.tree = tree if isinstance(tree, Series) else Series((tree,))
         self.max_replicas = min(max_replicas, devices)
         self.depth_bound = devices
         self.budgeted = cost.memory.budget is not None
         self.pieces: dict[Key, tuple[_Stats, tuple[Unit, ...]]] = {}
-        self.cut_times: dict[int, list[float]] = {}
+        self.series: dict[int, _SeriesInfo] = {}
         self.sorted_children: dict[int, tuple[SPNode, ...]] = {}
-        self._stats_of(tree)
+        self.rank = {
+            u: i
+            for i, u in enumerate(
+                nx.lexicographical_topological_sort(g, key=lambda u: g.nodes[u]["order"])
+            )
+        }
+        self._prepare(self.tree)
         self.tau = INF
         self.memo: dict[Key, Any] = {}
         self.r_cache: dict[Key, float] = {}
 
     # -- preparation: piece statistics and cut times -------------------------------------
 
-    def _unit_stats(self, units: list[Unit]) -> _Stats:
-        params: set[str] = set()
-        time = act = 0.0
-        for u in units:
-            data = self.g.nodes[u]
-            time += data["forward"] + data["backward"]
-            act += data["act"]
-            params |= data["params"]
-        pbytes = sum(self.g.graph["param_bytes"].get(p, 0) for p in params)
-        return _Stats(time, act, pbytes)
-
-    def _stats_of(self, node: SPNode) -> _Stats:
-        """Register the pieces under `node` and return the stats of `node` itself."""
-        if isinstance(node, Leaf):
-            stats = self._unit_stats([node.unit])
-            self.pieces[("leaf", id(node))] = (stats, (node.unit,))
-            return stats
-        for child in node.children:
-            self._stats_of(child)
-        children = node.children
-        if isinstance(node, Parallel):
-            children = tuple(sorted(children, key=lambda c: -self._unit_stats(units_of(c)).time))
-            self.sorted_children[id(node)] = children
-        else:
-            self.cut_times[id(node)] = self._cuts(node)
-        kind = "range" if isinstance(node, Series) else "group"
-        for j in range(len(children)):
+    def _register_ranges(self, kind: str, node: SPNode, blocks: list[list[Unit]]) -> None:
+        """Stats of every contiguous run of `blocks`, as pieces (kind, id(node), a, b)."""
+        sizes = self.g.graph["param_bytes"]
+        for a in range(len(blocks)):
+            params: set[str] = set()
+            time = act = pbytes = 0.0
             units: list[Unit] = []
-            for e in range(j, len(children)):
-                units += units_of(children[e])
-                self.pieces[(kind, id(node), j, e)] = (self._unit_stats(units), tuple(units))
-        return self.pieces[(kind, id(node), 0, len(children) - 1)][0]
+            for b in range(a, len(blocks)):
+                for u in blocks[b]:
+                    data = self.g.nodes[u]
+                    time += data["forward"] + data["backward"]
+                    act += data["act"]
+                    new = data["params"] - params
+                    pbytes += sum(sizes.get(p, 0) for p in new)
+                    params |= new
+                units += blocks[b]
+                self.pieces[(kind, id(node), a, b)] = (_Stats(time, act, pbytes), tuple(units))
 
-    def _cuts(self, node: Series) -> list[float]:
-        """Transfer time across the boundary after each child, for values made inside node."""
-        child_of = {u: i for i, c in enumerate(node.children) for u in units_of(c)}
-        made_in: dict[str, int] = {}
+    def _prepare(self, node: SPNode) -> None:
+        if isinstance(node, Leaf):
+            self._register_ranges("leaf", node, [[node.unit]])
+            return
+        for child in node.children:
+            self._prepare(child)
+        if isinstance(node, Parallel):
+            kids = sorted(node.children, key=lambda c: -self._time(units_of(c)))
+            self.sorted_children[id(node)] = tuple(kids)
+            self._register_ranges("group", node, [units_of(c) for c in kids])
+            return
+        positions = sorted(units_of(node), key=self.rank.__getitem__)
+        self._register_ranges("range", node, [[u] for u in positions])
+        at = {u: i for i, u in enumerate(positions)}
+        children = {}
+        for child in node.children:
+            if not isinstance(child, Leaf):
+                spots = sorted(at[u] for u in units_of(child))
+                assert spots == list(range(spots[0], spots[-1] + 1)), "child not contiguous"
+                children[spots[0]] = (child, spots[-1] + 1)
+        self.series[id(node)] = _SeriesInfo(tuple(positions), children, self._cuts(at))
+
+    def _time(self, units: list[Unit]) -> float:
+        return sum(self.g.nodes[u]["forward"] + self.g.nodes[u]["backward"] for u in units)
+
+    def _cuts(self, at: dict[Unit, int]) -> list[float]:
+        """Transfer time across the cut before each position, for values made inside."""
+        made: dict[str, int] = {}
         last_use: dict[str, int] = {}
         for a, b, data in self.g.edges(data=True):
-            if a in child_of and b in child_of and child_of[a] < child_of[b]:
+            if a in at and b in at:
                 for t in data["tensors"]:
-                    made_in[t] = child_of[a]
-                    last_use[t] = max(last_use.get(t, -1), child_of[b])
+                    made[t] = at[a]
+                    last_use[t] = max(last_use.get(t, -1), at[b])
+        crossing = [0.0] * (len(at) + 1)
         sizes = self.g.graph["tensor_bytes"]
-        crossing = [0.0] * len(node.children)
-        for t, start in made_in.items():
-            for j in range(start, last_use[t]):
-                crossing[j] += sizes[t]
-        return [self.cost.link.transfer(b) for b in crossing]
+        for t, start in made.items():
+            for q in range(start + 1, last_use[t] + 1):
+                crossing[q] += sizes[t]
+        return [self.cost.link.transfer(x) for x in crossing]
 
     def candidates(self) -> list[float]:
-        """Every value the optimal bottleneck can take."""
-        values = {
-            self.cost.stage_time(stats.time, stats.pbytes, r)
-            for stats, _ in self.pieces.values()
-            for r in range(1, self.max_replicas + 1)
-        }
-        values.update(t for times in self.cut_times.values() for t in times)
+        """Every value the optimal bottleneck can take, from the perfect-balance bound up."""
+        floor = self._time(list(self.g.nodes)) / self.n
+        values = {t for info in self.series.values() for t in info.cut_times if t >= floor}
+        for stats, _ in self.pieces.values():
+            for r in range(1, self.max_replicas + 1):
+                t = self.cost.stage_time(stats.time, stats.pbytes, r)
+                if t >= floor:
+                    values.add(t)
         return sorted(values)
 
     # -- the DP for one tau ---------------------------------------------------------------
@@ -222,47 +258,64 @@ class _Search:
     def _table(self, node: SPNode, k: int) -> Any:
         key = (id(node), k)
         if key not in self.memo:
-            build: Callable[[Any, int], Any] = {
-                Leaf: self._leaf_table, Series: self._series_table, Parallel: self._parallel_table
-            }[type(node)]
-            self.memo[key] = build(node, k)
+            if isinstance(node, Leaf):
+                self.memo[key] = self._leaf_table(node, k)
+            elif isinstance(node, Series):
+                self.memo[key] = self._series_table(node, k)
+            else:
+                self.memo[key] = self._parallel_table(node, k)
         return self.memo[key]
 
     def _leaf_table(self, node: Leaf, k: int) -> tuple[list[float], None]:
-        r = self.replicas(("leaf", id(node)), k + 1)
+        r = self.replicas(("leaf", id(node), 0, 0), k + 1)
         return [r if d >= k + 1 else INF for d in range(self.depth_bound + 1)], None
 
     def _series_table(self, node: Series, k: int) -> tuple[list[float], Any]:
-        kids, size, top = node.children, len(node.children), self.depth_bound
-        cut_ok = [t <= self.tau * (1 + 1e-12) for t in self.cut_times[id(node)]]
-        cut_ok[-1] = True  # the last child's outgoing values are the parent's business
-        g_tab = [[INF] * (top + 1) for _ in range(size + 1)]
-        choice: list[list[Any]] = [[None] * (top + 1) for _ in range(size + 1)]
-        g_tab[size] = [0 if x >= k else INF for x in range(top + 1)]
-        for j in reversed(range(size)):
-            merged = {e: (INF, None) for e in range(j + 1, size) if cut_ok[e]}
+        info, top, limit = self.series[id(node)], self.depth_bound, self.tau * (1 + 1e-12)
+        n = len(info.positions)
+        cut_ok = [q == n or t <= limit for q, t in enumerate(info.cut_times)]
+        g_tab = [[INF] * (top + 1) for _ in range(n + 1)]
+        choice: list[list[Any]] = [[None] * (top + 1) for _ in range(n + 1)]
+        g_tab[n] = [0 if x >= k else INF for x in range(top + 1)]
+        for p in reversed(range(n)):
+            merged: dict[int, tuple[float, Any]] = {
+                q: (INF, None) for q in self._reachable(node, p, n) if cut_ok[q]
+            }
+            child, end = info.children.get(p, (None, 0))
             for x in range(top + 1):
                 best, pick = INF, None
-                if cut_ok[j]:
+                if child is not None and cut_ok[end]:
                     for y in range(k, x):
-                        c = self.f(kids[j], y, x) + g_tab[j + 1][y]
+                        c = self.f(child, y, x) + g_tab[end][y]
                         if c < best:
-                            best, pick = c, ("child", y)
+                            best, pick = c, ("child", end, y)
                 y = x - 1
-                for e in merged:
+                for q, (held, held_pick) in merged.items():
                     if y >= k:
-                        c = self.replicas(("range", id(node), j, e), y + 1) + g_tab[e + 1][y]
-                        if c < merged[e][0]:
-                            merged[e] = (c, ("merge", e, y))
-                    if merged[e][0] < best:
-                        best, pick = merged[e]
-                g_tab[j][x], choice[j][x] = best, pick
+                        c = self.replicas(("range", id(node), p, q - 1), y + 1) + g_tab[q][y]
+                        if c < held:
+                            held, held_pick = c, ("merge", q, y)
+                            merged[q] = (held, held_pick)
+                    if held < best:
+                        best, pick = held, held_pick
+                g_tab[p][x], choice[p][x] = best, pick
         return g_tab[0], choice
+
+    def _reachable(self, node: Series, p: int, n: int) -> list[int]:
+        """Ends q of the ranges p..q-1 whose compute could meet tau on the most replicas."""
+        ends = []
+        for q in range(p + 1, n + 1):
+            stats = self.pieces[("range", id(node), p, q - 1)][0]
+            if stats.time / self.max_replicas > self.tau * (1 + 1e-12):
+                break
+            ends.append(q)
+        return ends
 
     def _parallel_table(self, node: Parallel, k: int) -> tuple[list[float], Any]:
         kids = self.sorted_children[id(node)]
         size, top = len(kids), self.depth_bound
-        table, choices = [INF] * (top + 1), [None] * (top + 1)
+        table: list[float] = [INF] * (top + 1)
+        choices: list[list[int] | None] = [None] * (top + 1)
         for d in range(top + 1):
             h, split = [INF] * size + [0.0], [0] * size
             for j in reversed(range(size)):
@@ -286,7 +339,7 @@ class _Search:
             k, d = 0, d - k
         d = min(d, self.depth_bound)
         if isinstance(node, Leaf):
-            return [self._piece(("leaf", id(node)), k + 1)]
+            return [self._piece(("leaf", id(node), 0, 0), k + 1)]
         _, choice = self._table(node, k)
         if isinstance(node, Parallel):
             return self._build_parallel(node, k, d, choice[d])
@@ -296,17 +349,16 @@ class _Search:
         return Piece(self.pieces[key][1], int(self.replicas(key, in_flight)))
 
     def _build_series(self, node: Series, d: int, choice: Any) -> list[Piece]:
+        info = self.series[id(node)]
         pieces: list[Piece] = []
-        j, x = 0, d
-        while j < len(node.children):
-            pick = choice[j][x]
-            if pick[0] == "child":
-                pieces += self.build(node.children[j], pick[1], x)
-                j, x = j + 1, pick[1]
+        p, x = 0, d
+        while p < len(info.positions):
+            kind, q, y = choice[p][x]
+            if kind == "child":
+                pieces += self.build(info.children[p][0], y, x)
             else:
-                _, e, y = pick
-                pieces.append(self._piece(("range", id(node), j, e), y + 1))
-                j, x = e + 1, y
+                pieces.append(self._piece(("range", id(node), p, q - 1), y + 1))
+            p, x = q, y
         return pieces
 
     def _build_parallel(self, node: Parallel, k: int, d: int, split: list[int]) -> list[Piece]:
@@ -335,7 +387,7 @@ class _Search:
     def run(self) -> SearchResult:
         values = self.candidates()
         iterations = 1
-        if self.feasible(values[-1]) is None:
+        if not values or self.feasible(values[-1]) is None:
             raise PlanError(_infeasible_message(self))
         lo, hi = 0, len(values) - 1
         while lo < hi:
@@ -359,7 +411,8 @@ def _infeasible_message(s: _Search) -> str:
     )
     return (
         f"no stage graph on {s.n} devices fits the memory budget of {budget:.4g} bytes per "
-        f"device; the smallest single unit already needs {smallest:.4g} bytes. Raise the budget, "
+        f"device (the smallest op unit alone, one micro-batch in flight, needs {smallest:.4g}). "
+        "Raise the budget, "
         "use more devices or more micro-batches (smaller micro-batches), or trace with finer "
         "leaf modules."
     )

@@ -26,6 +26,7 @@ there are at most n levels.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -80,7 +81,7 @@ def coarsen(g: nx.DiGraph, max_time: float) -> nx.DiGraph:
         params (union) and order (of the first op). An edge carries `tensors`, the op names
         whose outputs cross it, and their `bytes`, each tensor counted once.
     """
-    unit_of = {n: (n,) for n in g}
+    unit_of: dict[str, Unit] = {n: (n,) for n in g}
     for v in sorted(g, key=lambda n: g.nodes[n]["order"]):
         preds = list(g.predecessors(v))
         if len(preds) != 1 or g.out_degree(preds[0]) != 1:
@@ -144,7 +145,7 @@ def _decompose(g: nx.DiGraph, order: Sequence[Unit]) -> SPNode:
     cuts = _series_cuts(g, order)
     if cuts:
         bounds = [0, *cuts, len(order)]
-        return Series(tuple(_decompose(g, order[a:b]) for a, b in zip(bounds, bounds[1:])))
+        return Series(tuple(_decompose(g, order[a:b]) for a, b in itertools.pairwise(bounds)))
     sub = g.subgraph(order)
     components = list(nx.weakly_connected_components(sub))
     if len(components) > 1:

@@ -1,0 +1,202 @@
+"""The `graphpipe` command line.
+
+    graphpipe plan models.mmt --devices 8                     graph and sequential plans, tables
+    graphpipe plan models.mmt --preset paper --devices 32 --render plans.svg
+    graphpipe plan path/to/model.py:make --devices 4 --json plan.json
+
+MODEL follows the factory protocol of `graphpipe.workload`: a module path such as
+`models.mmt`, or `file.py:function`. Progress goes to stderr, tables to stdout. Errors print one
+message naming the bad value and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from graphpipe.cost import LinkModel
+from graphpipe.errors import ConfigError, GraphPipeError
+from graphpipe.ir import Plan
+from graphpipe.partition import PlanConfig, micro_batch_size, partition
+from graphpipe.profile import ProfileConfig, profile
+from graphpipe.render import render, side_by_side
+from graphpipe.report import compare_plans, modules_of, plan_summary, plan_table
+from graphpipe.trace import trace
+from graphpipe.workload import Workload, load_workload
+
+__all__ = ["main"]
+
+GIB = 1 << 30
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except GraphPipeError as exc:
+        print(f"graphpipe: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphpipe", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser(
+        "plan",
+        help="plan a model and print its stages",
+        description="Trace, profile and partition MODEL.",
+    )
+    _model_arguments(plan)
+    plan.add_argument(
+        "--partitioner",
+        choices=("graph", "sequential", "both"),
+        default="both",
+        help="which plan(s) to make (default: both, side by side)",
+    )
+    plan.add_argument(
+        "--memory",
+        type=float,
+        metavar="GiB",
+        help="memory budget per device in GiB (default: unlimited)",
+    )
+    plan.add_argument(
+        "--profile",
+        choices=("flops", "measure"),
+        default="flops",
+        help="op times from FLOPs (fast) or measured on --device",
+    )
+    plan.add_argument("--device", default="cpu", help="device to measure on (default: cpu)")
+    plan.add_argument(
+        "--bandwidth",
+        type=float,
+        default=12.5,
+        metavar="GB/s",
+        help="link bandwidth per device (default: 12.5)",
+    )
+    plan.add_argument("--no-replication", action="store_true", help="forbid data-parallel stages")
+    plan.add_argument("--json", type=Path, metavar="FILE", help="write the (graph) plan as JSON")
+    plan.add_argument(
+        "--render",
+        type=Path,
+        metavar="FILE.svg",
+        help="draw the stage graph(s); the suffix picks the format",
+    )
+    plan.add_argument(
+        "--render-ops", type=Path, metavar="FILE.svg", help="draw the op graph coloured by stage"
+    )
+    plan.set_defaults(func=_plan_command)
+    return parser
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="models.NAME or path/file.py:function (see graphpipe.workload)",
+    )
+    parser.add_argument("--devices", "-n", type=int, required=True, help="number of devices")
+    parser.add_argument("--preset", default="cpu", help="model preset: tiny, cpu or paper")
+    parser.add_argument(
+        "--option",
+        "-o",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model option, e.g. -o branches=4 (repeatable)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        "-m",
+        type=int,
+        metavar="M",
+        help="micro-batches per mini-batch (default: the preset's)",
+    )
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """`["branches=4", "name=x"]` -> `{"branches": 4, "name": "x"}`."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"model options are KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            options[key] = text
+    return options
+
+
+def _log(message: str) -> None:
+    print(f"[graphpipe] {message}", file=sys.stderr, flush=True)
+
+
+def _timed(what: str, fn: Callable[[], Any]) -> Any:
+    start = time.perf_counter()
+    result = fn()
+    _log(f"{what} in {time.perf_counter() - start:.2f} s")
+    return result
+
+
+def load(args: argparse.Namespace) -> Workload:
+    """The workload named on the command line."""
+    _log(f"building {args.model} (preset {args.preset})")
+    return load_workload(args.model, args.preset, **parse_options(args.option))
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    w = load(args)
+    gm = _timed("traced", lambda: trace(w.model, w.example_inputs, w.leaf_modules))
+    m = args.micro_batches or w.micro_batches
+    b = micro_batch_size(w.batch_size, m)
+    prof_cfg = ProfileConfig(mode=args.profile, device=args.device)
+    prof = _timed(
+        f"profiled ({args.profile})", lambda: profile(gm, w.example_inputs, b, prof_cfg, log=_log)
+    )
+    kinds = ("graph", "sequential") if args.partitioner == "both" else (args.partitioner,)
+    plans: dict[str, Plan] = {}
+    for kind in kinds:
+        config = PlanConfig(
+            devices=args.devices,
+            micro_batches=m,
+            partitioner=kind,
+            memory_budget=args.memory * GIB if args.memory else None,
+            link=LinkModel(bandwidth=args.bandwidth * 1e9),
+            replication=not args.no_replication,
+        )
+        plans[kind] = _timed(
+            f"{kind} plan searched", functools.partial(partition, gm, prof, config)
+        )
+    modules = modules_of(gm.graph.nodes)
+    for plan in plans.values():
+        print(f"\n{plan_summary(plan)}\n{plan_table(plan, modules)}")
+    if len(plans) == 2:
+        print("\n" + compare_plans(plans["graph"], plans["sequential"]))
+    main_plan = plans[kinds[0]]
+    if args.json:
+        args.json.write_text(main_plan.to_json())
+        _log(f"wrote {args.json}")
+    if args.render:
+        picture = side_by_side(list(plans.values())) if len(plans) > 1 else render(main_plan)
+        _write_picture(picture, args.render)
+    if args.render_ops:
+        _write_picture(render(gm, main_plan), args.render_ops)
+    return 0
+
+
+def _write_picture(picture: Any, path: Path) -> None:
+    fmt = path.suffix.lstrip(".") or "svg"
+    path.write_bytes(picture.pipe(format=fmt))
+    _log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""partition: the SP decomposition, the DP against brute force, graph <= sequential, errors."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import networkx as nx
+import pytest
+import torch
+from torch import nn
+from zoo import TwoBranch
+
+from graphpipe.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.errors import ConfigError, PlanError
+from graphpipe.partition import PlanConfig, partition_op_graph, plan
+from graphpipe.partition.search import search
+from graphpipe.partition.sptree import Leaf, Parallel, Series, coarsen, decompose, linearise
+
+# -- synthetic op graphs -----------------------------------------------------------------------
+
+
+def synthetic(
+    edges: list[tuple[str, str]],
+    times: dict[str, float],
+    acts: dict[str, int],
+    params: dict[str, frozenset[str]] | None = None,
+) -> nx.DiGraph:
+    """An op graph with the attributes `opgraph.op_graph` writes."""
+    g = nx.DiGraph(param_bytes={})
+    names = list(times)
+    for i, n in enumerate(names):
+        ps = (params or {}).get(n, frozenset({f"{n}.w"}))
+        g.add_node(
+            n,
+            forward=times[n] / 3,
+            backward=2 * times[n] / 3,
+            act=acts[n],
+            params=ps,
+            order=i,
+            module=n,
+        )
+        for p in ps:
+            g.graph["param_bytes"][p] = 1000
+    for a, b in edges:
+        g.add_edge(a, b, bytes=acts[a])
+    return g
+
+
+def units_of_graph(g: nx.DiGraph) -> nx.DiGraph:
+    units = coarsen(g, max_time=0.0)  # no merging: one unit per op
+    units.graph["tensor_bytes"] = {n: g.nodes[n]["act"] for n in g}
+    return units
+
+
+def random_dag(rng: random.Random, n: int) -> nx.DiGraph:
+    names = [f"op{i}" for i in range(n)]
+    edges = [(names[i - 1], names[i]) for i in range(1, n) if rng.random() < 0.6]
+    edges += [
+        (names[i], names[j]) for i in range(n) for j in range(i + 2, n) if rng.random() < 0.12
+    ]
+    times = {m: rng.uniform(0.5, 4.0) for m in names}
+    acts = {m: rng.choice([100, 1000, 20000]) for m in names}
+    return synthetic(edges, times, acts)
+
+
+def random_branchy(rng: random.Random) -> nx.DiGraph:
+    """Layers in series; each layer one op or 2-4 parallel chains; an occasional skip edge."""
+    edges: list[tuple[str, str]] = []
+    prev_ends: list[str] = []
+    names: list[str] = []
+    for layer in range(rng.randint(2, 4)):
+        chains = (
+            [[f"l{layer}b0o0"]]
+            if rng.random() < 0.4
+            else [
+                [f"l{layer}b{b}o{o}" for o in range(rng.randint(1, 3))]
+                for b in range(rng.randint(2, 4))
+            ]
+        )
+        for chain in chains:
+            names += chain
+            edges += list(itertools.pairwise(chain))
+            edges += [(end, chain[0]) for end in prev_ends]
+        if prev_ends and rng.random() < 0.3:
+            edges.append((rng.choice(names[: -sum(map(len, chains))]), chains[0][-1]))
+        prev_ends = [chain[-1] for chain in chains]
+    times = {n: rng.uniform(0.5e-3, 4e-3) for n in names}
+    acts = {n: rng.choice([1000, 10000]) for n in names}
+    g = synthetic(edges, times, acts)
+    g.graph["param_bytes"] = dict.fromkeys(g.graph["param_bytes"], 1_000_000)
+    return g
+
+
+def cost(micro_batches: int = 4, budget: float | None = None, bandwidth: float = 1e6) -> CostModel:
+    return CostModel(
+        micro_batch_size=1,
+        micro_batches=micro_batches,
+        link=LinkModel(bandwidth=bandwidth, latency=1e-4),
+        memory=MemoryModel(budget=budget),
+    )
+
+
+# -- series-parallel decomposition -------------------------------------------------------------
+
+
+def shape(node: Leaf | Series | Parallel) -> object:
+    if isinstance(node, Leaf):
+        return node.unit[0]
+    kind = "S" if isinstance(node, Series) else "P"
+    return (kind, *[shape(c) for c in node.children])
+
+
+def _equal_ops(edges: list[tuple[str, str]], names: str) -> nx.DiGraph:
+    return synthetic(edges, dict.fromkeys(names, 1.0), dict.fromkeys(names, 10))
+
+
+def test_diamond_is_series_of_parallel() -> None:
+    g = _equal_ops([("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")], "abcd")
+    assert shape(decompose(units_of_graph(g))) == ("S", "a", ("P", "b", "c"), "d")
+
+
+def test_skip_connection_keeps_series_cuts() -> None:
+    g = _equal_ops([("a", "b"), ("b", "c"), ("a", "c")], "abc")
+    assert shape(decompose(units_of_graph(g))) == ("S", "a", "b", "c")
+
+
+def test_independent_inputs_become_parallel_branches() -> None:
+    g = _equal_ops([("a", "b"), ("c", "d"), ("b", "e"), ("d", "e")], "abcde")
+    assert shape(decompose(units_of_graph(g))) == (
+        "S",
+        ("P", ("S", "a", "b"), ("S", "c", "d")),
+        "e",
+    )
+
+
+def test_non_series_parallel_segment_is_linearised() -> None:
+    # the "N" graph: a->c, a->d, b->d is not series-parallel
+    g = _equal_ops(
+        [("s", "a"), ("s", "b"), ("a", "c"), ("a", "d"), ("b", "d"), ("c", "t"), ("d", "t")],
+        "sabcdt",
+    )
+    assert shape(decompose(units_of_graph(g))) == ("S", "s", ("S", "a", "b", "c", "d"), "t")
+
+
+def test_coarsen_merges_cheap_chain_links_only_under_the_limit() -> None:
+    g = _equal_ops([("a", "b"), ("b", "c"), ("c", "d")], "abcd")
+    assert sorted(coarsen(g, max_time=2.0).nodes) == [("a", "b"), ("c", "d")]
+    assert coarsen(g, max_time=0.5).number_of_nodes() == 4
+
+
+# -- the DP against brute force ----------------------------------------------------------------
+
+
+def brute_force_sequential(units: nx.DiGraph, c: CostModel, devices: int) -> float:
+    """min over contiguous splits and replica counts of max(stage times, cut transfers)."""
+    order = [leaf.unit for leaf in linearise(units).children]
+    n, best = len(order), float("inf")
+    pos = {u: i for i, u in enumerate(order)}
+    last_use = {}
+    for a, b, data in units.edges(data=True):
+        for t in data["tensors"]:
+            last_use[t] = (pos[a], max(last_use.get(t, (0, -1))[1], pos[b]))
+    for cuts in itertools.chain.from_iterable(
+        itertools.combinations(range(1, n), k) for k in range(n)
+    ):
+        bounds = [0, *cuts, n]
+        pieces = [order[a:b] for a, b in itertools.pairwise(bounds)]
+        crossing = [
+            sum(units.graph["tensor_bytes"][t] for t, (s, e) in last_use.items() if s < p <= e)
+            for p in cuts
+        ]
+        comm = max((c.link.transfer(x) for x in crossing), default=0.0)
+        for reps in itertools.product(range(1, devices + 1), repeat=len(pieces)):
+            if sum(reps) > devices:
+                continue
+            worst = comm
+            for i, (piece, r) in enumerate(zip(pieces, reps, strict=True)):
+                time = sum(units.nodes[u]["forward"] + units.nodes[u]["backward"] for u in piece)
+                params = frozenset().union(*(units.nodes[u]["params"] for u in piece))
+                pbytes = sum(units.graph["param_bytes"][p] for p in params)
+                act = sum(units.nodes[u]["act"] for u in piece)
+                if not c.memory.fits(c.stage_memory(pbytes, act, len(pieces) - i, r)):
+                    worst = float("inf")
+                worst = max(worst, c.stage_time(time, pbytes, r))
+            best = min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sequential_dp_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    units = units_of_graph(random_dag(rng, rng.randint(3, 7)))
+    devices = rng.randint(1, 3)
+    budget = rng.choice([None, 30000.0, 60000.0])
+    c = cost(micro_batches=rng.choice([2, 4]), budget=budget)
+    expected = brute_force_sequential(units, c, devices)
+    if expected == float("inf"):
+        with pytest.raises(PlanError, match="memory budget"):
+            search(units, linearise(units), c, devices)
+    else:
+        assert search(units, linearise(units), c, devices).tau == pytest.approx(expected, rel=1e-9)
+
+
+# -- graph partitioner vs sequential ------------------------------------------------------------
+
+
+def test_graph_partitioner_never_worse_than_sequential_on_random_dags() -> None:
+    shallower = 0
+    for seed in range(40):
+        rng = random.Random(100 + seed)
+        g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(6, 14))
+        devices = rng.randint(2, min(6, g.number_of_nodes()))
+        c = cost(micro_batches=4, bandwidth=1e9)
+        options = {"devices": devices, "replication": seed % 4 < 2}
+        graph = partition_op_graph(g, c, PlanConfig(**options), "x")
+        sequential = partition_op_graph(g, c, PlanConfig(**options, partitioner="sequential"), "x")
+        assert graph.bottleneck <= sequential.bottleneck * (1 + 1e-12), seed
+        if graph.bottleneck >= sequential.bottleneck * (1 - 1e-12):
+            assert graph.depth <= sequential.depth, seed
+        assert graph.info["chosen"] == "graph", seed  # the SP search itself, not the fallback
+        shallower += graph.depth < sequential.depth
+    assert shallower >= 3
+
+
+def test_memory_budget_is_respected_and_infeasible_budget_is_an_error() -> None:
+    rng = random.Random(7)
+    g = random_dag(rng, 10)
+    c = cost(micro_batches=8, budget=60000.0)
+    p = partition_op_graph(g, c, PlanConfig(devices=4), "x")
+    assert all(s.memory_bytes <= 60000 for s in p.stages)
+    unlimited = partition_op_graph(g, cost(micro_batches=8), PlanConfig(devices=4), "x")
+    assert max(s.memory_bytes for s in unlimited.stages) > 60000  # the budget changed the plan
+    with pytest.raises(PlanError, match="memory budget"):
+        partition_op_graph(g, cost(budget=100.0), PlanConfig(devices=4), "x")
+
+
+# -- on real models ----------------------------------------------------------------------------
+
+
+def _branch_devices(p: object, prefix: str) -> set[tuple[int, ...]]:
+    return {
+        p.stages[p.stage_of[n]].devices
+        for n in p.stage_of  # type: ignore[attr-defined]
+        if n.startswith(prefix)
+    }
+
+
+def test_symmetric_two_branch_model_puts_branches_on_different_devices() -> None:
+    model, x = TwoBranch(width=64, depth=4), torch.randn(8, 64)
+    p = plan(model, x, devices=2, micro_batches=4, replication=False)
+    a, b = _branch_devices(p, "a_"), _branch_devices(p, "b_")
+    assert len(a) == 1 and len(b) == 1 and a != b
+
+
+def test_graph_plan_runs_branches_concurrently_at_equal_bottleneck() -> None:
+    # two branches of 4 equal ops each, then a tail of 4: three devices balance either way,
+    # but only the graph plan runs the branches side by side
+    edges = [
+        ("a0", "a1"),
+        ("a1", "a2"),
+        ("a2", "a3"),
+        ("b0", "b1"),
+        ("b1", "b2"),
+        ("b2", "b3"),
+        ("a3", "t0"),
+        ("b3", "t0"),
+        ("t0", "t1"),
+        ("t1", "t2"),
+        ("t2", "t3"),
+    ]
+    names = [n for e in edges for n in e]
+    g = synthetic(edges, dict.fromkeys(names, 1e-3), dict.fromkeys(names, 100))
+    c = cost(micro_batches=4, bandwidth=1e9)
+    graph = partition_op_graph(g, c, PlanConfig(devices=3, replication=False), "x")
+    sequential = partition_op_graph(
+        g, c, PlanConfig(devices=3, replication=False, partitioner="sequential"), "x"
+    )
+    assert graph.bottleneck == pytest.approx(sequential.bottleneck)
+    assert (graph.depth, sequential.depth) == (2, 3)
+    assert graph.stages[0].in_flight < sequential.stages[0].in_flight
+    assert {graph.stage_of["a0"], graph.stage_of["b0"]} == {0, 1}
+
+
+def test_more_devices_than_ops_is_an_error() -> None:
+    with pytest.raises(PlanError, match="9 devices for a graph of only 2 ops"):
+        plan(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), torch.randn(4, 2), devices=9)
+
+
+def test_batch_that_does_not_split_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="batch of 6 does not split into 4"):
+        plan(nn.Linear(2, 2), torch.randn(6, 2), devices=1, micro_batches=4)
+
+
+def test_unknown_option_is_named() -> None:
+    with pytest.raises(ConfigError, match="micro_batchs"):
+        plan(nn.Linear(2, 2), torch.randn(4, 2), devices=1, micro_batchs=2)
+
+
+# -- manual pins -------------------------------------------------------------------------------
+
+
+def test_pins_place_modules_and_the_rest_follows() -> None:
+    model, x = TwoBranch(width=8, depth=2), torch.randn(4, 8)
+    p = plan(model, x, devices=3, pins={"a": 0, "b": 1, "head": 2})
+    assert p.partitioner == "manual"
+    assert _branch_devices(p, "a_") == {(0,)} and _branch_devices(p, "b_") == {(1,)}
+    assert p.stage_of["cat"] == 1  # joins the latest stage among its inputs
+    assert p.stage_of["head"] == 2 and p.stage_of["output"] == 2
+
+
+def test_bad_pins_are_rejected() -> None:
+    model, x = TwoBranch(width=8, depth=2), torch.randn(4, 8)
+    with pytest.raises(ConfigError, match="'nope'"):
+        plan(model, x, devices=2, pins={"a": 0, "nope": 1})
+    with pytest.raises(PlanError, match="cycle|not convex"):
+        # the head before branch a: values flow back from stage 1 to stage 0
+        plan(model, x, devices=2, pins={"head": 0, "a": 1})

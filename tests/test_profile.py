@@ -1,0 +1,52 @@
+"""profile: the FLOP estimate, measured times and the cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from graphpipe.errors import ConfigError
+from graphpipe.profile import Profile, ProfileConfig, profile
+from graphpipe.trace import trace
+
+
+def _model() -> tuple[torch.fx.GraphModule, tuple[torch.Tensor, ...]]:
+    x = torch.randn(8, 64)
+    return trace(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)), x), (x,)
+
+
+def test_flop_estimate_scales_with_micro_batch_size() -> None:
+    gm, x = _model()
+    config = ProfileConfig(device_flops=1e9, node_overhead=0.0)
+    small, large = profile(gm, x, 2, config), profile(gm, x, 4, config)
+    assert small.times["_0"].forward == pytest.approx(2 * 2 * 64 * 256 / 1e9)
+    assert large.times["_0"].forward == pytest.approx(2 * small.times["_0"].forward)
+    assert small.times["_0"].backward == pytest.approx(2 * small.times["_0"].forward)
+    assert small.times["input_1"].forward == 0.0
+
+
+def test_measured_profile_times_every_op_and_is_cached(tmp_path: Path) -> None:
+    gm, x = _model()
+    config = ProfileConfig(mode="measure", warmup=1, repeats=3, cache_dir=str(tmp_path))
+    lines: list[str] = []
+    first = profile(gm, x, 4, config, log=lines.append)
+    assert all(first.times[n].forward > 0 for n in ("_0", "_1", "_2"))
+    assert first.times["_0"].backward > 0 and lines
+    cached = list(tmp_path.glob("profile-*.json"))
+    assert len(cached) == 1
+    assert Profile.from_json(cached[0].read_text()) == first
+    lines.clear()
+    assert profile(gm, x, 4, config, log=lines.append) == first and not lines  # no re-run
+    assert profile(gm, x, 2, config) != first  # another micro-batch size, another entry
+    assert len(list(tmp_path.glob("profile-*.json"))) == 2
+
+
+def test_bad_profile_settings_are_named() -> None:
+    with pytest.raises(ConfigError, match="'fast'"):
+        ProfileConfig(mode="fast")
+    gm, x = _model()
+    with pytest.raises(ConfigError, match="micro_batch_size must be >= 1, got 0"):
+        profile(gm, x, 0)
