@@ -3,6 +3,7 @@
     graphpipe plan models.mmt --devices 8                     graph and sequential plans, tables
     graphpipe plan models.mmt --preset paper --devices 32 --render plans.svg
     graphpipe plan path/to/model.py:make --devices 4 --json plan.json
+    graphpipe plan models.nbranch --devices 8 --schedule zb --timeline zb.svg --trace zb.json
 
 MODEL follows the factory protocol of `graphpipe.workload`: a module path such as
 `models.mmt`, or `file.py:function`. Progress goes to stderr, tables to stdout. Errors print one
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,13 +28,24 @@ from graphpipe.ir import Plan
 from graphpipe.partition import PlanConfig, micro_batch_size, partition
 from graphpipe.profile import ProfileConfig, profile
 from graphpipe.render import render, side_by_side
-from graphpipe.report import compare_plans, modules_of, plan_summary, plan_table
+from graphpipe.report import (
+    compare_plans,
+    modules_of,
+    plan_summary,
+    plan_table,
+    schedule_summary,
+    schedule_table,
+)
+from graphpipe.schedule import SCHEDULES
+from graphpipe.simulate import SimResult, simulate
+from graphpipe.timeline import chrome_trace, timeline_svg
 from graphpipe.trace import trace
 from graphpipe.workload import Workload, load_workload
 
 __all__ = ["main"]
 
 GIB = 1 << 30
+FLUSHED = ("gpipe", "1f1b", "zb")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,6 +104,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--render-ops", type=Path, metavar="FILE.svg", help="draw the op graph coloured by stage"
+    )
+    plan.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=(*sorted(SCHEDULES), "best"),
+        help="schedule to simulate (default 1f1b; best: the fastest flushed one)",
+    )
+    plan.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="FILE.svg",
+        help="draw the simulated timeline (one file per plan)",
+    )
+    plan.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE.json",
+        help="write the simulated timeline as a Chrome/Perfetto trace",
     )
     plan.set_defaults(func=_plan_command)
     return parser
@@ -176,10 +207,17 @@ def _plan_command(args: argparse.Namespace) -> int:
             f"{kind} plan searched", functools.partial(partition, gm, prof, config)
         )
     modules = modules_of(gm.graph.nodes)
-    for plan in plans.values():
+    runs = {}
+    for kind, plan in plans.items():
+        name, run = best_schedule(plan, args.schedule)
+        runs[kind] = run
         print(f"\n{plan_summary(plan)}\n{plan_table(plan, modules)}")
+        print(f"\n{schedule_summary(name, run)}\n{schedule_table(plan, run)}")
+        _write_timeline(args, kind, run, several=len(plans) > 1)
     if len(plans) == 2:
         print("\n" + compare_plans(plans["graph"], plans["sequential"]))
+        ratio = runs["graph"].throughput / runs["sequential"].throughput
+        print(f"simulated with their schedules: graph {ratio:.2f}x the sequential throughput")
     main_plan = plans[kinds[0]]
     if args.json:
         args.json.write_text(main_plan.to_json())
@@ -190,6 +228,26 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.render_ops:
         _write_picture(render(gm, main_plan), args.render_ops)
     return 0
+
+
+def best_schedule(plan: Plan, name: str) -> tuple[str, SimResult]:
+    """Simulate `name` on `plan`; "best" tries every flushed schedule and keeps the fastest."""
+    names = FLUSHED if name == "best" else (name,)
+    runs = {n: simulate(plan, n) for n in names}
+    best = max(runs, key=lambda n: runs[n].throughput)
+    return best, runs[best]
+
+
+def _write_timeline(args: argparse.Namespace, kind: str, run: SimResult, several: bool) -> None:
+    outputs = [
+        (args.timeline, lambda: timeline_svg(run.timeline)),
+        (args.trace, lambda: json.dumps(chrome_trace(run.timeline))),
+    ]
+    for path, text in outputs:
+        if path:
+            target = path.with_name(f"{path.stem}-{kind}{path.suffix}") if several else path
+            target.write_text(text())
+            _log(f"wrote {target}")
 
 
 def _write_picture(picture: Any, path: Path) -> None:

@@ -1,7 +1,7 @@
-"""Shared plain-data types: the Plan that partitioning produces and every later phase reads.
+"""Shared plain-data types: the Plan (where ops run) and the Schedule (when), read by every phase.
 
-A Plan is frozen and round-trips through JSON, so it can be computed once, written to a file,
-sent to every rank and checked again there. Index letters used throughout graphpipe:
+Both are frozen and round-trip through JSON/text, so they can be computed once, written to a
+file, sent to every rank and checked again there. Index letters used throughout graphpipe:
 
     s, t  stages        j  micro-batch        r  replicas of a stage
     S     #stages       M  micro-batches      N  devices (= ranks)
@@ -10,7 +10,8 @@ sent to every rank and checked again there. Index letters used throughout graphp
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
@@ -19,9 +20,9 @@ import networkx as nx
 
 from graphpipe._units import format_bytes, format_time
 from graphpipe.cost import CostModel
-from graphpipe.errors import PlanError
+from graphpipe.errors import PlanError, ScheduleError
 
-__all__ = ["Plan", "Stage", "StageEdge"]
+__all__ = ["KINDS", "Action", "Plan", "Schedule", "Span", "Stage", "StageEdge", "Timeline"]
 
 PLAN_FORMAT = "graphpipe-plan/1"
 
@@ -59,6 +60,14 @@ class StageEdge:
     dst: int
     tensors: tuple[str, ...]  # names of the fx nodes whose outputs cross
     bytes: int  # bytes for one micro-batch
+    grads: tuple[str, ...] = ()  # the tensors whose gradients flow back (floating point)
+    grad_bytes: int = 0  # bytes of those gradients for one micro-batch
+
+    @property
+    def backward_message(self) -> bool:
+        """Whether backward sends a message back along this edge: gradients, or, for a
+        dependency-only edge (no tensors; sequential chains), an empty token."""
+        return bool(self.grads) or not self.tensors
 
 
 @dataclass(frozen=True)
@@ -186,7 +195,10 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
         Stage(**{**s, "nodes": tuple(s["nodes"]), "devices": tuple(s["devices"])})
         for s in data["stages"]
     )
-    edges = tuple(StageEdge(**{**e, "tensors": tuple(e["tensors"])}) for e in data["edges"])
+    edges = tuple(
+        StageEdge(**{**e, "tensors": tuple(e["tensors"]), "grads": tuple(e["grads"])})
+        for e in data["edges"]
+    )
     return Plan(
         stages=stages,
         edges=edges,
@@ -198,3 +210,186 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
         graph_hash=str(data["graph_hash"]),
         info=dict(data.get("info", {})),
     )
+
+
+# -- schedules ---------------------------------------------------------------------------------
+
+KINDS = {
+    "F": "forward",
+    "B": "full backward (input and weight gradients)",
+    "I": "input-gradient half of the backward (zero bubble)",
+    "W": "weight-gradient half of the backward (zero bubble)",
+    "SF": "send activations to the peer stage",
+    "RF": "receive activations from the peer stage",
+    "SB": "send gradients to the peer stage",
+    "RB": "receive gradients from the peer stage",
+    "U": "optimizer update (after micro-batch j for per-micro-batch policies)",
+}
+COMPUTE = frozenset({"F", "B", "I", "W"})
+_ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|I|W|U)(\d+)?(?:([<>])(\d+))?$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one rank: `2F0` is stage 2's forward of micro-batch 0.
+
+    Text forms: `{stage}{kind}{mb}` for compute (`2F0`, `2B0`, `2I0`, `2W0`), `2SF0>3` and
+    `3RF0<2` for activations sent from stage 2 to stage 3 and received there, `3SB0>2` and
+    `2RB0<3` for gradients going back, `2U` for a flushed optimizer update and `2U5` for an
+    update after micro-batch 5.
+    """
+
+    stage: int
+    kind: str
+    mb: int | None = None
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ScheduleError(f"unknown action kind {self.kind!r}; known: {sorted(KINDS)}")
+        if (self.kind in COMPUTE or self.kind[0] in "SR") and self.mb is None:
+            raise ScheduleError(f"a {KINDS[self.kind]} action needs a micro-batch")
+        if (self.kind[0] in "SR") != (self.peer is not None):
+            raise ScheduleError(f"{self.kind}: sends and receives, and only they, name a peer")
+
+    @property
+    def is_compute(self) -> bool:
+        """F, B, I or W."""
+        return self.kind in COMPUTE
+
+    def __str__(self) -> str:
+        mb = "" if self.mb is None else str(self.mb)
+        if self.peer is None:
+            return f"{self.stage}{self.kind}{mb}"
+        arrow = ">" if self.kind[0] == "S" else "<"
+        return f"{self.stage}{self.kind}{mb}{arrow}{self.peer}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of `str()`.
+
+        Raises:
+            ScheduleError: `text` is not an action.
+
+        Example:
+            >>> Action.parse("2SF0>3")
+            Action(stage=2, kind='SF', mb=0, peer=3)
+        """
+        m = _ACTION.match(text.strip())
+        if not m:
+            raise ScheduleError(f"not an action: {text!r} (examples: 2F0, 2SF0>3, 3RB1<4, 2U)")
+        stage, kind, mb, arrow, peer = m.groups()
+        if arrow and arrow != (">" if kind[0] == "S" else "<"):
+            raise ScheduleError(f"{text!r}: sends point '>' at their peer, receives '<'")
+        return cls(
+            int(stage), kind, None if mb is None else int(mb), None if peer is None else int(peer)
+        )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """For every rank, its ordered actions for one or more `step()` calls.
+
+    Attributes:
+        name: The generator that made it ("gpipe", "1f1b", "zb", "async", "2bw").
+        micro_batches: M, micro-batches per `step()` call.
+        ranks: ranks[r] is rank r's action list; idle ranks have none.
+        calls: How many `step()` calls the lists cover. Flushed schedules restart micro-batch
+            ids at 0 every call; asynchronous ones number them on (call c holds c*M..).
+    """
+
+    name: str
+    micro_batches: int
+    ranks: tuple[tuple[Action, ...], ...]
+    calls: int = 1
+
+    def __str__(self) -> str:
+        width = max((len(str(a)) for actions in self.ranks for a in actions), default=2)
+        return "\n".join(
+            f"rank {r}: " + " ".join(f"{a!s:<{width}}" for a in actions)
+            for r, actions in enumerate(self.ranks)
+        )
+
+    def compute_only(self) -> list[list[str]]:
+        """Each rank's compute and update actions as text: the shape of a schedule at a glance."""
+        return [
+            [str(a) for a in actions if a.kind in COMPUTE or a.kind == "U"]
+            for actions in self.ranks
+        ]
+
+    def to_json(self) -> str:
+        """Serialise (actions as their text forms)."""
+        return json.dumps(
+            {
+                "name": self.name,
+                "micro_batches": self.micro_batches,
+                "calls": self.calls,
+                "ranks": [[str(a) for a in actions] for actions in self.ranks],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        """Inverse of `to_json`.
+
+        Raises:
+            ScheduleError: malformed text, naming the problem.
+        """
+        try:
+            data = json.loads(text)
+            return cls(
+                str(data["name"]),
+                int(data["micro_batches"]),
+                parse_ranks(data["ranks"]),
+                int(data.get("calls", 1)),
+            )
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ScheduleError(f"malformed schedule: {type(exc).__name__}: {exc}") from exc
+
+
+def parse_ranks(ranks: Sequence[Sequence[str] | str]) -> tuple[tuple[Action, ...], ...]:
+    """Per-rank action texts (lists, or space-separated strings) -> actions."""
+    return tuple(
+        tuple(Action.parse(t) for t in (r.split() if isinstance(r, str) else r)) for r in ranks
+    )
+
+
+# -- timelines ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    """One action on one rank, from start to end (seconds from the start of the run)."""
+
+    rank: int
+    action: str  # the Action's text, e.g. "2F0"
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What every rank did when: simulated from a Schedule, or measured by the runtime."""
+
+    spans: tuple[Span, ...]
+    num_ranks: int
+    source: str  # "simulated" or "measured"
+    title: str = ""
+
+    @property
+    def makespan(self) -> float:
+        """From the first start to the last end."""
+        if not self.spans:
+            return 0.0
+        return max(s.end for s in self.spans) - min(s.start for s in self.spans)
+
+    def to_json(self) -> str:
+        """Serialise to JSON."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Timeline:
+        """Inverse of `to_json`."""
+        data = json.loads(text)
+        spans = tuple(Span(**s) for s in data.pop("spans"))
+        return cls(spans=spans, **data)

@@ -10,8 +10,9 @@ from tabulate import tabulate
 
 from graphpipe._units import format_bytes, format_time
 from graphpipe.ir import Plan, Stage
+from graphpipe.simulate import SimResult
 
-__all__ = ["compare_plans", "plan_summary", "plan_table"]
+__all__ = ["compare_plans", "plan_summary", "plan_table", "schedule_summary", "schedule_table"]
 
 
 def plan_table(plan: Plan, modules: dict[str, str] | None = None) -> str:
@@ -65,6 +66,35 @@ def compare_plans(graph: Plan, sequential: Plan) -> str:
         f"{format_time(graph.bottleneck)} vs {format_time(sequential.bottleneck)}), depth "
         f"{graph.depth} vs {sequential.depth}, concurrent stages "
         f"{_width(graph)} vs {_width(sequential)}"
+    )
+
+
+def schedule_summary(name: str, result: SimResult) -> str:
+    """A simulated run in one line: time per step, samples/s, the worst bubble."""
+    worst = max(result.bubble, default=0.0)
+    return (
+        f"schedule {name}: {format_time(result.iteration_time)} per step, "
+        f"{result.throughput:,.1f} samples/s, bubble up to {worst:.0%}, peak memory "
+        f"{format_bytes(max(result.peak_memory, default=0))}"
+    )
+
+
+def schedule_table(plan: Plan, result: SimResult) -> str:
+    """One row per device: its stage, idle share, in-flight peak and memory peak."""
+    rows = []
+    for rank in range(plan.num_devices):
+        stage = plan.stage_on(rank)
+        rows.append(
+            [
+                rank,
+                "-" if stage is None else f"S{stage.index}",
+                f"{result.bubble[rank]:.1%}",
+                result.peak_in_flight[rank],
+                format_bytes(result.peak_memory[rank]),
+            ]
+        )
+    return tabulate(
+        rows, headers=["device", "stage", "bubble", "in flight", "peak memory"], tablefmt="simple"
     )
 
 

@@ -114,15 +114,21 @@ def _stage_edges(
     if chain:
         for s in range(count - 1):
             crossing.setdefault((s, s + 1), set())
-    return [
-        StageEdge(
-            src=s,
-            dst=t,
-            tensors=tuple(sorted(names, key=lambda n: g.nodes[n]["order"])),
-            bytes=int(sum(g.nodes[n]["act"] for n in names)),
+    edges = []
+    for (s, t), names in sorted(crossing.items()):
+        tensors = tuple(sorted(names, key=lambda n: g.nodes[n]["order"]))
+        grads = tuple(n for n in tensors if g.nodes[n].get("float", True))
+        edges.append(
+            StageEdge(
+                src=s,
+                dst=t,
+                tensors=tensors,
+                bytes=int(sum(g.nodes[n]["act"] for n in tensors)),
+                grads=grads,
+                grad_bytes=int(sum(g.nodes[n]["act"] for n in grads)),
+            )
         )
-        for (s, t), names in sorted(crossing.items())
-    ]
+    return edges
 
 
 def _heights(stage_graph: nx.DiGraph) -> dict[int, int]:

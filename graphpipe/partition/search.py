@@ -219,7 +219,7 @@ class _Search:
 
     def candidates(self) -> list[float]:
         """Every value the optimal bottleneck can take, from the perfect-balance bound up."""
-        floor = self._time(list(self.g.nodes)) / self.n
+        floor = self._time(list(self.g.nodes)) / self.n * (1 - 1e-9)  # rounding margin
         values = {t for info in self.series.values() for t in info.cut_times if t >= floor}
         for stats, _ in self.pieces.values():
             for r in range(1, self.max_replicas + 1):

@@ -1,0 +1,317 @@
+"""Schedule: micro-batch schedules over a Plan's stage graph, as plain per-rank action lists.
+
+    sched = make_schedule(plan, "1f1b")            # one step() call
+    print(sched)                                    # rank 0: 0F0 0SF0>1 0F1 ...
+
+Generators:
+    gpipe   all forwards, then all backwards, then one update (GPipe). On S equal stages the
+            bubble is (S-1)/(M+S-1).
+    1f1b    one forward, one backward, with a flush (PipeDream-Flush). The warm-up at stage s
+            is the longest path from s to a sink, counted in edges: on a chain, stage i warms
+            up with S-1-i forwards, the textbook order; on a stage DAG this is GraphPipe's
+            graph 1F1B (parallel branches share a depth and so keep fewer micro-batches in
+            flight). Alias: graph1f1b.
+    zb      zero bubble ZB-H1 (Qi et al., arXiv 2401.10241): 1F1B with the backward split into
+            I (input gradient, on the critical path) and W (weight gradient, deferrable). The
+                    W passes fill bubbles: a greedy run of the plan's costs does W whenever the next
+            F or I waits for its input, and before a new F once a stage holds as much
+            activation as 1F1B would (an I frees all but the W share, see
+            `graphpipe.simulate`). Same memory as 1F1B, a smaller bubble.
+    async   1F1B without a flush (PipeDream): micro-batches keep flowing across step() calls,
+            call c holding micro-batches cM..cM+M-1, and every backward is followed by an
+            update (`sUj`). `drain` ends the run with the backwards still in flight.
+    2bw     like async, with one update after the last backward of every mini-batch
+            (PipeDream-2BW); needs M >= depth.
+
+Communication is inserted around compute: before F(j) a receive from every in-edge and after
+it a send on every out-edge; before B/I(j) a receive of gradients from every out-edge that
+carries them back, and after it a send on every such in-edge.
+
+A stage replicated on r devices runs micro-batch j on devices[j % r]; each replica's list is
+the stage order restricted to its own micro-batches, and its update all-reduces gradients
+with the other replicas. Asynchronous schedules need unreplicated stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import networkx as nx
+
+from graphpipe.errors import ConfigError, ScheduleError
+from graphpipe.ir import Action, Plan, Schedule, Stage
+from graphpipe.simulate import compute_time, freed, transfer_time
+
+__all__ = ["ASYNC", "SCHEDULES", "drain_schedule", "make_schedule", "warmups"]
+
+Order = list[tuple[str, int]]  # a stage's compute actions: (kind, micro-batch)
+ASYNC = frozenset({"async", "2bw"})
+ALIASES = {"graph1f1b": "1f1b"}
+
+
+def warmups(plan: Plan) -> dict[int, int]:
+    """Forwards each stage runs before its first backward: its longest path to a sink."""
+    g = plan.stage_graph
+    height: dict[int, int] = {}
+    for s in reversed(list(nx.topological_sort(g))):
+        height[s] = max((height[t] + 1 for t in g.successors(s)), default=0)
+    return height
+
+
+def _one_f_one_b(mbs: list[int], warmup: int, backward: str = "B") -> Order:
+    w = min(warmup, len(mbs))
+    order: Order = [("F", j) for j in mbs[:w]]
+    for i, j in enumerate(mbs[w:]):
+        order += [("F", j), (backward, mbs[i])]
+    return order + [(backward, j) for j in mbs[len(mbs) - w :]]
+
+
+def _gpipe(plan: Plan, mbs: list[int]) -> dict[int, Order]:
+    return {s.index: [("F", j) for j in mbs] + [("B", j) for j in mbs] for s in plan.stages}
+
+
+def _flush_1f1b(plan: Plan, mbs: list[int]) -> dict[int, Order]:
+    w = warmups(plan)
+    return {s.index: _one_f_one_b(mbs, w[s.index]) for s in plan.stages}
+
+
+def _async_slice(plan: Plan, mbs: list[int], update_every: int) -> dict[int, Order]:
+    """Steady-state 1F1B over `mbs`: F(f), then B(f - w) and its update, no flush."""
+    w = warmups(plan)
+    orders: dict[int, Order] = {}
+    for s in plan.stages:
+        order: Order = []
+        for f in mbs:
+            order.append(("F", f))
+            j = f - w[s.index]
+            if j >= 0:
+                order += _backward_and_update(j, update_every)
+        orders[s.index] = order
+    return orders
+
+
+def _backward_and_update(j: int, update_every: int) -> Order:
+    return [("B", j), ("U", j)] if (j + 1) % update_every == 0 else [("B", j)]
+
+
+def _per_stage_orders(plan: Plan, name: str, call: int, m: int) -> dict[int, Order]:
+    if name in ASYNC:
+        every = 1 if name == "async" else m
+        return _async_slice(plan, list(range(call * m, (call + 1) * m)), every)
+    builders: dict[str, Callable[[Plan, list[int]], dict[int, Order]]] = {
+        "gpipe": _gpipe,
+        "1f1b": _flush_1f1b,
+        "zb": _zero_bubble,
+    }
+    orders = builders[name](plan, list(range(m)))
+    return {s: [*order, ("U", -1)] for s, order in orders.items()}
+
+
+def _check(plan: Plan, name: str, m: int) -> str:
+    name = ALIASES.get(name, name)
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}")
+    if m < 1:
+        raise ConfigError(f"micro_batches must be >= 1, got {m}")
+    if name in ASYNC:
+        replicated = [s.index for s in plan.stages if s.replicas > 1]
+        if replicated:
+            raise ScheduleError(
+                f"schedule {name!r} needs unreplicated stages, but stages {replicated} are "
+                "data-parallel; plan with replication=False"
+            )
+    if name == "2bw" and m < plan.depth:
+        raise ScheduleError(f"2bw needs micro_batches >= depth, got M={m} < depth {plan.depth}")
+    return name
+
+
+def make_schedule(
+    plan: Plan, name: str, micro_batches: int | None = None, *, calls: int = 1, first_call: int = 0
+) -> Schedule:
+    """The actions of every rank for `calls` consecutive step() calls.
+
+    Args:
+        plan: The plan to schedule.
+        name: A generator from `SCHEDULES` (see the module docstring).
+        micro_batches: M; the plan's by default.
+        calls: Consecutive step() calls to cover. Flushed schedules repeat the same lists with
+            micro-batch ids restarting at 0; asynchronous ones number micro-batches on.
+        first_call: Index of the first call (asynchronous schedules; the runtime asks for one
+            call at a time).
+
+    Returns:
+        The schedule. It is not drained: see `drain_schedule` for asynchronous ones.
+
+    Raises:
+        ConfigError: an unknown schedule or M < 1.
+        ScheduleError: an asynchronous schedule on replicated stages, or 2bw with M < depth.
+
+    Example:
+        >>> from graphpipe.partition import PlanConfig, partition_op_graph
+        >>> # see tests/test_schedule.py for plans built from models
+    """
+    m = micro_batches or plan.micro_batches
+    name = _check(plan, name, m)
+    per_rank: list[list[Action]] = [[] for _ in range(plan.num_devices)]
+    for call in range(first_call, first_call + calls):
+        for rank, actions in enumerate(_rank_lists(plan, _per_stage_orders(plan, name, call, m))):
+            per_rank[rank] += actions
+    return Schedule(name, m, tuple(tuple(a) for a in per_rank), calls)
+
+
+def drain_schedule(
+    plan: Plan, name: str, calls_done: int, micro_batches: int | None = None
+) -> Schedule:
+    """The backwards (and updates) an asynchronous schedule still owes after `calls_done` calls.
+
+    Raises:
+        ConfigError: `name` is not an asynchronous schedule.
+    """
+    m = micro_batches or plan.micro_batches
+    name = _check(plan, name, m)
+    if name not in ASYNC:
+        raise ConfigError(
+            f"only asynchronous schedules ({sorted(ASYNC)}) need draining, not {name!r}"
+        )
+    end, w = calls_done * m, warmups(plan)
+    every = 1 if name == "async" else m
+    orders = {
+        s.index: [
+            a for j in range(max(0, end - w[s.index]), end) for a in _backward_and_update(j, every)
+        ]
+        for s in plan.stages
+    }
+    lists = _rank_lists(plan, orders)
+    return Schedule(name, m, tuple(tuple(a) for a in lists), 0)
+
+
+# -- from stage orders to rank lists -----------------------------------------------------------
+
+
+def _rank_lists(plan: Plan, orders: dict[int, Order]) -> list[list[Action]]:
+    lists: list[list[Action]] = [[] for _ in range(plan.num_devices)]
+    for s in plan.stages:
+        for kind, j in orders[s.index]:
+            ranks = s.devices if kind == "U" else (s.device_for(j),)
+            for rank in ranks:
+                lists[rank] += _with_comm(plan, s.index, kind, j)
+    return lists
+
+
+def _with_comm(plan: Plan, s: int, kind: str, j: int) -> list[Action]:
+    ins = [e for e in plan.edges if e.dst == s]
+    outs = [e for e in plan.edges if e.src == s]
+    if kind == "U":
+        return [Action(s, "U", j if j >= 0 else None)]
+    if kind == "F":
+        return (
+            [Action(s, "RF", j, e.src) for e in ins]
+            + [Action(s, "F", j)]
+            + [Action(s, "SF", j, e.dst) for e in outs]
+        )
+    if kind in ("B", "I"):
+        return (
+            [Action(s, "RB", j, e.dst) for e in outs if e.backward_message]
+            + [Action(s, kind, j)]
+            + [Action(s, "SB", j, e.src) for e in ins if e.backward_message]
+        )
+    return [Action(s, kind, j)]
+
+
+# -- zero bubble -------------------------------------------------------------------------------
+
+
+def _zero_bubble(plan: Plan, mbs: list[int]) -> dict[int, Order]:
+    """ZB-H1 per stage: the 1F1B order with I for B, and W placed by a greedy run of the costs."""
+    w = warmups(plan)
+    base = {s.index: _one_f_one_b(mbs, w[s.index], backward="I") for s in plan.stages}
+    ranks = [
+        _ZbRank(s, [a for a in base[s.index] if s.device_for(a[1]) == rank], w[s.index])
+        for s in plan.stages
+        for rank in s.devices
+    ]
+    arrivals: Arrivals = {}
+    while any(r.busy() for r in ranks):
+        rank = min((r for r in ranks if r.busy()), key=lambda r: r.next_start(plan, arrivals))
+        start = rank.next_start(plan, arrivals)
+        if start == float("inf"):
+            raise ScheduleError("zero-bubble construction stalled: no rank can run")
+        kind, j = rank.pop(plan, arrivals)
+        rank.clock = start + compute_time(plan.stages[rank.stage], kind)
+        _post(plan, rank.stage, kind, j, rank.clock, arrivals)
+    orders: dict[int, Order] = {s.index: [] for s in plan.stages}
+    for r in ranks:  # replicas hold disjoint micro-batches: concatenating keeps each one's order
+        orders[r.stage] += r.done
+    return orders
+
+
+Arrivals = dict[tuple[str, int, int, int], float]  # (direction, from, to, mb) -> arrival time
+
+
+class _ZbRank:
+    """One rank's state while the zero-bubble order is built."""
+
+    def __init__(self, stage: Stage, base: Order, warmup: int) -> None:
+        self.stage, self.base = stage.index, list(base)
+        self.info = stage
+        self.cap = warmup + 1  # 1F1B's activation units: ZB-H1 keeps its memory
+        self.pending_w: list[int] = []
+        self.held = 0.0
+        self.clock = 0.0
+        self.done: Order = []
+
+    def busy(self) -> bool:
+        return bool(self.base or self.pending_w)
+
+    def _ready(self, plan: Plan, arrivals: Arrivals) -> float:
+        kind, j = self.base[0]
+        keys = [(d, a, b, j) for d, a, b in _inputs(plan, self.stage, kind)]
+        return max((arrivals.get(k, float("inf")) for k in keys), default=0.0)
+
+    def _takes_w(self, plan: Plan, arrivals: Arrivals) -> bool:
+        """Whether the next action is a W: forced by the memory cap, or filling a wait."""
+        if not self.pending_w:
+            return False
+        if not self.base or (self.base[0][0] == "F" and self.held + 1 > self.cap + 1e-9):
+            return True
+        return self._ready(plan, arrivals) > self.clock
+
+    def next_start(self, plan: Plan, arrivals: Arrivals) -> float:
+        if self._takes_w(plan, arrivals):
+            return self.clock
+        return max(self.clock, self._ready(plan, arrivals))
+
+    def pop(self, plan: Plan, arrivals: Arrivals) -> tuple[str, int]:
+        if self._takes_w(plan, arrivals):
+            action = ("W", self.pending_w.pop(0))
+        else:
+            action = self.base.pop(0)
+            if action[0] == "I":
+                self.pending_w.append(action[1])
+        self.held -= freed(self.info, action[0])
+        self.done.append(action)
+        return action
+
+
+def _inputs(plan: Plan, s: int, kind: str) -> list[tuple[str, int, int]]:
+    """Messages (direction, from stage, to stage) an action of stage `s` waits for."""
+    if kind == "F":
+        return [("F", e.src, s) for e in plan.edges if e.dst == s]
+    if kind in ("B", "I"):
+        return [("B", e.dst, s) for e in plan.edges if e.src == s and e.backward_message]
+    return []
+
+
+def _post(plan: Plan, s: int, kind: str, j: int, end: float, arrivals: Arrivals) -> None:
+    """Record when the messages an action sends arrive."""
+    if kind == "F":
+        for e in plan.edges:
+            if e.src == s:
+                arrivals[("F", s, e.dst, j)] = end + transfer_time(plan.cost_model, e, "F")
+    elif kind in ("B", "I"):
+        for e in plan.edges:
+            if e.dst == s and e.backward_message:
+                arrivals[("B", s, e.src, j)] = end + transfer_time(plan.cost_model, e, "B")
+
+
+SCHEDULES = frozenset({"gpipe", "1f1b", "zb", "async", "2bw"})

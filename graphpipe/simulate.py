@@ -1,0 +1,294 @@
+"""Simulate: a discrete-event run of a Schedule over a Plan's costs.
+
+    result = simulate(plan, make_schedule(plan, "1f1b"))
+    result.iteration_time, result.bubble, result.peak_memory, result.timeline
+
+Every rank runs its actions in order. Costs (seconds):
+    F, B          the stage's forward_time and backward_time for one micro-batch
+    I, W          the backward split: W takes `weight_share` of it on a stage with parameters
+                  (none without), I the rest (`WEIGHT_SHARE`, one half, by default)
+    send          non-blocking; the message arrives link.transfer(bytes) after the send starts.
+                  With `contention`, a rank's sends queue on its one link.
+    receive       waits for the matching send's arrival (k-th receive of a channel matches its
+                  k-th send)
+    U             replicas of a stage meet, then all-reduce: link.allreduce(param_bytes, r)
+
+Memory per rank: weights (`MemoryModel.weights`) + activation_bytes x the most activation
+units held at once. A forward adds one unit; a full backward frees it; an I frees all but the
+weight share, which its W frees (the weight gradient still needs the layer inputs).
+
+The same engine, with unit costs, is the validator's dry run (`graphpipe.dryrun`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from graphpipe.cost import CostModel
+from graphpipe.errors import ScheduleError
+from graphpipe.ir import Action, Plan, Schedule, Span, Stage, StageEdge, Timeline
+
+__all__ = ["SimResult", "compute_time", "simulate", "transfer_time"]
+
+WEIGHT_SHARE = 0.5  # share of a backward that is the weight gradient (zero bubble's W)
+
+
+def weight_share(stage: Stage) -> float:
+    """The share of the stage's backward (time and held activations) that belongs to W."""
+    return WEIGHT_SHARE if stage.param_bytes > 0 else 0.0
+
+
+def freed(stage: Stage, kind: str) -> float:
+    """Activation units a compute action frees (negative: a forward takes one)."""
+    share = weight_share(stage)
+    return {"F": -1.0, "B": 1.0, "I": 1.0 - share, "W": share}[kind]
+
+
+def compute_time(stage: Stage, kind: str) -> float:
+    """Seconds for one compute action of `stage` on one micro-batch."""
+    share = weight_share(stage)
+    return {
+        "F": stage.forward_time,
+        "B": stage.backward_time,
+        "I": stage.backward_time * (1 - share),
+        "W": stage.backward_time * share,
+    }[kind]
+
+
+def transfer_time(cost: CostModel, edge: StageEdge, direction: str) -> float:
+    """Seconds one micro-batch's message takes along `edge` ("F" activations, "B" gradients)."""
+    return cost.link.transfer(edge.bytes if direction == "F" else edge.grad_bytes)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulated run predicts.
+
+    Attributes:
+        iteration_time: Seconds per step() call.
+        throughput: Samples per second.
+        bubble: Per rank, the idle share of the run (1.0 for a rank without a stage).
+        peak_in_flight: Per rank, the most micro-batches in flight at once (forward done,
+            backward not finished).
+        peak_memory: Per rank, predicted peak bytes.
+        timeline: Every compute and update action's span.
+    """
+
+    iteration_time: float
+    throughput: float
+    bubble: tuple[float, ...]
+    peak_in_flight: tuple[int, ...]
+    peak_memory: tuple[int, ...]
+    timeline: Timeline
+
+
+def simulate(plan: Plan, schedule: Schedule | str, *, contention: bool = True) -> SimResult:
+    """Run `schedule` over `plan`'s costs.
+
+    Args:
+        plan: The plan whose stage times, edge bytes and link model give the costs.
+        schedule: The per-rank actions (e.g. from `graphpipe.schedule.make_schedule`), or a
+            schedule name, generated for one step() call (asynchronous ones for
+            `ASYNC_CALLS` calls, then drained).
+        contention: Queue each rank's sends on one link (else links are independent).
+
+    Returns:
+        The prediction.
+
+    Raises:
+        ScheduleError: the schedule deadlocks (see `graphpipe.dryrun` for a full check).
+    """
+    if isinstance(schedule, str):
+        schedule = steady_run(plan, schedule)
+    engine = Engine(plan, schedule, _durations(plan), _transfers(plan), contention)
+    spans = engine.run()
+    makespan = max((s.end for s in spans), default=0.0)
+    calls = max(schedule.calls, 1)
+    busy: dict[int, float] = defaultdict(float)
+    for s in spans:
+        if Action.parse(s.action).kind != "U":
+            busy[s.rank] += s.end - s.start
+    holders = {r for s in plan.stages for r in s.devices}
+    bubble = tuple(
+        1 - busy[r] / makespan if r in holders and makespan > 0 else 1.0
+        for r in range(plan.num_devices)
+    )
+    memory = tuple(_peak_memory(plan, r, engine.peak_held[r]) for r in range(plan.num_devices))
+    samples = calls * schedule.micro_batches * plan.micro_batch_size
+    return SimResult(
+        iteration_time=makespan / calls,
+        throughput=samples / makespan if makespan > 0 else float("inf"),
+        bubble=bubble,
+        peak_in_flight=tuple(engine.peak_in_flight[r] for r in range(plan.num_devices)),
+        peak_memory=memory,
+        timeline=Timeline(tuple(spans), plan.num_devices, "simulated", schedule.name),
+    )
+
+
+ASYNC_CALLS = 4  # step() calls simulated for an asynchronous schedule named by a string
+
+
+def steady_run(plan: Plan, name: str, calls: int = ASYNC_CALLS) -> Schedule:
+    """`name` over one call, or, when asynchronous, over `calls` calls and its drain."""
+    from graphpipe.schedule import ASYNC, drain_schedule, make_schedule
+
+    if name not in ASYNC:
+        return make_schedule(plan, name)
+    run, drain = make_schedule(plan, name, calls=calls), drain_schedule(plan, name, calls)
+    ranks = tuple(a + b for a, b in zip(run.ranks, drain.ranks, strict=True))
+    return Schedule(name, run.micro_batches, ranks, calls)
+
+
+def _peak_memory(plan: Plan, rank: int, held: float) -> int:
+    stage = plan.stage_on(rank)
+    if stage is None:
+        return 0
+    weights = plan.cost_model.memory.weights(stage.param_bytes)
+    return int(weights + stage.activation_bytes * held)
+
+
+def _durations(plan: Plan) -> Callable[[Action], float]:
+    def duration(a: Action) -> float:
+        stage = plan.stages[a.stage]
+        if a.kind == "U":
+            return plan.cost_model.link.allreduce(stage.param_bytes, stage.replicas)
+        return compute_time(stage, a.kind)
+
+    return duration
+
+
+def _transfers(plan: Plan) -> Callable[[Action], float]:
+    edges = {(e.src, e.dst): e for e in plan.edges}
+
+    def transfer(a: Action) -> float:
+        assert a.peer is not None
+        if a.kind == "SF":
+            return transfer_time(plan.cost_model, edges[(a.stage, a.peer)], "F")
+        return transfer_time(plan.cost_model, edges[(a.peer, a.stage)], "B")
+
+    return transfer
+
+
+def channel(a: Action) -> tuple[str, int, int, int]:
+    """The message a send or receive is about: (direction, from stage, to stage, mb)."""
+    assert a.peer is not None and a.mb is not None
+    if a.kind == "SF":
+        return ("F", a.stage, a.peer, a.mb)
+    if a.kind == "RF":
+        return ("F", a.peer, a.stage, a.mb)
+    if a.kind == "SB":
+        return ("B", a.stage, a.peer, a.mb)
+    return ("B", a.peer, a.stage, a.mb)
+
+
+class Deadlock(ScheduleError):
+    """No rank can make progress; `blocked` maps each unfinished rank to its action index."""
+
+    def __init__(self, blocked: dict[int, int]) -> None:
+        self.blocked = blocked
+        super().__init__(f"the schedule deadlocks: ranks {sorted(blocked)} wait forever")
+
+
+class Engine:
+    """Runs every rank's action list with blocking receives, buffered sends and update barriers.
+
+    Args:
+        plan: The plan (stages, replicas, edges).
+        schedule: The action lists.
+        duration: Seconds a compute or update action takes.
+        transfer: Seconds a send's message travels.
+        contention: Queue each rank's sends on its link.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        schedule: Schedule,
+        duration: Callable[[Action], float],
+        transfer: Callable[[Action], float],
+        contention: bool = True,
+    ) -> None:
+        self.plan, self.lists = plan, schedule.ranks
+        self.duration, self.transfer, self.contention = duration, transfer, contention
+        self.pc = [0] * len(self.lists)
+        self.clock = [0.0] * len(self.lists)
+        self.link_free = [0.0] * len(self.lists)
+        self.messages: dict[tuple[str, int, int, int], deque[float]] = defaultdict(deque)
+        self.updates: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+        self.update_count = [0] * len(self.lists)
+        self.in_flight = [0] * len(self.lists)
+        self.peak_in_flight = [0] * len(self.lists)
+        self.held = [0.0] * len(self.lists)
+        self.peak_held = [0.0] * len(self.lists)
+        self.spans: list[Span] = []
+
+    def run(self) -> list[Span]:
+        """Execute to the end.
+
+        Raises:
+            Deadlock: no rank can progress before all are done.
+        """
+        while True:
+            progress = False
+            for rank in range(len(self.lists)):
+                while self.pc[rank] < len(self.lists[rank]) and self._step(rank):
+                    self.pc[rank] += 1
+                    progress = True
+            unfinished = {
+                r: self.pc[r] for r in range(len(self.lists)) if self.pc[r] < len(self.lists[r])
+            }
+            if not unfinished:
+                return sorted(self.spans, key=lambda s: (s.start, s.rank))
+            if not progress:
+                raise Deadlock(unfinished)
+
+    def _step(self, rank: int) -> bool:
+        """Try the rank's next action; False when it must wait."""
+        a = self.lists[rank][self.pc[rank]]
+        if a.kind in ("SF", "SB"):
+            start = (
+                max(self.clock[rank], self.link_free[rank]) if self.contention else self.clock[rank]
+            )
+            arrive = start + self.transfer(a)
+            if self.contention:
+                self.link_free[rank] = arrive
+            self.messages[channel(a)].append(arrive)
+            return True
+        if a.kind in ("RF", "RB"):
+            queue = self.messages[channel(a)]
+            if not queue:
+                return False
+            self.clock[rank] = max(self.clock[rank], queue.popleft())
+            return True
+        if a.kind == "U":
+            return self._update(rank, a)
+        self._compute(rank, a)
+        return True
+
+    def _compute(self, rank: int, a: Action) -> None:
+        start = self.clock[rank]
+        self.clock[rank] = start + self.duration(a)
+        self.spans.append(Span(rank, str(a), start, self.clock[rank]))
+        self.held[rank] -= freed(self.plan.stages[a.stage], a.kind)
+        self.peak_held[rank] = max(self.peak_held[rank], self.held[rank])
+        if a.kind == "F":
+            self.in_flight[rank] += 1
+            self.peak_in_flight[rank] = max(self.peak_in_flight[rank], self.in_flight[rank])
+        elif a.kind in ("B", "W"):
+            self.in_flight[rank] -= 1
+
+    def _update(self, rank: int, a: Action) -> bool:
+        """Replicas of the stage meet at their n-th update, then all-reduce together."""
+        key = (a.stage, self.update_count[rank])
+        arrived = self.updates[key]
+        arrived.setdefault(rank, self.clock[rank])
+        replicas = self.plan.stages[a.stage].devices
+        if len(arrived) < len(replicas):
+            return False
+        end = max(arrived.values()) + self.duration(a)
+        self.spans.append(Span(rank, str(a), max(arrived.values()), end))
+        self.clock[rank] = end
+        self.update_count[rank] += 1
+        return True

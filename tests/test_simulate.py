@@ -1,0 +1,103 @@
+"""Simulator: hand-computable cases, graph 1F1B vs sequential 1F1B, zero bubble, timelines."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from test_schedule import chain_plan
+from zoo import TwoBranch
+
+from graphpipe.ir import Plan, Timeline
+from graphpipe.opgraph import op_graph
+from graphpipe.partition import PlanConfig, cost_model
+from graphpipe.partition.assemble import assemble
+from graphpipe.partition.manual import groups_from_pins
+from graphpipe.profile import profile
+from graphpipe.schedule import make_schedule
+from graphpipe.simulate import simulate
+from graphpipe.timeline import chrome_trace, timeline_svg
+from graphpipe.trace import trace
+
+F, B = 1e-3, 2e-3  # per stage, per micro-batch, in chain_plan
+
+
+@pytest.mark.parametrize(("stages", "m"), [(2, 1), (3, 4), (4, 8), (5, 3)])
+def test_gpipe_bubble_is_exactly_s_minus_1_over_m_plus_s_minus_1(stages: int, m: int) -> None:
+    plan = chain_plan(stages, m, latency=0.0)
+    result = simulate(plan, make_schedule(plan, "gpipe"))
+    assert result.iteration_time == pytest.approx((m + stages - 1) * (F + B))
+    for bubble in result.bubble:
+        assert bubble == pytest.approx((stages - 1) / (m + stages - 1))
+    assert result.peak_in_flight == (m,) * stages
+
+
+def test_1f1b_matches_gpipe_time_with_less_memory() -> None:
+    plan = chain_plan(4, 8, latency=0.0)
+    one_f = simulate(plan, make_schedule(plan, "1f1b"))
+    gpipe = simulate(plan, make_schedule(plan, "gpipe"))
+    assert one_f.iteration_time == pytest.approx(gpipe.iteration_time)
+    assert one_f.peak_in_flight == (4, 3, 2, 1)
+    assert all(a < b for a, b in zip(one_f.peak_memory, gpipe.peak_memory, strict=True))
+
+
+def test_latency_and_bandwidth_are_on_the_critical_path() -> None:
+    plan = chain_plan(2, 1, latency=5e-4)
+    hop = plan.cost_model.link.transfer(plan.edges[0].bytes)
+    assert hop == pytest.approx(5e-4 + 1000 / 1e12)
+    result = simulate(plan, make_schedule(plan, "1f1b"))
+    assert result.iteration_time == pytest.approx(F + hop + F + B + hop + B)
+
+
+def test_throughput_counts_samples_per_second() -> None:
+    plan = chain_plan(3, 4, latency=0.0)
+    result = simulate(plan, make_schedule(plan, "1f1b", calls=2))
+    assert result.throughput == pytest.approx(4 * plan.micro_batch_size / result.iteration_time)
+
+
+def test_zero_bubble_has_less_bubble_and_no_more_memory_than_1f1b() -> None:
+    plan = chain_plan(4, 8, latency=0.0)
+    zb = simulate(plan, make_schedule(plan, "zb"))
+    one_f = simulate(plan, make_schedule(plan, "1f1b"))
+    assert max(zb.bubble) < 0.8 * max(one_f.bubble)
+    assert zb.iteration_time < one_f.iteration_time
+    assert all(z <= o for z, o in zip(zb.peak_memory, one_f.peak_memory, strict=True))
+
+
+def _same_stages(kind: str) -> Plan:
+    """The symmetric two-branch model cut into branch a | branch b | head, as `kind`."""
+    model, x = TwoBranch(width=64, depth=3), torch.randn(8, 64)
+    gm = trace(model, x)
+    g = op_graph(gm, profile(gm, (x,), 2))
+    config = PlanConfig(devices=3, micro_batches=4)
+    groups = groups_from_pins(g, {"a": 0, "b": 1, "cat": 2, "head": 2})
+    return assemble(g, groups, cost_model(config, 2), 3, kind, "x")
+
+
+def test_graph_1f1b_keeps_fewer_micro_batches_in_flight_than_sequential_1f1b() -> None:
+    graph, sequential = _same_stages("graph"), _same_stages("sequential")
+    assert (graph.depth, sequential.depth) == (2, 3)
+    g_run = simulate(graph, make_schedule(graph, "1f1b"))
+    s_run = simulate(sequential, make_schedule(sequential, "1f1b"))
+    assert g_run.peak_in_flight[0] == 2 and s_run.peak_in_flight[0] == 3
+    assert g_run.peak_memory[0] < s_run.peak_memory[0]
+    assert max(g_run.peak_memory) < max(s_run.peak_memory)
+    assert g_run.iteration_time < s_run.iteration_time  # branches also run side by side
+
+
+def test_timeline_svg_and_chrome_trace() -> None:
+    plan = chain_plan(3, 4)
+    timeline = simulate(plan, make_schedule(plan, "zb")).timeline
+    svg = timeline_svg(timeline)
+    assert svg.startswith("<svg") and svg.count("rank ") == 3
+    assert len(re.findall(r"<title>", svg)) == len(timeline.spans)
+    assert "idle" in svg and "weight grad" in svg
+    trace_json = json.loads(json.dumps(chrome_trace(timeline)))
+    events = [e for e in trace_json["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(timeline.spans)
+    assert {e["pid"] for e in events} == {0, 1, 2}
+    first = min(events, key=lambda e: e["ts"])
+    assert first["name"] == "0F0" and first["dur"] == pytest.approx(F * 1e6)
+    assert Timeline.from_json(timeline.to_json()) == timeline
