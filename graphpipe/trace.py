@@ -112,11 +112,13 @@ def trace(
     leaf_types, leaf_paths = _split_leaves(model, leaf_modules)
     try:
         gm, method, fx_error = _fx_trace(model, leaf_types, leaf_paths), "fx", None
-    except Exception as fx_exc:
+    except Exception as fx_exc:  # any failure here means "try torch.export"
         fx_error = f"{type(fx_exc).__name__}: {fx_exc}"
         gm, method = _export_trace(model, inputs, fx_error), "export"
+    _spread_varargs(gm, len(inputs))
     _drop_dead_getitems(gm)
-    _annotate(gm, model, inputs)
+    with _untouched(model):
+        _annotate(gm, model, inputs)
     gm.meta["graphpipe"] = TraceInfo(
         method=method,
         batch_size=inputs[0].shape[0],
@@ -261,6 +263,57 @@ def _export_module_path(node: fx.Node) -> str:
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "no message"
+
+
+def _spread_varargs(gm: fx.GraphModule, count: int) -> None:
+    """Give `forward(self, *inputs)` one placeholder per example input.
+
+    fx traces `*inputs` as one tuple placeholder read through `inputs[i]`. Each input then
+    becomes a placeholder of its own (`inputs_0`, ...), so every input is one tensor with
+    dim 0 the batch, as the runtime needs; the module is still called as gm(*inputs).
+
+    Raises:
+        TraceError: the tuple is used other than by indexing with a constant.
+    """
+    star = next(
+        (n for n in gm.graph.nodes if n.op == "placeholder" and str(n.target).startswith("*")),
+        None,
+    )
+    if star is None:
+        return
+    fixed = sum(1 for n in gm.graph.nodes if n.op == "placeholder") - 1
+    bad = [
+        u.name
+        for u in star.users
+        if u.target is not operator.getitem or not isinstance(u.args[1], int)
+    ]
+    if bad:
+        raise TraceError(f"forward(*{star.name}) is used by {bad}, not only as inputs[i]")
+    base = str(star.target).lstrip("*")
+    with gm.graph.inserting_before(star):
+        spread = [gm.graph.placeholder(f"{base}_{i}") for i in range(count - fixed)]
+    for new in spread:
+        new.meta["gp_module"] = ""
+    for user in list(star.users):
+        user.replace_all_uses_with(spread[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(star)
+    gm.graph.lint()
+    gm.recompile()
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module) -> Iterator[None]:
+    """Run the example pass without side effects: buffers (BatchNorm statistics) and the
+    random number generator are restored afterwards."""
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(saved[name])
 
 
 def _drop_dead_getitems(gm: fx.GraphModule) -> None:

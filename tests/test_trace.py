@@ -138,3 +138,37 @@ def test_untraceable_model_quotes_both_reasons() -> None:
 def test_bad_example_inputs(bad: object) -> None:
     with pytest.raises(ConfigError):
         trace(nn.Linear(2, 2), bad)  # type: ignore[arg-type]
+
+
+class Towers(nn.Module):
+    """forward(*inputs): one tower per input, as in CANDLE-Uno."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.towers = nn.ModuleList(nn.Linear(3, 2) for _ in range(3))
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return sum(t(inputs[i]) for i, t in enumerate(self.towers))  # type: ignore[return-value]
+
+
+def test_varargs_forward_gets_one_placeholder_per_input() -> None:
+    model, inputs = Towers(), tuple(torch.randn(4, 3) for _ in range(3))
+    gm = trace(model, inputs)
+    assert trace_info(gm).input_names == ("inputs_0", "inputs_1", "inputs_2")
+    assert all(
+        n.meta["gp_outputs"] == TensorSpec((4, 3), "torch.float32")
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+    )
+    torch.testing.assert_close(gm(*inputs), model(*inputs))
+
+
+def test_tracing_leaves_buffers_and_random_state_alone() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Dropout(0.5))
+    x = torch.randn(6, 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    trace(model, x)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), rng)
