@@ -61,6 +61,7 @@ class PlanConfig:
     optimizer_slots: int = 2  # optimizer state tensors per parameter (Adam 2)
     link: LinkModel = field(default_factory=LinkModel)  # bandwidth and latency between devices
     replication: bool = True  # allow data-parallel stages (replicas > 1)
+    objective: str = "pipeline"  # "pipeline": least (M+depth-1)*bottleneck; "bottleneck": least
     pins: Mapping[str, int] | None = None  # manual: op name or module path -> stage
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # how op times are obtained
     leaf_modules: Sequence[LeafSpec] = ()  # module types/paths traced as single nodes
@@ -73,6 +74,10 @@ class PlanConfig:
         if self.partitioner not in PARTITIONERS:
             raise ConfigError(
                 f"partitioner must be one of {PARTITIONERS}, got {self.partitioner!r}"
+            )
+        if self.objective not in ("pipeline", "bottleneck"):
+            raise ConfigError(
+                f"objective must be 'pipeline' or 'bottleneck', got {self.objective!r}"
             )
         if self.partitioner == "manual" and not self.pins:
             raise ConfigError("partitioner='manual' needs pins: {module path or op: stage}")
@@ -208,7 +213,15 @@ def _searched(g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, dig
     units.graph["tensor_bytes"] = {n: g.nodes[n]["act"] for n in g}
     tree = decompose(units) if kind == "graph" else linearise(units)
     limit = config.devices if config.replication else 1
-    result = search(units, tree, cost, config.devices, max_replicas=limit)
+    result = search(
+        units,
+        tree,
+        cost,
+        config.devices,
+        max_replicas=limit,
+        objective=config.objective,
+        chain=kind == "sequential",
+    )
     groups = [(frozenset(n for u in p.units for n in u), p.replicas) for p in result.pieces]
     info = {
         "units": units.number_of_nodes(),
@@ -228,6 +241,14 @@ def _searched(g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, dig
     )
 
 
+def score(plan: Plan, objective: str) -> tuple[float, int]:
+    """What the partitioners minimise: the flushed-pipeline step estimate (M + depth - 1) x
+    bottleneck for "pipeline", the bottleneck for "bottleneck"; then the depth."""
+    if objective == "pipeline":
+        return (plan.micro_batches + plan.depth - 1) * plan.bottleneck, plan.depth
+    return plan.bottleneck, plan.depth
+
+
 def _best_of_graph_and_sequential(
     g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str
 ) -> Plan:
@@ -240,10 +261,11 @@ def _best_of_graph_and_sequential(
             info={**graph_plan.info, "chosen": "graph", "sequential": f"infeasible: {exc}"},
         )
     total_time = graph_plan.search_time + seq_plan.search_time
-    if seq_plan.bottleneck < graph_plan.bottleneck:
+    if score(seq_plan, config.objective) < score(graph_plan, config.objective):
         note = (
-            f"the sequential plan ({seq_plan.bottleneck:.4g} s) beat the series-parallel "
-            f"search ({graph_plan.bottleneck:.4g} s) and is kept"
+            f"the sequential plan scores {score(seq_plan, config.objective)[0]:.4g} s, the "
+            f"series-parallel search {score(graph_plan, config.objective)[0]:.4g} s; "
+            "the sequential one is kept"
         )
         return replace(
             seq_plan,
@@ -254,5 +276,10 @@ def _best_of_graph_and_sequential(
     return replace(
         graph_plan,
         search_time=total_time,
-        info={**graph_plan.info, "chosen": "graph", "sequential_bottleneck": seq_plan.bottleneck},
+        info={
+            **graph_plan.info,
+            "chosen": "graph",
+            "sequential_bottleneck": seq_plan.bottleneck,
+            "sequential_depth": seq_plan.depth,
+        },
     )

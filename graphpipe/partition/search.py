@@ -24,9 +24,16 @@ fewest replicas that let piece P meet tau and memory with i in flight.
                 r(positions p..q-1, y + 1) + G(q, y)          (one stage, any q > p)
                 F(child, y, x) + G(q, y)                      (a child starting at p and
                                                                ending before q, recursively)
+                Fpre(child, y + 1, x) + r(cheap + p'..q-1, y + 1) + G(q, y)
+                                                              (a parallel child ending at p'
+                                                               whose cheapest branches join
+                                                               the stage that follows it)
               and the cut before q must transfer within tau. Cutting anywhere in the order is
               what a sequential pipeline does; recursing into a child is what keeps parallel
-              branches apart. So every sequential plan is in the search space.
+              branches apart. So every sequential plan is in the search space. The third
+              option lets N branches share N devices with the work after them (the cheapest
+              branches take the tail), which a series-parallel tree alone cannot express;
+              Fpre is F over the parallel child's branches but its a cheapest.
     parallel: children sorted by time, split into contiguous groups; a group of one child
               costs F(child, k, d), a larger group is one stage costing r(group, k + 1);
               F is the least sum over the splits.
@@ -40,7 +47,10 @@ F(node, 0, d - k) and one table per node suffices.
 The outer loop binary-searches tau over the sorted candidate values (every stage time of every
 piece and replica count, and every cut time, at least the perfect-balance bound): the optimum
 is one of them, so the result is exact for this cost model. At the smallest feasible tau it
-keeps the smallest d with F(root, 0, d) <= N.
+keeps the smallest d with F(root, 0, d) <= N: GraphPipe's objective ("bottleneck"). The
+default objective, "pipeline", then probes larger taus, where a shallower stage graph may
+fit, and keeps the least (M + d - 1) * tau: the step time of a flushed pipeline, whose fill
+and drain grow with the depth.
 
 Complexity per tau: O(sum over series nodes of n^2 D + L D^2, plus sum over parallel nodes of
 L^2 D), times D with a memory budget; n is a series node's unit count and L a node's child
@@ -99,7 +109,13 @@ class _Stats(NamedTuple):
 
 
 def search(
-    g: nx.DiGraph, tree: SPNode, cost: CostModel, devices: int, max_replicas: int | None = None
+    g: nx.DiGraph,
+    tree: SPNode,
+    cost: CostModel,
+    devices: int,
+    max_replicas: int | None = None,
+    objective: str = "pipeline",
+    chain: bool = False,
 ) -> SearchResult:
     """Find the stage graph with the smallest bottleneck, then the fewest in-flight micro-batches.
 
@@ -112,6 +128,11 @@ def search(
         devices: N, the devices available.
         max_replicas: The most replicas one stage may have (default N; 1 forbids
             data-parallel stages).
+        objective: "bottleneck" (GraphPipe): the least tau, then the fewest micro-batches in
+            flight. "pipeline": the least (M + depth - 1) * tau, the step time of a flushed
+            pipeline, trading a slower bottleneck for a shallower graph where that pays.
+        chain: The stages will form a chain (the sequential baseline), so a plan's depth is
+            its number of stages.
 
     Returns:
         The optimal `SearchResult` for this tree and cost model.
@@ -119,7 +140,7 @@ def search(
     Raises:
         PlanError: no stage graph fits the memory budget, even with every device in use.
     """
-    return _Search(g, tree, cost, devices, max_replicas or devices).run()
+    return _Search(g, tree, cost, devices, max_replicas or devices, chain).run(objective)
 
 
 @dataclass
@@ -135,9 +156,16 @@ class _SeriesInfo:
 
 class _Search:
     def __init__(
-        self, g: nx.DiGraph, tree: SPNode, cost: CostModel, devices: int, max_replicas: int
+        self,
+        g: nx.DiGraph,
+        tree: SPNode,
+        cost: CostModel,
+        devices: int,
+        max_replicas: int,
+        chain: bool,
     ) -> None:
-        self.g, self.cost, self.n = g, cost, devices
+        self.g, self.cost, self.n, self.chain = g, cost, devices, chain
+        self.iterations = 0
         self.tree = tree if isinstance(tree, Series) else Series((tree,))
         self.max_replicas = min(max_replicas, devices)
         self.depth_bound = devices
@@ -196,7 +224,26 @@ class _Search:
                 spots = sorted(at[u] for u in units_of(child))
                 assert spots == list(range(spots[0], spots[-1] + 1)), "child not contiguous"
                 children[spots[0]] = (child, spots[-1] + 1)
+        for p, (child, q) in children.items():
+            if isinstance(child, Parallel):
+                kids = self.sorted_children[id(child)]
+                for a in range(1, len(kids)):  # the a cheapest branches join the next stage
+                    cheapest = [u for kid in kids[len(kids) - a :] for u in units_of(kid)]
+                    for q2 in range(q + 1, len(positions) + 1):
+                        units = cheapest + positions[q:q2]
+                        stats = self._unit_stats(units)
+                        self.pieces[("absorb", id(node), p, a, q2)] = (stats, tuple(units))
         self.series[id(node)] = _SeriesInfo(tuple(positions), children, self._cuts(at))
+
+    def _unit_stats(self, units: list[Unit]) -> _Stats:
+        params: set[str] = set()
+        time = act = 0.0
+        for u in units:
+            data = self.g.nodes[u]
+            time += data["forward"] + data["backward"]
+            act += data["act"]
+            params |= data["params"]
+        return _Stats(time, act, sum(self.g.graph["param_bytes"].get(p, 0) for p in params))
 
     def _time(self, units: list[Unit]) -> float:
         return sum(self.g.nodes[u]["forward"] + self.g.nodes[u]["backward"] for u in units)
@@ -282,6 +329,7 @@ class _Search:
                 q: (INF, None) for q in self._reachable(node, p, n) if cut_ok[q]
             }
             child, end = info.children.get(p, (None, 0))
+            absorb = self._absorb_ends(node, p, child, end, cut_ok)
             for x in range(top + 1):
                 best, pick = INF, None
                 if child is not None and cut_ok[end]:
@@ -289,6 +337,15 @@ class _Search:
                         c = self.f(child, y, x) + g_tab[end][y]
                         if c < best:
                             best, pick = c, ("child", end, y)
+                    for a, q2 in absorb:
+                        for y in range(k, x - 1):
+                            c = (
+                                self._prefix(child, y + 1, x, len(child.children) - a)
+                                + self.replicas(("absorb", id(node), p, a, q2), y + 1)
+                                + g_tab[q2][y]
+                            )
+                            if c < best:
+                                best, pick = c, ("absorb", q2, y, a)
                 y = x - 1
                 for q, (held, held_pick) in merged.items():
                     if y >= k:
@@ -301,6 +358,22 @@ class _Search:
                 g_tab[p][x], choice[p][x] = best, pick
         return g_tab[0], choice
 
+    def _absorb_ends(
+        self, node: Series, p: int, child: SPNode | None, end: int, cut_ok: list[bool]
+    ) -> list[tuple[int, int]]:
+        """(a, q2): merge a parallel child's a cheapest branches with positions end..q2-1."""
+        if not isinstance(child, Parallel):
+            return []
+        options = []
+        for a in range(1, len(child.children)):
+            for q2 in range(end + 1, len(cut_ok)):
+                stats = self.pieces[("absorb", id(node), p, a, q2)][0]
+                if stats.time / self.max_replicas > self.tau * (1 + 1e-12):
+                    break
+                if cut_ok[q2]:
+                    options.append((a, q2))
+        return options
+
     def _reachable(self, node: Series, p: int, n: int) -> list[int]:
         """Ends q of the ranges p..q-1 whose compute could meet tau on the most replicas."""
         ends = []
@@ -312,24 +385,37 @@ class _Search:
         return ends
 
     def _parallel_table(self, node: Parallel, k: int) -> tuple[list[float], Any]:
+        """Per d: fewest devices for the sorted children, and for every prefix of them.
+
+        h[e] covers children 0..e-1; the last group of that cover starts at start[e].
+        """
         kids = self.sorted_children[id(node)]
         size, top = len(kids), self.depth_bound
         table: list[float] = [INF] * (top + 1)
-        choices: list[list[int] | None] = [None] * (top + 1)
+        choices: list[tuple[list[float], list[int]]] = []
         for d in range(top + 1):
-            h, split = [INF] * size + [0.0], [0] * size
-            for j in reversed(range(size)):
-                for e in range(j, size):
-                    if e == j:
+            h, start = [0.0] + [INF] * size, [0] * (size + 1)
+            for e in range(1, size + 1):
+                for j in range(e):
+                    if e - j == 1:
                         c = self.f(kids[j], k, d)
                     elif d >= k + 1:
-                        c = self.replicas(("group", id(node), j, e), k + 1)
+                        c = self.replicas(("group", id(node), j, e - 1), k + 1)
                     else:
                         c = INF
-                    if c + h[e + 1] < h[j]:
-                        h[j], split[j] = c + h[e + 1], e
-            table[d], choices[d] = h[0], split
+                    if h[j] + c < h[e]:
+                        h[e], start[e] = h[j] + c, j
+            table[d] = h[size]
+            choices.append((h, start))
         return table, choices
+
+    def _prefix(self, node: Parallel, k: int, d: int, count: int) -> float:
+        """Fewest devices for the `count` most expensive children of `node` (as F does)."""
+        if not self.budgeted:
+            k, d = 0, d - k
+        if d <= k:
+            return INF
+        return self._table(node, k)[1][min(d, self.depth_bound)][0][count]
 
     # -- reconstruction -------------------------------------------------------------------
 
@@ -340,10 +426,9 @@ class _Search:
         d = min(d, self.depth_bound)
         if isinstance(node, Leaf):
             return [self._piece(("leaf", id(node), 0, 0), k + 1)]
-        _, choice = self._table(node, k)
         if isinstance(node, Parallel):
-            return self._build_parallel(node, k, d, choice[d])
-        return self._build_series(node, d, choice)
+            return self._build_parallel(node, k, d, len(node.children))
+        return self._build_series(node, d, self._table(node, k)[1])
 
     def _piece(self, key: Key, in_flight: int) -> Piece:
         return Piece(self.pieces[key][1], int(self.replicas(key, in_flight)))
@@ -353,54 +438,106 @@ class _Search:
         pieces: list[Piece] = []
         p, x = 0, d
         while p < len(info.positions):
-            kind, q, y = choice[p][x]
+            kind, q, y, *absorbed = choice[p][x]
+            child = info.children[p][0] if kind != "merge" else None
             if kind == "child":
                 pieces += self.build(info.children[p][0], y, x)
+            elif isinstance(child, Parallel):  # the dearer branches, then the merged stage
+                a = absorbed[0]
+                pieces += self._build_prefix(child, y + 1, x, len(child.children) - a)
+                pieces.append(self._piece(("absorb", id(node), p, a, q), y + 1))
             else:
                 pieces.append(self._piece(("range", id(node), p, q - 1), y + 1))
             p, x = q, y
         return pieces
 
-    def _build_parallel(self, node: Parallel, k: int, d: int, split: list[int]) -> list[Piece]:
+    def _build_parallel(self, node: Parallel, k: int, d: int, count: int) -> list[Piece]:
+        """The pieces covering the `count` most expensive children of `node` (k, d normalised)."""
         kids = self.sorted_children[id(node)]
+        _, start = self._table(node, k)[1][d]
         pieces: list[Piece] = []
-        j = 0
-        while j < len(kids):
-            e = split[j]
-            if e == j:
+        e = count
+        while e > 0:
+            j = start[e]
+            if e - j == 1:
                 pieces += self.build(kids[j], k, d)
             else:
-                pieces.append(self._piece(("group", id(node), j, e), k + 1))
-            j = e + 1
+                pieces.append(self._piece(("group", id(node), j, e - 1), k + 1))
+            e = j
         return pieces
+
+    def _build_prefix(self, node: Parallel, k: int, d: int, count: int) -> list[Piece]:
+        if not self.budgeted:
+            k, d = 0, d - k
+        return self._build_parallel(node, k, min(d, self.depth_bound), count)
 
     # -- the outer loop -------------------------------------------------------------------
 
     def feasible(self, tau: float) -> int | None:
         """The smallest source in-flight d with F(root, 0, d) <= N at `tau`, or None."""
         self.tau, self.memo, self.r_cache = tau, {}, {}
+        self.iterations += 1
         for d in range(1, self.depth_bound + 1):
             if self.f(self.tree, 0, d) <= self.n:
                 return d
         return None
 
-    def run(self) -> SearchResult:
+    def _pipeline_time(self, tau: float, pieces: list[Piece]) -> float:
+        """A flushed pipeline's step: (M + depth - 1) micro-batch slots of tau, with the depth
+        of the stage graph the pieces really form (merged ranges may run side by side)."""
+        return (self.cost.micro_batches + self._depth(pieces) - 1) * tau
+
+    def _depth(self, pieces: list[Piece]) -> int:
+        if self.chain:
+            return len(pieces)
+        stage_of = {u: i for i, p in enumerate(pieces) for u in p.units}
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(pieces)))
+        g.add_edges_from(
+            (stage_of[a], stage_of[b]) for a, b in self.g.edges if stage_of[a] != stage_of[b]
+        )
+        return nx.dag_longest_path_length(g) + 1
+
+    def run(self, objective: str = "pipeline", probes: int = 16) -> SearchResult:
+        """Search; "bottleneck" minimises tau (then depth), "pipeline" the step estimate."""
+        self.iterations = 0
         values = self.candidates()
-        iterations = 1
         if not values or self.feasible(values[-1]) is None:
             raise PlanError(_infeasible_message(self))
         lo, hi = 0, len(values) - 1
         while lo < hi:
             mid = (lo + hi) // 2
-            iterations += 1
             if self.feasible(values[mid]) is not None:
                 hi = mid
             else:
                 lo = mid + 1
-        d = self.feasible(values[lo])
-        assert d is not None  # values[lo] was found feasible
-        pieces = self.build(self.tree, 0, d)
-        return SearchResult(tuple(pieces), values[lo], d, len(values), iterations + 1)
+        tau, d, pieces = self._solution(values[lo])
+        if objective == "pipeline":
+            tau, d, pieces = self._trade_bottleneck_for_depth(values, lo, (tau, d, pieces), probes)
+        return SearchResult(tuple(pieces), tau, d, len(values), self.iterations)
+
+    def _solution(self, tau: float) -> tuple[float, int, list[Piece]]:
+        d = self.feasible(tau)
+        assert d is not None  # only called on feasible taus
+        return tau, d, self.build(self.tree, 0, d)
+
+    def _trade_bottleneck_for_depth(
+        self, values: list[float], first: int, best: tuple[float, int, list[Piece]], probes: int
+    ) -> tuple[float, int, list[Piece]]:
+        """Probe larger taus, where shallower plans fit; keep the least (M + depth - 1) tau.
+
+        No tau beyond step(best) / M can win: even a one-stage pipeline takes M slots.
+        """
+        score = self._pipeline_time(best[0], best[2])
+        ceiling = score / self.cost.micro_batches
+        top = next((i for i in range(first, len(values)) if values[i] > ceiling), len(values))
+        step = max(1, (top - 1 - first) // probes)
+        for i in range(first + step, top, step):
+            candidate = self._solution(values[i])
+            candidate_score = self._pipeline_time(candidate[0], candidate[2])
+            if candidate_score < score:
+                best, score = candidate, candidate_score
+        return best
 
 
 def _infeasible_message(s: _Search) -> str:
