@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import networkx as nx
 
@@ -226,9 +226,9 @@ class _Search:
                 children[spots[0]] = (child, spots[-1] + 1)
         for p, (child, q) in children.items():
             if isinstance(child, Parallel):
-                kids = self.sorted_children[id(child)]
-                for a in range(1, len(kids)):  # the a cheapest branches join the next stage
-                    cheapest = [u for kid in kids[len(kids) - a :] for u in units_of(kid)]
+                ordered = self.sorted_children[id(child)]
+                for a in range(1, len(ordered)):  # the a cheapest branches join the next stage
+                    cheapest = [u for kid in ordered[len(ordered) - a :] for u in units_of(kid)]
                     for q2 in range(q + 1, len(positions) + 1):
                         units = cheapest + positions[q:q2]
                         stats = self._unit_stats(units)
@@ -331,13 +331,13 @@ class _Search:
             child, end = info.children.get(p, (None, 0))
             absorb = self._absorb_ends(node, p, child, end, cut_ok)
             for x in range(top + 1):
-                best, pick = INF, None
+                best, pick = INF, cast(Any, None)
                 if child is not None and cut_ok[end]:
                     for y in range(k, x):
                         c = self.f(child, y, x) + g_tab[end][y]
                         if c < best:
                             best, pick = c, ("child", end, y)
-                    for a, q2 in absorb:
+                    for a, q2 in absorb if isinstance(child, Parallel) else ():
                         for y in range(k, x - 1):
                             c = (
                                 self._prefix(child, y + 1, x, len(child.children) - a)
