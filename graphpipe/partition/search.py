@@ -330,6 +330,7 @@ class _Search:
             }
             child, end = info.children.get(p, (None, 0))
             absorb = self._absorb_ends(node, p, child, end, cut_ok)
+            parallel = child if isinstance(child, Parallel) else None
             for x in range(top + 1):
                 best, pick = INF, cast(Any, None)
                 if child is not None and cut_ok[end]:
@@ -337,15 +338,10 @@ class _Search:
                         c = self.f(child, y, x) + g_tab[end][y]
                         if c < best:
                             best, pick = c, ("child", end, y)
-                    for a, q2 in absorb if isinstance(child, Parallel) else ():
-                        for y in range(k, x - 1):
-                            c = (
-                                self._prefix(child, y + 1, x, len(child.children) - a)
-                                + self.replicas(("absorb", id(node), p, a, q2), y + 1)
-                                + g_tab[q2][y]
-                            )
-                            if c < best:
-                                best, pick = c, ("absorb", q2, y, a)
+                    if parallel is not None:
+                        c, absorbed = self._absorbing(node, parallel, p, absorb, k, x, g_tab)
+                        if c < best:
+                            best, pick = c, absorbed
                 y = x - 1
                 for q, (held, held_pick) in merged.items():
                     if y >= k:
@@ -357,6 +353,29 @@ class _Search:
                         best, pick = held, held_pick
                 g_tab[p][x], choice[p][x] = best, pick
         return g_tab[0], choice
+
+    def _absorbing(
+        self,
+        node: Series,
+        parallel: Parallel,
+        p: int,
+        options: list[tuple[int, int]],
+        k: int,
+        x: int,
+        g_tab: list[list[float]],
+    ) -> tuple[float, Any]:
+        """The best way for the parallel child at p to hand branches to the next stage."""
+        best, pick = INF, cast(Any, None)
+        for a, q2 in options:
+            for y in range(k, x - 1):
+                c = (
+                    self._prefix(parallel, y + 1, x, len(parallel.children) - a)
+                    + self.replicas(("absorb", id(node), p, a, q2), y + 1)
+                    + g_tab[q2][y]
+                )
+                if c < best:
+                    best, pick = c, ("absorb", q2, y, a)
+        return best, pick
 
     def _absorb_ends(
         self, node: Series, p: int, child: SPNode | None, end: int, cut_ok: list[bool]
