@@ -78,7 +78,7 @@ def rows(models: Sequence[str], devices: Sequence[int]) -> list[list[str]]:
                     f"{g_name} / {s_name}",
                     f"{g.devices_used()} / {s.devices_used()}",
                     f"{_worst_bubble(g, g_run):.0%} / {_worst_bubble(s, s_run):.0%}",
-                    f"{format_bytes(max(g_run.peak_memory))} / {format_bytes(max(s_run.peak_memory))}",
+                    " / ".join(format_bytes(max(r.peak_memory)) for r in (g_run, s_run)),
                 ]
             )
     return table
