@@ -22,6 +22,7 @@ Generators:
             update (`sUj`). `drain` ends the run with the backwards still in flight.
     2bw     like async, with one update after the last backward of every mini-batch
             (PipeDream-2BW); needs M >= depth.
+    forward every forward, no backward and no update: inference.
 
 Communication is inserted around compute: before F(j) a receive from every in-edge and after
 it a send on every out-edge; before B/I(j) a receive of gradients from every out-edge that
@@ -98,6 +99,8 @@ def _per_stage_orders(plan: Plan, name: str, call: int, m: int) -> dict[int, Ord
     if name in ASYNC:
         every = 1 if name == "async" else m
         return _async_slice(plan, list(range(call * m, (call + 1) * m)), every)
+    if name == "forward":
+        return {s.index: [("F", j) for j in range(m)] for s in plan.stages}
     builders: dict[str, Callable[[Plan, list[int]], dict[int, Order]]] = {
         "gpipe": _gpipe,
         "1f1b": _flush_1f1b,
@@ -109,7 +112,7 @@ def _per_stage_orders(plan: Plan, name: str, call: int, m: int) -> dict[int, Ord
 
 def _check(plan: Plan, name: str, m: int) -> str:
     name = ALIASES.get(name, name)
-    if name not in SCHEDULES:
+    if name not in (*SCHEDULES, "forward"):
         raise ConfigError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}")
     if m < 1:
         raise ConfigError(f"micro_batches must be >= 1, got {m}")

@@ -1,0 +1,150 @@
+"""Communication: one message per stage edge and micro-batch, with timeouts that name the peer.
+
+A message packs every tensor an edge carries for one micro-batch (activations forward,
+gradients backward) into one byte buffer, each tensor 8-byte aligned, and travels as one
+`isend`/`irecv` (through `batch_isend_irecv`). The receiver knows the shapes and dtypes in
+advance (`stage.micro_shapes`), so it allocates the buffer before the data arrives. An edge
+that carries nothing (a sequential chain's dependency) sends a one-byte token.
+
+Tags keep channels apart on transports that match by tag (gloo): bits 20 and up name the edge
+and direction, the low 20 bits the micro-batch. Every channel is used in the same order on
+both ends (the schedule validator checks it), which is what NCCL needs.
+
+Every wait has a timeout. A timeout, or a peer that closed its connection (it died), raises
+`PipelineError` naming this rank, the peer rank and the schedule action.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from graphpipe.errors import PipelineError
+
+__all__ = ["Spec", "Transport", "pack", "tag_for", "unpack"]
+
+Spec = tuple[tuple[int, ...], torch.dtype]  # shape, dtype
+ALIGN = 8
+
+
+def tag_for(edge: int, backward: bool, mb: int) -> int:
+    """The tag of micro-batch `mb`'s message on edge number `edge`."""
+    return ((edge * 2 + int(backward)) << 20) | (mb & 0xFFFFF)
+
+
+def _nbytes(spec: Spec) -> int:
+    shape, dtype = spec
+    count = 1
+    for d in shape:
+        count *= d
+    return count * torch.empty((), dtype=dtype).element_size()
+
+
+def _offsets(specs: Sequence[Spec]) -> tuple[list[int], int]:
+    offsets, at = [], 0
+    for spec in specs:
+        offsets.append(at)
+        at += -(-_nbytes(spec) // ALIGN) * ALIGN
+    return offsets, max(at, 1)
+
+
+def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors' bytes in one aligned uint8 buffer (one byte for no tensors)."""
+    specs = [(tuple(t.shape), t.dtype) for t in tensors]
+    offsets, total = _offsets(specs)
+    buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+    for t, at in zip(tensors, offsets, strict=True):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[at : at + raw.numel()] = raw
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
+    """Inverse of `pack`, given the shapes and dtypes."""
+    offsets, _ = _offsets(specs)
+    out = []
+    for (shape, dtype), at in zip(specs, offsets, strict=True):
+        size = _nbytes((shape, dtype))
+        out.append(buffer[at : at + size].view(dtype).reshape(shape).clone())
+    return out
+
+
+def empty_like_packed(specs: Sequence[Spec], device: torch.device) -> torch.Tensor:
+    """A receive buffer for a message of `specs`."""
+    return torch.empty(_offsets(specs)[1], dtype=torch.uint8, device=device)
+
+
+@dataclass
+class Pending:
+    """A posted receive: its buffer, work handle and what it is for."""
+
+    buffer: torch.Tensor
+    work: dist.Work
+    specs: list[Spec]
+    peer: int
+    what: str
+
+
+class Transport:
+    """Point-to-point messages of one rank, with a timeout on every wait.
+
+    Args:
+        rank: This rank.
+        timeout: Seconds any wait may take.
+        device: Where buffers live.
+    """
+
+    def __init__(self, rank: int, timeout: float, device: torch.device) -> None:
+        self.rank, self.timeout, self.device = rank, timeout, device
+        self._sends: list[tuple[dist.Work, int, str, torch.Tensor]] = []
+
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, what: str) -> None:
+        """Post the message; it completes in the background (see `finish_sends`)."""
+        buffer = pack(tensors, self.device)
+        op = dist.P2POp(dist.isend, buffer, peer, tag=tag)
+        for work in self._posted([op], peer, what):
+            self._sends.append((work, peer, what, buffer))
+
+    def recv(self, specs: Sequence[Spec], peer: int, tag: int, what: str) -> Pending:
+        """Post a receive; `wait` returns its tensors."""
+        buffer = empty_like_packed(specs, self.device)
+        op = dist.P2POp(dist.irecv, buffer, peer, tag=tag)
+        (work,) = self._posted([op], peer, what)
+        return Pending(buffer, work, list(specs), peer, what)
+
+    def wait(self, pending: Pending) -> list[torch.Tensor]:
+        """The received tensors, once they arrive."""
+        self._wait(pending.work, pending.peer, pending.what)
+        return unpack(pending.buffer, pending.specs)
+
+    def finish_sends(self) -> None:
+        """Wait for every posted send (they hold their buffers until then)."""
+        sends, self._sends = self._sends, []
+        for work, peer, what, _ in sends:
+            self._wait(work, peer, what)
+
+    def _posted(self, ops: list[dist.P2POp], peer: int, what: str) -> list[dist.Work]:
+        try:
+            return list(dist.batch_isend_irecv(ops))
+        except RuntimeError as exc:
+            raise self._error(peer, what, exc) from exc
+
+    def _wait(self, work: dist.Work, peer: int, what: str) -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise self._error(peer, what, exc) from exc
+
+    def _error(self, peer: int, what: str, exc: Exception) -> PipelineError:
+        text = str(exc)
+        if "closed" in text.lower() or "reset" in text.lower():
+            cause = f"rank {peer} closed its connection: it has probably died"
+        elif "timed out" in text.lower() or "timeout" in text.lower():
+            cause = f"rank {peer} did not answer within {self.timeout:g} s"
+        else:
+            cause = f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"
+        return PipelineError(f"rank {self.rank}, action {what}, peer rank {peer}: {cause}")

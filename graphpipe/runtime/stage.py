@@ -1,0 +1,148 @@
+"""Stage modules: each stage's slice of the traced graph as an fx.GraphModule of its own.
+
+    module, io = build_stage(gm, plan, s)
+    outputs = module(*[inputs[name] for name in io.inputs])   # {value name: tensor, ...}
+
+A stage module's placeholders are the model inputs its ops read (under their placeholder
+names) followed by the values it receives from other stages (under the names of the fx nodes
+that make them). It returns a dict: every value another stage needs, by node name, and, on the
+stage holding the model's output node, the model output under `OUTPUT`. Its parameters keep
+their names in the original model, so state dicts map one to one; `get_attr` nodes are copied
+into every stage that reads them (tied weights are then held by several stages).
+
+`micro_shapes` gives every value's shape and dtype for one micro-batch, from a fake-tensor run
+(no memory, no compute), so receivers can allocate their buffers before anything arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from graphpipe.errors import PlanError
+from graphpipe.ir import Plan
+from graphpipe.profile import resize_batch
+
+__all__ = ["OUTPUT", "StageIO", "build_stage", "micro_shapes", "model_output"]
+
+OUTPUT = "__output__"
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """What a stage module reads and returns."""
+
+    model_inputs: tuple[str, ...]  # placeholder names of the model inputs it reads
+    received: tuple[str, ...]  # values it receives, by producing node name
+    sent: tuple[str, ...]  # values other stages need from it
+    has_output: bool  # it holds the model's output node: the loss is computed here
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The stage module's positional arguments, by name."""
+        return self.model_inputs + self.received
+
+
+def build_stage(gm: fx.GraphModule, plan: Plan, index: int) -> tuple[fx.GraphModule, StageIO]:
+    """Carve stage `index` of `plan` out of `gm`.
+
+    Args:
+        gm: The traced graph the plan was made for.
+        plan: The plan.
+        index: The stage.
+
+    Returns:
+        The stage module (sharing parameters with `gm`) and its inputs and outputs.
+
+    Raises:
+        PlanError: the plan names ops that are not in `gm`.
+    """
+    nodes = {n.name: n for n in gm.graph.nodes}
+    mine = set(plan.stages[index].nodes)
+    unknown = sorted(mine - set(nodes))
+    if unknown:
+        raise PlanError(f"stage {index} names ops {unknown} that the traced graph does not have")
+    sent = sorted(
+        {t for e in plan.edges if e.src == index for t in e.tensors}, key=list(nodes).index
+    )
+    graph, env = fx.Graph(), dict[str, fx.Node]()
+    model_inputs, received, output = _placeholders(gm, mine, graph, env)
+    for node in gm.graph.nodes:
+        if node.name in mine and node.op != "output":
+            _copy_inputs(node, graph, env)
+            env[node.name] = graph.node_copy(node, lambda a: env[a.name])
+    results: dict[str, Any] = {name: env[name] for name in sent}
+    if output is not None:
+        results[OUTPUT] = fx.node.map_arg(output.args[0], lambda a: env[a.name])
+    graph.output(results)
+    graph.lint()
+    module = fx.GraphModule(gm, graph, f"Stage{index}")
+    io = StageIO(tuple(model_inputs), tuple(received), tuple(sent), output is not None)
+    return module, io
+
+
+def _placeholders(
+    gm: fx.GraphModule, mine: set[str], graph: fx.Graph, env: dict[str, fx.Node]
+) -> tuple[list[str], list[str], fx.Node | None]:
+    """Placeholders for the model inputs read and the values received; the output node."""
+    model_inputs: list[str] = []
+    received: list[str] = []
+    output = None
+    for node in gm.graph.nodes:  # graph order, so both lists come out in graph order
+        if node.name not in mine:
+            continue
+        output = node if node.op == "output" else output
+        for src in node.all_input_nodes:
+            if src.op == "placeholder":
+                if src.name not in model_inputs:
+                    model_inputs.append(src.name)
+            elif src.op != "get_attr" and src.name not in mine and src.name not in received:
+                received.append(src.name)
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    model_inputs.sort(key=order.__getitem__)
+    received.sort(key=order.__getitem__)
+    for name in model_inputs + received:
+        env[name] = graph.placeholder(name)
+    return model_inputs, received, output
+
+
+def _copy_inputs(node: fx.Node, graph: fx.Graph, env: dict[str, fx.Node]) -> None:
+    """Copy the get_attr nodes `node` reads into the stage graph (once each)."""
+    for src in node.all_input_nodes:
+        if src.op == "get_attr" and src.name not in env:
+            env[src.name] = graph.node_copy(src)
+
+
+def micro_shapes(
+    gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...], micro_batch_size: int
+) -> dict[str, Any]:
+    """Every node's output for one micro-batch, as fake tensors (shape and dtype only)."""
+    values: dict[str, Any] = {}
+
+    class _Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            values[n.name] = super().run_node(n)
+            return values[n.name]
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+        fakes = [mode.from_tensor(resize_batch(x, micro_batch_size)) for x in example_inputs]
+        _Recorder(gm).run(*fakes)
+    return values
+
+
+def model_output(gm: fx.GraphModule, value: Any) -> Any:
+    """The model's output as the original module returns it, from the output node's value.
+
+    fx graphs return the output node's argument as it is; graphs from torch.export flatten it
+    and unflatten in their generated code, which this repeats.
+    """
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.out_spec is None:
+        return value
+    leaves, _ = tree_flatten(value)
+    return tree_unflatten(leaves, info.out_spec)
