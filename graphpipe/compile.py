@@ -39,7 +39,7 @@ from graphpipe.ir import Plan, Schedule, Timeline
 from graphpipe.opgraph import graph_hash
 from graphpipe.partition import PlanConfig, micro_batch_size, partition
 from graphpipe.profile import ProfileConfig, profile
-from graphpipe.runtime.comm import Transport
+from graphpipe.runtime.comm import FailureBoard, Transport
 from graphpipe.runtime.executor import Batch, Executor, StageRuntime
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
@@ -255,7 +255,8 @@ class PipelinedModel:
             self.policy: WeightPolicy = make_policy(
                 weights, self.module, self.optimizer, groups.sync, self._m
             )
-            transport = Transport(self.rank, runtime.timeout, self.device)
+            board = FailureBoard(dist.get_world_size())
+            transport = Transport(self.rank, runtime.timeout, self.device, board)
             self._executor = Executor(runtime_stage, self.policy, transport)
             self._executor.record = runtime.record
         else:

@@ -110,9 +110,11 @@ class Masked(nn.Module):
         self.head = nn.Linear(D, 4)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        reversed_ids = tokens.flip(1)  # int64, made early, read by the last layer
+        keep = mask.logical_not()  # bool, made early, read later
         h = torch.tanh(self.mix(self.embed(tokens)))  # (B, T, D)
-        h = h.masked_fill(mask.unsqueeze(-1), 0.0)
-        return self.head(h.sum(dim=1) + self.bag(tokens))
+        h = h.masked_fill(keep.logical_not().unsqueeze(-1), 0.0)
+        return self.head(h.sum(dim=1) + self.bag(reversed_ids))
 
 
 def two_branch() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

@@ -11,21 +11,27 @@ and direction, the low 20 bits the micro-batch. Every channel is used in the sam
 both ends (the schedule validator checks it), which is what NCCL needs.
 
 Every wait has a timeout. A timeout, or a peer that closed its connection (it died), raises
-`PipelineError` naming this rank, the peer rank and the schedule action.
+`PipelineError` naming this rank, the peer rank and the schedule action. Before it raises, a
+rank posts why on the process group's key-value store (`FailureBoard`); a rank that then loses
+its own peer reads the earliest post, so its error also names the rank that failed first,
+not only the neighbour that went down with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from graphpipe.errors import PipelineError
 
-__all__ = ["Spec", "Transport", "pack", "tag_for", "unpack"]
+__all__ = ["FailureBoard", "Spec", "Transport", "pack", "tag_for", "unpack"]
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # shape, dtype
 ALIGN = 8
@@ -89,6 +95,44 @@ class Pending:
     what: str
 
 
+class FailureBoard:
+    """Failure reports on the process group's store, readable by every surviving rank.
+
+    Args:
+        world: Number of ranks.
+        store: The store; the default process group's when None (and no board without one).
+    """
+
+    def __init__(self, world: int, store: Any = None) -> None:
+        self.world = world
+        if store is None:
+            try:  # the store torch.distributed itself rendezvoused with
+                store = dist.distributed_c10d._get_default_store()
+            except (AttributeError, RuntimeError, ValueError):
+                store = None
+        self.store = store
+
+    def post(self, rank: int, message: str) -> None:
+        """Record why `rank` fails (best effort: the store may be gone with rank 0)."""
+        if self.store is None:
+            return
+        with contextlib.suppress(Exception):
+            self.store.set(f"graphpipe/failure/{rank}", f"{time.time():.6f} {message}")
+
+    def first(self, exclude: int) -> str | None:
+        """The earliest failure another rank posted, as text, or None."""
+        if self.store is None:
+            return None
+        posts = []
+        for r in range(self.world):
+            key = f"graphpipe/failure/{r}"
+            with contextlib.suppress(Exception):
+                if r != exclude and self.store.check([key]):
+                    stamp, _, text = self.store.get(key).decode().partition(" ")
+                    posts.append((float(stamp), text))
+        return min(posts)[1] if posts else None
+
+
 class Transport:
     """Point-to-point messages of one rank, with a timeout on every wait.
 
@@ -96,10 +140,13 @@ class Transport:
         rank: This rank.
         timeout: Seconds any wait may take.
         device: Where buffers live.
+        board: Where failures are posted and read (none by default).
     """
 
-    def __init__(self, rank: int, timeout: float, device: torch.device) -> None:
-        self.rank, self.timeout, self.device = rank, timeout, device
+    def __init__(
+        self, rank: int, timeout: float, device: torch.device, board: FailureBoard | None = None
+    ) -> None:
+        self.rank, self.timeout, self.device, self.board = rank, timeout, device, board
         self._sends: list[tuple[dist.Work, int, str, torch.Tensor]] = []
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, what: str) -> None:
@@ -141,10 +188,16 @@ class Transport:
 
     def _error(self, peer: int, what: str, exc: Exception) -> PipelineError:
         text = str(exc)
+        message = f"rank {self.rank}, action {what}, peer rank {peer}: "
         if "closed" in text.lower() or "reset" in text.lower():
-            cause = f"rank {peer} closed its connection: it has probably died"
+            message += f"rank {peer} closed its connection: it has probably died"
+            first = self.board.first(exclude=self.rank) if self.board else None
+            if first is not None:
+                message += f" (first failure reported: {first})"
         elif "timed out" in text.lower() or "timeout" in text.lower():
-            cause = f"rank {peer} did not answer within {self.timeout:g} s"
+            message += f"rank {peer} did not answer within {self.timeout:g} s"
         else:
-            cause = f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"
-        return PipelineError(f"rank {self.rank}, action {what}, peer rank {peer}: {cause}")
+            message += f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"
+        if self.board is not None:
+            self.board.post(self.rank, message)
+        return PipelineError(message)

@@ -1,0 +1,268 @@
+"""Runtime: pipelined training equals single-process training, step after step.
+
+Multi-process tests on CPU (gloo, one thread per process). Each launch has a timeout and the
+launcher stops every child it started, whatever happens. A whole grid of models and schedules
+runs inside one launch, to pay the process start-up once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from zoo import ZOO, dict_loss
+
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import ConfigError, PipelineError
+from graphpipe.launch import launch
+from graphpipe.opgraph import graph_hash, op_graph
+from graphpipe.partition import PlanConfig, cost_model, plan
+from graphpipe.partition.assemble import assemble
+from graphpipe.partition.manual import groups_from_pins
+from graphpipe.profile import profile
+from graphpipe.trace import trace
+
+M, STEPS, LR = 4, 3, 0.1
+PINS = {  # three stages each, chosen so each model shows its hard case
+    "two_branch": {"a": 0, "b": 1, "cat": 2, "head": 2},  # fan-out and fan-in
+    "skip_across": {"layers.0": 0, "layers.1": 1, "layers.2": 2, "layers.3": 2, "head": 2},
+    "late_input": {"layers.0": 0, "layers.1": 1, "layers.2": 1, "head": 2},  # input at S2
+    "tied": {"embed": 0, "body": 1, "out": 2},  # embed.weight on S0 and S2
+    "multi_output": {"trunk": 0, "left": 1, "right": 2},  # outputs made on S1 and S2
+    "masked": {"embed": 0, "mix": 1, "head": 2},  # int64 and bool values cross stages
+}
+SCHEDULES = ("gpipe", "1f1b", "zb")
+TIMEOUT = 240  # seconds for a whole launch
+
+
+def _optimizer() -> functools.partial[torch.optim.Optimizer]:
+    return functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
+
+
+def batch(name: str, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Step `step`'s mini-batch: fresh float inputs and a target shaped for dict_loss."""
+    model, inputs = ZOO[name]()
+    gen = torch.Generator().manual_seed(1000 + step)
+    fresh = tuple(
+        torch.randn(x.shape, generator=gen) if x.is_floating_point() else x for x in inputs
+    )
+    with torch.no_grad():
+        out = model(*fresh)
+    shape = out.shape if isinstance(out, torch.Tensor) else (fresh[0].shape[0], 1)
+    return fresh, torch.randn(shape, generator=gen)
+
+
+def reference(name: str, steps: int = STEPS) -> tuple[list[float], nn.Module]:
+    """Single-process training with gradient accumulation over the same micro-batches."""
+    model, _ = ZOO[name]()
+    opt = _optimizer()(model.parameters())
+    losses = []
+    for step in range(steps):
+        inputs, target = batch(name, step)
+        parts = [x.chunk(M) for x in inputs]
+        total = 0.0
+        for j in range(M):
+            loss = dict_loss(model(*[p[j] for p in parts]), target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    return losses, model
+
+
+def _train(pm: Any, name: str) -> dict[str, Any]:
+    losses = [pm.step(*batch(name, s)[0], target=batch(name, s)[1]) for s in range(STEPS)]
+    return {"losses": losses, "state": pm.state_dict(), "output": pm(*batch(name, 0)[0])}
+
+
+def _grid_worker(cases: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    results = {}
+    for name, schedule in cases:
+        model, inputs = ZOO[name]()
+        the_plan = plan(model, inputs, devices=3, micro_batches=M, pins=PINS[name])
+        pm = gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            schedule=schedule,
+            plan=the_plan,
+        )
+        results[(name, schedule)] = _train(pm, name)
+    return results
+
+
+@pytest.fixture(scope="module")
+def grid() -> dict[tuple[str, str], Any]:
+    cases = [(name, s) for name in PINS for s in SCHEDULES]
+    return launch(_grid_worker, 3, args=(cases,), timeout=TIMEOUT)[0]
+
+
+def _assert_matches(result: dict[str, Any], name: str) -> None:
+    ref_losses, ref_model = reference(name)
+    assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    ref_state = ref_model.state_dict()
+    assert list(result["state"]) == list(ref_state)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=1e-6)
+    fresh, _ = ZOO[name]()
+    fresh.load_state_dict(result["state"])  # strict: every original name is there
+    with torch.no_grad():
+        torch.testing.assert_close(
+            result["output"], ref_model(*batch(name, 0)[0]), rtol=1e-5, atol=1e-6
+        )
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("name", sorted(PINS))
+def test_pipelined_training_matches_single_process(
+    grid: dict[tuple[str, str], Any], name: str, schedule: str
+) -> None:
+    _assert_matches(grid[(name, schedule)], name)
+
+
+def _replicated_worker() -> dict[str, Any]:
+    """two_branch with stage 0 (both branches) on ranks 0 and 1, the head on rank 2."""
+    model, inputs = ZOO["two_branch"]()
+    gm = trace(model, inputs)
+    g = op_graph(gm, profile(gm, inputs, 2))
+    (branches, _), (head, _) = groups_from_pins(g, {"a": 0, "b": 0, "cat": 1, "head": 1})
+    config = PlanConfig(devices=3, micro_batches=M)
+    the_plan = assemble(
+        g, [(branches, 2), (head, 1)], cost_model(config, 2), 3, "manual", graph_hash(gm)
+    )
+    pm = gp_compile(model, inputs, loss_fn=dict_loss, optimizer=_optimizer(), plan=the_plan)
+    return _train(pm, "two_branch")
+
+
+def test_data_parallel_stage_reduces_gradients_within_its_group() -> None:
+    for result in launch(_replicated_worker, 3, timeout=TIMEOUT):
+        _assert_matches(result, "two_branch")
+
+
+def _auto_plan_worker() -> dict[str, Any]:
+    model, inputs = ZOO["two_branch"]()
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        micro_batches=M,
+        schedule="1f1b",
+        replication=False,
+    )
+    return {**_train(pm, "two_branch"), "stages": len(pm.plan.stages)}
+
+
+def test_two_ranks_with_the_plan_made_on_rank_0() -> None:
+    results = launch(_auto_plan_worker, 2, timeout=TIMEOUT)
+    assert results[0]["stages"] == 2
+    _assert_matches(results[1], "two_branch")
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+def _dying_worker(victim: int) -> None:
+    model, inputs = ZOO["two_branch"]()
+    the_plan = plan(model, inputs, devices=3, micro_batches=M, pins=PINS["two_branch"])
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        plan=the_plan,
+        runtime=RuntimeConfig(timeout=10),
+    )
+    inputs, target = batch("two_branch", 0)
+    pm.step(*inputs, target=target)
+    if pm.rank == victim:
+        os._exit(7)  # dies mid-run, between two steps of the others
+    pm.step(*inputs, target=target)
+
+
+def test_a_dead_rank_is_named_by_the_others_within_the_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(PipelineError) as err:
+        launch(_dying_worker, 3, args=(1,), timeout=TIMEOUT, grace=20)
+    assert time.monotonic() - start < 60
+    lines = err.value.problems
+    assert lines[0] == "rank 1: exited with code 7 without reporting an error"
+    survivors = [line for line in lines[1:] if line.startswith(("rank 0:", "rank 2:"))]
+    assert len(survivors) == 2
+    assert all("rank 1 closed its connection" in line for line in survivors)  # the dead one
+
+
+def _stalling_worker() -> None:
+    model, inputs = ZOO["two_branch"]()
+    the_plan = plan(model, inputs, devices=3, micro_batches=M, pins=PINS["two_branch"])
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        plan=the_plan,
+        runtime=RuntimeConfig(timeout=3),
+    )
+    if pm.rank == 0:
+        time.sleep(120)  # hangs instead of working
+    inputs, target = batch("two_branch", 0)
+    pm.step(*inputs, target=target)
+
+
+def test_a_receive_that_waits_too_long_names_the_peer_and_the_action() -> None:
+    with pytest.raises(PipelineError) as err:
+        launch(_stalling_worker, 3, timeout=TIMEOUT, grace=15)
+    text = str(err.value)
+    assert "rank 0: stopped" in text
+    assert "action 2RF0<0, peer rank 0: rank 0 did not answer within 3 s" in text
+
+
+def _bad_input_worker() -> list[str]:
+    model, inputs = ZOO["two_branch"]()
+    errors = []
+    for call in (
+        lambda: gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            plan=plan(model, inputs, devices=3, pins=PINS["two_branch"]),
+        ),
+        lambda: gp_compile(
+            model, inputs, loss_fn=dict_loss, optimizer=_optimizer(), micro_batches=3
+        ),
+    ):
+        try:
+            call()
+        except (ConfigError, Exception) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    pm = gp_compile(model, inputs, loss_fn=dict_loss, optimizer=_optimizer(), micro_batches=M)
+    for call in (lambda: pm.step(*inputs), lambda: pm.step(inputs[0][:6], target=inputs[0])):
+        try:
+            call()
+        except ConfigError as exc:
+            errors.append(f"ConfigError: {exc}")
+    return errors
+
+
+def test_bad_input_is_refused_before_any_communication() -> None:
+    errors = launch(_bad_input_worker, 2, timeout=TIMEOUT)[0]
+    assert errors[0].startswith(
+        "ConfigError: the plan is for 3 devices but the process group has 2 ranks"
+    )
+    assert "batch of 8 does not split into 3 equal micro-batches" in errors[1]
+    assert (
+        errors[2] == "ConfigError: step() needs target=...: the loss is computed on the last stage"
+    )
+    assert (
+        "input #0 (x) is torch.float32[6, 16], the pipeline was compiled for "
+        "torch.float32[8, 16]" in errors[3]
+    )
