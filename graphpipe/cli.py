@@ -4,6 +4,7 @@
     graphpipe plan models.mmt --preset paper --devices 32 --render plans.svg
     graphpipe plan path/to/model.py:make --devices 4 --json plan.json
     graphpipe plan models.nbranch --devices 8 --schedule zb --timeline zb.svg --trace zb.json
+    graphpipe run models.mmt --devices 2                      train it on 2 local processes
 
 MODEL follows the factory protocol of `graphpipe.workload`: a module path such as
 `models.mmt`, or `file.py:function`. Progress goes to stderr, tables to stdout. Errors print one
@@ -40,6 +41,7 @@ from graphpipe.schedule import SCHEDULES
 from graphpipe.simulate import SimResult, simulate
 from graphpipe.timeline import chrome_trace, timeline_svg
 from graphpipe.trace import trace
+from graphpipe.train import TrainConfig, train
 from graphpipe.workload import Workload, load_workload
 
 __all__ = ["main"]
@@ -124,16 +126,73 @@ def _parser() -> argparse.ArgumentParser:
         help="write the simulated timeline as a Chrome/Perfetto trace",
     )
     plan.set_defaults(func=_plan_command)
+    run = commands.add_parser(
+        "run",
+        help="train a model pipelined across local processes",
+        description="Train MODEL on synthetic data, one process per device (see graphpipe.train).",
+    )
+    _model_arguments(run, devices_default=2)
+    run.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    run.add_argument("--weights", default="flush", help="weight policy (default: flush)")
+    run.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
+    run.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+    run.add_argument(
+        "--profile",
+        choices=("measure", "flops"),
+        default="measure",
+        help="op times for planning (default: measured on this machine)",
+    )
+    run.add_argument("--out", help="folder for the pictures (default: runs/<model>)")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds a receive may wait before failing (default: 120)",
+    )
+    run.add_argument(
+        "--replication",
+        action="store_true",
+        help="allow data-parallel stages (default: every device a distinct stage)",
+    )
+    run.set_defaults(func=_run_command)
     return parser
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def _run_command(args: argparse.Namespace) -> int:
+    train(
+        TrainConfig(
+            model=args.model,
+            preset=args.preset,
+            options=parse_options(args.option),
+            devices=args.devices,
+            schedule=args.schedule,
+            weights=args.weights,
+            steps=args.steps,
+            lr=args.lr,
+            micro_batches=args.micro_batches,
+            profile=args.profile,
+            out=args.out,
+            timeout=args.timeout,
+            replication=args.replication,
+        )
+    )
+    return 0
+
+
+def _model_arguments(parser: argparse.ArgumentParser, devices_default: int | None = None) -> None:
     parser.add_argument(
         "model",
         metavar="MODEL",
         help="models.NAME or path/file.py:function (see graphpipe.workload)",
     )
-    parser.add_argument("--devices", "-n", type=int, required=True, help="number of devices")
+    parser.add_argument(
+        "--devices",
+        "-n",
+        type=int,
+        required=devices_default is None,
+        default=devices_default,
+        help="number of devices (processes)",
+    )
     parser.add_argument("--preset", default="cpu", help="model preset: tiny, cpu or paper")
     parser.add_argument(
         "--option",

@@ -383,11 +383,27 @@ class PipelinedModel:
             raise ConfigError(f"state dict lacks {missing} (needed by stage {self._stage_index})")
         self.module.load_state_dict({k: state[k] for k in keys})
 
-    def timeline(self) -> Timeline:
-        """The recorded actions of every rank so far (needs RuntimeConfig(record=True))."""
+    @property
+    def recording(self) -> bool:
+        """Whether every action's start and end are being recorded (see `timeline`)."""
+        return self._executor is not None and self._executor.record
+
+    @recording.setter
+    def recording(self, on: bool) -> None:
+        if self._executor is not None:
+            self._executor.record = on
+
+    def timeline(self, clear: bool = True) -> Timeline:
+        """The actions every rank recorded (a collective: call it on every rank).
+
+        Args:
+            clear: Forget the recorded actions afterwards.
+        """
         spans = [] if self._executor is None else self._executor.spans
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, spans)
+        if clear and self._executor is not None:
+            self._executor.spans = []
         every = sorted((s for part in gathered for s in part), key=lambda s: s.start)
         return Timeline(tuple(every), self.plan.num_devices, "measured", self.schedule.name)
 

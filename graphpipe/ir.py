@@ -41,6 +41,7 @@ class Stage:
     activation_bytes: int  # bytes kept for one micro-batch in flight
     in_flight: int  # micro-batches in flight under graph 1F1B (longest path to the sink)
     memory_bytes: int  # predicted peak bytes on one replica
+    update_time: float = 0.0  # seconds of one optimizer step (0 unless calibrated)
 
     @property
     def replicas(self) -> int:

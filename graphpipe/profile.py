@@ -7,6 +7,8 @@ Two ways, chosen by `ProfileConfig.mode`:
 - "measure": runs every node alone on `device` with real-shaped inputs (the example batch
   resized to the micro-batch size; float values redrawn at random, integer and boolean values
   kept so that indices stay valid), and takes the median of `repeats` runs after `warmup`.
+  The forward is timed as training runs it, recording for autograd; the backward is the
+  forward-and-backward time minus that.
 
 Measured profiles are cached as JSON under `cache_dir`, keyed by the graph's code, the input
 shapes, the micro-batch size, the device, the settings and the torch version, so planning a
@@ -239,8 +241,10 @@ def _forward_backward(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     params: Sequence[torch.Tensor],
+    backward: bool = True,
 ) -> Callable[[], None]:
-    """A closure that runs fn forward with grads and back-propagates ones through it."""
+    """A closure that runs fn forward as training does (recording for autograd) and, with
+    `backward`, back-propagates ones through it."""
 
     def run() -> None:
         leaves = [
@@ -250,6 +254,8 @@ def _forward_backward(
             for a in args
         ]
         out, _ = tree_flatten(fn(*leaves, **kwargs))
+        if not backward:
+            return
         outs = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
         grads = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
         wrt = [*grads, *params]
@@ -267,11 +273,11 @@ def _time_node(
     config: ProfileConfig,
     device: torch.device,
 ) -> NodeTime:
-    with torch.no_grad():
-        fwd = _median_time(lambda: fn(*args, **kwargs), config, device)
     if not backward:
-        return NodeTime(fwd, 0.0)
+        with torch.no_grad():
+            return NodeTime(_median_time(lambda: fn(*args, **kwargs), config, device), 0.0)
     params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    fwd = _median_time(_forward_backward(fn, args, kwargs, params, backward=False), config, device)
     both = _median_time(_forward_backward(fn, args, kwargs, params), config, device)
     return NodeTime(fwd, max(both - fwd, 0.0))
 

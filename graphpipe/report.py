@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable
+from typing import Any
 
 import networkx as nx
 from tabulate import tabulate
@@ -119,6 +120,6 @@ def _top(module: str, op: str, depth: int = 2) -> str:
     return ".".join(module.split(".")[:depth]) if module else op
 
 
-def modules_of(nodes: Sequence[object]) -> dict[str, str]:
+def modules_of(nodes: Iterable[Any]) -> dict[str, str]:
     """op name -> module path, from fx nodes annotated by `graphpipe.trace`."""
-    return {n.name: str(n.meta.get("gp_module", "")) for n in nodes}  # type: ignore[attr-defined]
+    return {n.name: str(n.meta.get("gp_module", "")) for n in nodes}

@@ -11,7 +11,8 @@ Every rank runs its actions in order. Costs (seconds):
                   With `contention`, a rank's sends queue on its one link.
     receive       waits for the matching send's arrival (k-th receive of a channel matches its
                   k-th send)
-    U             replicas of a stage meet, then all-reduce: link.allreduce(param_bytes, r)
+    U             replicas of a stage meet, then all-reduce (link.allreduce(param_bytes, r))
+                  and step the optimizer (the stage's update_time)
 
 Memory per rank: weights (`MemoryModel.weights`) + activation_bytes x the most activation
 units held at once. A forward adds one unit; a full backward frees it; an I frees all but the
@@ -153,7 +154,8 @@ def _durations(plan: Plan) -> Callable[[Action], float]:
     def duration(a: Action) -> float:
         stage = plan.stages[a.stage]
         if a.kind == "U":
-            return plan.cost_model.link.allreduce(stage.param_bytes, stage.replicas)
+            allreduce = plan.cost_model.link.allreduce(stage.param_bytes, stage.replicas)
+            return allreduce + stage.update_time
         return compute_time(stage, a.kind)
 
     return duration

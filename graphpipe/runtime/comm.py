@@ -148,6 +148,9 @@ class Transport:
     ) -> None:
         self.rank, self.timeout, self.device, self.board = rank, timeout, device, board
         self._sends: list[tuple[dist.Work, int, str, torch.Tensor]] = []
+        # gloo matches messages by tag, so receives may be posted early; NCCL runs them in
+        # order on one stream, where an early receive would hold up later sends
+        self.prefetch = dist.get_backend() == "gloo"
 
     def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, what: str) -> None:
         """Post the message; it completes in the background (see `finish_sends`)."""

@@ -73,6 +73,7 @@ class _MicroBatch:
     loss: torch.Tensor | None = None
     forward_recvs: list[tuple[int, Pending]] = field(default_factory=list)
     backward_recvs: list[tuple[int, Pending]] = field(default_factory=list)
+    arrived: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
     weight_half: backward.WeightHalf | None = None
     backward_done: bool = False
     sent_back: int = 0
@@ -108,10 +109,22 @@ class Executor:
         }
 
     def run(self, actions: Sequence[Action], batch: Batch) -> None:
-        """Execute `actions` in order, then wait for the sends to complete."""
+        """Execute `actions` in order, then wait for the sends to complete.
+
+        With a transport that matches messages by tag (gloo), every receive of the call is
+        posted first, so data flows as soon as its sender is ready instead of when this rank
+        reaches the receive.
+        """
+        if self.transport.prefetch:
+            for a in actions:
+                if a.kind in ("RF", "RB"):
+                    self._handlers[a.kind](a, batch)
+            actions = [a for a in actions if a.kind not in ("RF", "RB")]
         for a in actions:
-            start = time.perf_counter()
             try:
+                if a.mb is not None and a.kind in ("F", "B", "I"):
+                    self._await(a)  # waiting for peers is not part of the action's time
+                start = time.perf_counter()
                 self._handlers[a.kind](a, batch)
             except PipelineError:
                 raise
@@ -140,6 +153,14 @@ class Executor:
     def _specs(self, names: Sequence[str]) -> list[Spec]:
         return [self.stage.specs[n] for n in names] if names else TOKEN
 
+    def _await(self, a: Action) -> None:
+        """Wait for the messages the compute action `a` reads."""
+        assert a.mb is not None
+        mb = self._mb(a.mb)
+        pending = mb.forward_recvs if a.kind == "F" else mb.backward_recvs
+        mb.arrived.extend((i, self.transport.wait(p)) for i, p in pending)
+        pending.clear()
+
     # -- forward ------------------------------------------------------------------------------
 
     def _recv_forward(self, a: Action, batch: Batch) -> None:
@@ -154,13 +175,12 @@ class Executor:
         assert a.mb is not None
         j, s = a.mb, self.stage
         mb = self._mb(j)
-        for i, pending in mb.forward_recvs:
-            values = self.transport.wait(pending)
+        for i, values in mb.arrived:
             for name, value in zip(self.edges[i].tensors, values, strict=False):
                 if value.is_floating_point() and self.training:
                     value.requires_grad_()
                 mb.inputs[name] = value
-        mb.forward_recvs.clear()
+        mb.arrived.clear()
         for name in s.io.model_inputs:
             mb.inputs[name] = batch.input(name, j)
         args = [mb.inputs[name] for name in s.io.inputs]
@@ -195,10 +215,10 @@ class Executor:
         """What the backward of micro-batch j starts from: the loss and received gradients."""
         mb = self.state[j]
         grads: dict[str, torch.Tensor] = {}
-        for i, pending in mb.backward_recvs:
-            for name, g in zip(self.edges[i].grads, self.transport.wait(pending), strict=False):
+        for i, values in mb.arrived:
+            for name, g in zip(self.edges[i].grads, values, strict=False):
                 grads[name] = grads[name] + g if name in grads else g
-        mb.backward_recvs.clear()
+        mb.arrived.clear()
         roots: list[torch.Tensor] = []
         seeds: list[torch.Tensor | None] = []
         if mb.loss is not None:

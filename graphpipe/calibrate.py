@@ -1,0 +1,92 @@
+"""Calibrate: replace a plan's predicted costs with ones measured on the running pipeline.
+
+    timeline = pm.timeline()                       # after a few recorded steps
+    link = measure_link()                          # a collective: every rank calls it
+    plan = calibrated(pm.plan, timeline, link)
+    simulate(plan, pm.schedule).iteration_time     # compare with the measured step time
+
+Per-action costs come from the measured timeline (the median span of each kind on each
+stage; the executor does not count waiting for peers as part of an action), the link's latency
+and bandwidth from a ping-pong between ranks 0 and 1. What the simulator then adds, bubbles,
+transfers and the order of actions, is what the comparison tests.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from graphpipe.cost import LinkModel
+from graphpipe.ir import Action, Plan, Timeline
+
+__all__ = ["calibrated", "measure_link"]
+
+
+def calibrated(plan: Plan, timeline: Timeline, link: LinkModel | None = None) -> Plan:
+    """`plan` with every stage's forward, backward and update times measured in `timeline`.
+
+    A full backward's time is the B spans' median; with zero bubble it is I's plus W's.
+    """
+    spans: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for span in timeline.spans:
+        a = Action.parse(span.action)
+        spans[(a.stage, a.kind)].append(span.end - span.start)
+
+    def median(stage: int, kind: str, default: float) -> float:
+        values = spans.get((stage, kind))
+        return statistics.median(values) if values else default
+
+    stages = []
+    for s in plan.stages:
+        backward = median(s.index, "B", 0.0) or (
+            median(s.index, "I", 0.0) + median(s.index, "W", 0.0)
+        )
+        stages.append(
+            replace(
+                s,
+                forward_time=median(s.index, "F", s.forward_time),
+                backward_time=backward or s.backward_time,
+                update_time=median(s.index, "U", s.update_time),
+            )
+        )
+    cost = plan.cost_model if link is None else replace(plan.cost_model, link=link)
+    return replace(plan, stages=tuple(stages), cost_model=cost)
+
+
+def measure_link(sizes: tuple[int, int] = (8, 1 << 22), repeats: int = 20) -> LinkModel:
+    """Latency and bandwidth between ranks 0 and 1, by ping-pong (a collective on all ranks).
+
+    Latency is half a small message's round trip; bandwidth is a large message's size over
+    half its round trip less the latency.
+    """
+    rank = dist.get_rank()
+    times = [_round_trip(rank, n, repeats) for n in sizes]
+    result = torch.tensor(times, dtype=torch.float64)
+    dist.broadcast(result, src=0)
+    small, large = (float(t) for t in result)
+    latency = small / 2
+    bandwidth = sizes[1] / max(large / 2 - latency, 1e-9)
+    return LinkModel(bandwidth=bandwidth, latency=latency)
+
+
+def _round_trip(rank: int, nbytes: int, repeats: int) -> float:
+    """Rank 0 -> 1 -> 0 with receives posted in advance, as the executor posts them."""
+    out, back = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    samples = []
+    for i in range(repeats + 2):
+        pending = dist.irecv(back if rank == 0 else out, 1 - rank, tag=i) if rank < 2 else None
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0 and pending is not None:
+            dist.send(out, 1, tag=i)
+            pending.wait()
+        elif rank == 1 and pending is not None:
+            pending.wait()
+            dist.send(out, 0, tag=i)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples[2:])

@@ -1,0 +1,165 @@
+"""train: the example training loop behind `graphpipe run` and `python -m models.<name>`.
+
+    graphpipe run models.mmt --devices 2                 # the cpu preset, 30 steps
+    python -m models.dlrm --devices 2 --schedule zb --steps 50
+
+Every rank builds the same workload and draws the same synthetic mini-batches; graphpipe.compile
+plans it on rank 0 (op times measured on this machine by default) and every step trains it
+pipelined. Rank 0 prints a progress line per step (loss, samples/s, step time). At the end it
+prints the plan table and the measured vs simulated step time, and writes into `out`:
+
+    plan.svg         the stage graph          ops.svg        the op graph, by stage
+    timeline.svg     the last steps, measured  timeline.json  the same, Chrome/Perfetto trace
+    simulated.svg    the schedule, simulated   plan.json      the plan
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphpipe._units import format_time
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as pipeline
+from graphpipe.launch import launch
+from graphpipe.profile import ProfileConfig
+from graphpipe.render import render
+from graphpipe.report import modules_of, plan_summary, plan_table
+from graphpipe.simulate import simulate
+from graphpipe.timeline import chrome_trace, timeline_svg
+from graphpipe.trace import trace
+from graphpipe.workload import load_workload
+
+__all__ = ["TrainConfig", "TrainResult", "train"]
+
+RECORDED_STEPS = 2  # the last steps whose actions the measured timeline shows
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One example run."""
+
+    model: str  # models.NAME or path/file.py:function
+    preset: str = "cpu"  # the workload preset
+    options: dict[str, Any] = field(default_factory=dict)  # workload options
+    devices: int = 2  # processes, one stage (or replica) each
+    schedule: str = "1f1b"
+    weights: str = "flush"
+    steps: int = 30
+    lr: float = 1e-3  # Adam's learning rate
+    micro_batches: int | None = None  # default: the preset's
+    profile: str = "measure"  # op times for planning: "measure" (this machine) or "flops"
+    replication: bool = False  # allow data-parallel stages (off: a pipeline of distinct stages)
+    out: str | None = None  # where pictures go; None: runs/<model name>
+    seed: int = 0
+    timeout: float = 120.0  # seconds a receive may wait
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What rank 0 saw."""
+
+    losses: list[float]
+    step_times: list[float]
+    simulated_step: float
+    out: str
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run the example on `config.devices` local processes.
+
+    Raises:
+        PipelineError: a rank failed (the message says which and why).
+    """
+    results = launch(
+        _rank_main, config.devices, args=(config,), timeout=3600, comm_timeout=config.timeout
+    )
+    result: TrainResult = results[0]
+    return result
+
+
+def _rank_main(config: TrainConfig) -> TrainResult | None:
+    w = load_workload(config.model, config.preset, seed=config.seed, **config.options)
+    pm = pipeline(
+        w.model,
+        w.example_inputs,
+        loss_fn=w.loss_fn,
+        optimizer=functools.partial(torch.optim.Adam, lr=config.lr),
+        micro_batches=config.micro_batches or w.micro_batches,
+        schedule=config.schedule,
+        weights=config.weights,
+        leaf_modules=w.leaf_modules,
+        profile_config=ProfileConfig(mode=config.profile, warmup=2, repeats=5),
+        runtime=RuntimeConfig(timeout=config.timeout),
+        replication=config.replication,
+    )
+    say = _printer(pm.rank == 0)
+    say(f"{config.model} ({config.preset}): {plan_summary(pm.plan)}")
+    gen = torch.Generator().manual_seed(config.seed + 1)
+    losses, times = [], []
+    for step in range(config.steps):
+        inputs, target = w.make_batch(gen)
+        pm.recording = step >= config.steps - RECORDED_STEPS
+        start = time.perf_counter()
+        loss = pm.step(*inputs, target=target)
+        times.append(time.perf_counter() - start)
+        losses.append(loss)
+        say(
+            f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  "
+            f"{w.batch_size / times[-1]:8.1f} samples/s  {times[-1] * 1e3:7.1f} ms"
+        )
+    measured = pm.timeline()
+    if pm.rank != 0:
+        return None
+    simulated = simulate(pm.plan, config.schedule)
+    out = Path(config.out or f"runs/{w.name}")
+    _report(pm, w, config, losses, times, simulated.iteration_time, measured, simulated, out, say)
+    return TrainResult(losses, times, simulated.iteration_time, str(out))
+
+
+def _printer(active: bool) -> Any:
+    def say(line: str) -> None:
+        if active:
+            print(line, flush=True)
+
+    return say
+
+
+def _report(
+    pm: Any,
+    w: Any,
+    config: TrainConfig,
+    losses: list[float],
+    times: list[float],
+    simulated_step: float,
+    measured: Any,
+    simulated: Any,
+    out: Path,
+    say: Any,
+) -> None:
+    steady = statistics.median(times[len(times) // 2 :]) if times else 0.0
+    gm = trace(w.model, w.example_inputs, w.leaf_modules)
+    say("\n" + plan_table(pm.plan, modules_of(gm.graph.nodes)))
+    say(
+        f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; step time "
+        f"measured {format_time(steady)} (median of the second half), simulated "
+        f"{format_time(simulated_step)} ({steady / simulated_step:.2f}x)"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(pm.plan.to_json())
+    (out / "timeline.svg").write_text(timeline_svg(measured))
+    (out / "timeline.json").write_text(json.dumps(chrome_trace(measured)))
+    (out / "simulated.svg").write_text(timeline_svg(simulated.timeline))
+    try:
+        (out / "plan.svg").write_bytes(render(pm.plan).pipe(format="svg"))
+        (out / "ops.svg").write_bytes(render(gm, pm.plan).pipe(format="svg"))
+    except Exception as exc:  # graphviz's `dot` missing: say so, keep the rest
+        say(f"could not draw the plan ({type(exc).__name__}: {exc}); is graphviz installed?")
+    say(f"wrote {out}/: plan.svg ops.svg timeline.svg timeline.json simulated.svg plan.json")
