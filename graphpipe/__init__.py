@@ -2,22 +2,32 @@
 
 A model becomes a pipeline in phases, each a module of its own:
 
-    gm   = graphpipe.trace(model, example_inputs)     # torch.fx graph + shapes, bytes, FLOPs
-    plan = graphpipe.plan(model, example_inputs,      # trace + profile + partition:
-                          devices=8, micro_batches=8) #   a DAG of stages (a Plan)
-    graphpipe.render(gm, plan)                        # graphviz: ops coloured by stage
-    graphpipe.render(plan)                            # graphviz: the stage graph
+    gm    = graphpipe.trace(model, example_inputs)      # torch.fx graph + shapes, bytes, FLOPs
+    plan  = graphpipe.plan(model, example_inputs,       # trace + profile + partition:
+                           devices=8, micro_batches=8)  #   a DAG of stages (a Plan)
+    graphpipe.render(gm, plan)                          # graphviz: ops coloured by stage
+    sched = graphpipe.make_schedule(plan, "1f1b")       # per-rank actions (a Schedule)
+    graphpipe.simulate(plan, sched).iteration_time      # predicted step time, bubbles, memory
+
+and then, on every rank (torchrun, or graphpipe.launch on one machine):
+
+    pm   = graphpipe.compile(model, example_inputs, loss_fn=F.cross_entropy,
+                             optimizer=functools.partial(torch.optim.Adam, lr=1e-3))
+    loss = pm.step(*inputs, target=target)              # one mini-batch, pipelined
 
 Independent branches of the model (the towers of a multi-modal transformer, the MLPs of DLRM)
 become concurrent stages on disjoint devices, where a sequential pipeline would serialise them.
-The Plan is plain data: `plan.to_json()`, `Plan.from_json(text)`, `plan.validate(gm)`.
+Plans and schedules are plain data: `Plan.to_json()`, `Plan.from_json(text)`,
+`plan.validate(gm)`, `str(schedule)`.
 
-Phases and their modules: trace (`graphpipe.trace`), profile (`graphpipe.profile`), partition
-(`graphpipe.partition`), render (`graphpipe.render`). The command line is `graphpipe plan`.
+Modules: trace, profile, partition, schedule, simulate, render and timeline (pictures),
+runtime (the per-rank executor), compile, launch; `graphpipe plan` and `graphpipe run` on the
+command line.
 """
 
 from __future__ import annotations
 
+from graphpipe.compile import PipelinedModel, RuntimeConfig, compile
 from graphpipe.errors import (
     ConfigError,
     GraphPipeError,
@@ -26,21 +36,31 @@ from graphpipe.errors import (
     ScheduleError,
     TraceError,
 )
-from graphpipe.ir import Plan
+from graphpipe.ir import Plan, Schedule
+from graphpipe.launch import launch
 from graphpipe.partition import plan
 from graphpipe.render import render
+from graphpipe.schedule import make_schedule
+from graphpipe.simulate import simulate
 from graphpipe.trace import trace
 
 __all__ = [
     "ConfigError",
     "GraphPipeError",
     "PipelineError",
+    "PipelinedModel",
     "Plan",
     "PlanError",
+    "RuntimeConfig",
+    "Schedule",
     "ScheduleError",
     "TraceError",
+    "compile",
+    "launch",
+    "make_schedule",
     "plan",
     "render",
+    "simulate",
     "trace",
 ]
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from graphpipe._units import format_time
+from graphpipe.calibrate import calibrated, measure_link
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as pipeline
 from graphpipe.launch import launch
@@ -116,11 +117,12 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
             f"{w.batch_size / times[-1]:8.1f} samples/s  {times[-1] * 1e3:7.1f} ms"
         )
     measured = pm.timeline()
+    link = measure_link() if pm.plan.num_devices > 1 else None
     if pm.rank != 0:
         return None
-    simulated = simulate(pm.plan, config.schedule)
+    simulated = simulate(calibrated(pm.plan, measured, link), pm.schedule.name)
     out = Path(config.out or f"runs/{w.name}")
-    _report(pm, w, config, losses, times, simulated.iteration_time, measured, simulated, out, say)
+    _report(pm, w, losses, times, measured, simulated, out, say)
     return TrainResult(losses, times, simulated.iteration_time, str(out))
 
 
@@ -135,22 +137,23 @@ def _printer(active: bool) -> Any:
 def _report(
     pm: Any,
     w: Any,
-    config: TrainConfig,
     losses: list[float],
     times: list[float],
-    simulated_step: float,
     measured: Any,
     simulated: Any,
     out: Path,
     say: Any,
 ) -> None:
     steady = statistics.median(times[len(times) // 2 :]) if times else 0.0
+    predicted = simulate(pm.plan, pm.schedule.name).iteration_time
     gm = trace(w.model, w.example_inputs, w.leaf_modules)
     say("\n" + plan_table(pm.plan, modules_of(gm.graph.nodes)))
+    say(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     say(
-        f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; step time "
-        f"measured {format_time(steady)} (median of the second half), simulated "
-        f"{format_time(simulated_step)} ({steady / simulated_step:.2f}x)"
+        f"step time: measured {format_time(steady)} (median of the second half); simulated "
+        f"{format_time(simulated.iteration_time)} with the action costs measured in the last "
+        f"steps ({(simulated.iteration_time - steady) / steady:+.0%}); the plan's prediction "
+        f"from the op profile {format_time(predicted)}"
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(pm.plan.to_json())
