@@ -43,8 +43,8 @@ from graphpipe.runtime.comm import FailureBoard, Transport
 from graphpipe.runtime.executor import Batch, Executor, StageRuntime
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
-from graphpipe.runtime.weights import POLICIES, WeightPolicy, make_policy
-from graphpipe.schedule import ASYNC, make_schedule
+from graphpipe.runtime.weights import POLICIES, PolicyOptions, WeightPolicy, make_policy
+from graphpipe.schedule import ASYNC, drain_schedule, make_schedule, warmups
 from graphpipe.trace import LeafSpec, trace, trace_info
 
 __all__ = ["PipelinedModel", "RuntimeConfig", "compile"]
@@ -73,8 +73,9 @@ def compile(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: OptimizerFactory,
     micro_batches: int | None = None,
-    schedule: str = "1f1b",
+    schedule: str | None = None,
     weights: str = "flush",
+    weight_options: PolicyOptions | None = None,
     partitioner: str = "graph",
     plan: Plan | str | Path | None = None,
     leaf_modules: Sequence[LeafSpec] = (),
@@ -94,8 +95,11 @@ def compile(
         optimizer: Builds the optimizer from a list of parameters, e.g.
             `functools.partial(torch.optim.SGD, lr=0.1)`.
         micro_batches: M, micro-batches per mini-batch (default: the plan's, or 4).
-        schedule: "1f1b", "gpipe" or "zb" (flushed), "async" or "2bw".
-        weights: The weight policy: "flush" (see `graphpipe.runtime.weights`).
+        schedule: "1f1b", "gpipe" or "zb" for flush; "async" for stash and pipemare; "2bw"
+            for 2bw. Default: 1f1b, or the one the weight policy needs.
+        weights: The weight policy: "flush", "stash", "2bw" or "pipemare" (see
+            `graphpipe.runtime.weights`).
+        weight_options: PipeMare's fixes.
         partitioner: "graph" or "sequential", when no plan is given.
         plan: A Plan, or a path to its JSON, instead of planning.
         leaf_modules: Module types or paths to trace as single nodes.
@@ -120,13 +124,13 @@ def compile(
             "functools.partial(torch.optim.Adam, lr=1e-3); each rank owns "
             "only its stage's parameters"
         )
-    if weights not in POLICIES:
-        raise ConfigError(f"unknown weight policy {weights!r}; known: {sorted(POLICIES)}")
+    schedule = _schedule_for(weights, schedule)
     _ensure_process_group(runtime)
     gm = trace(model, inputs, leaf_modules=leaf_modules)
     options = {"partitioner": partitioner, **plan_options}
-    if weights != "flush" or schedule in ASYNC:
+    if weights != "flush":
         options.setdefault("replication", False)
+        options.setdefault("weight_versions", 2)
     the_plan = _agree_on_plan(gm, inputs, plan, micro_batches, profile_config, options)
     m = micro_batches or the_plan.micro_batches
     micro_batch_size(trace_info(gm).batch_size, m)
@@ -139,7 +143,26 @@ def compile(
     sched = make_schedule(the_plan, schedule, m)
     if schedule not in ASYNC:
         check_schedule(the_plan, sched)
-    return PipelinedModel(model, gm, inputs, the_plan, sched, loss_fn, optimizer, weights, runtime)
+    return PipelinedModel(
+        model, gm, inputs, the_plan, sched, loss_fn, optimizer, weights, runtime, weight_options
+    )
+
+
+SCHEDULE_FOR = {"stash": "async", "pipemare": "async", "2bw": "2bw"}
+
+
+def _schedule_for(weights: str, schedule: str | None) -> str:
+    """The schedule to run: the one given, checked against the policy, or the policy's."""
+    if weights not in POLICIES:
+        raise ConfigError(f"unknown weight policy {weights!r}; known: {sorted(POLICIES)}")
+    wanted = SCHEDULE_FOR.get(weights)
+    if schedule is None:
+        return wanted or "1f1b"
+    flushed = schedule not in ASYNC
+    if (wanted is None and not flushed) or (wanted is not None and schedule != wanted):
+        need = wanted or "a flushed schedule (gpipe, 1f1b, zb)"
+        raise ConfigError(f"weights={weights!r} runs with {need}, not schedule={schedule!r}")
+    return schedule
 
 
 def _ensure_process_group(runtime: RuntimeConfig) -> None:
@@ -226,6 +249,7 @@ class PipelinedModel:
         optimizer: OptimizerFactory,
         weights: str,
         runtime: RuntimeConfig,
+        weight_options: PolicyOptions | None = None,
     ) -> None:
         self.plan, self.schedule, self.runtime = plan, schedule, runtime
         self.rank = dist.get_rank()
@@ -247,13 +271,19 @@ class PipelinedModel:
             module, io = modules[stage.index]
             self.module = module.to(self.device)
             params = list(self.module.parameters())
-            specs = _specs(gm, example_inputs, plan.micro_batch_size)
+            specs = micro_shapes(gm, example_inputs, plan.micro_batch_size)
             runtime_stage = StageRuntime(
                 self.rank, plan, stage.index, self.module, io, specs, gm, loss_fn, self.device
             )
             self.optimizer = optimizer(params or [nn.Parameter(torch.zeros(0))])
             self.policy: WeightPolicy = make_policy(
-                weights, self.module, self.optimizer, groups.sync, self._m
+                weights,
+                self.module,
+                self.optimizer,
+                groups.sync,
+                self._m,
+                warmups(plan)[stage.index],
+                weight_options,
             )
             board = FailureBoard(dist.get_world_size())
             transport = Transport(self.rank, runtime.timeout, self.device, board)
@@ -287,7 +317,7 @@ class PipelinedModel:
         if self._executor is not None:
             self._executor.losses.clear()
             self._executor.training = True
-            self._executor.run(actions, batch)
+            self._executor.run(actions, batch, wait_sends=not self._async)
         self._calls += 1
         return self._mean_loss()
 
@@ -354,8 +384,59 @@ class PipelinedModel:
         pieces = [merged[j] for j in range(self._m)]
         return tree_map(lambda *xs: torch.cat(xs), *pieces) if pieces else None
 
+    def drain(self) -> None:
+        """Finish the backwards and updates an asynchronous pipeline still has in flight.
+
+        The next step() starts with a new warm-up. Flushed schedules have nothing to drain.
+        """
+        if not self._async or self._calls == 0:
+            return
+        actions = drain_schedule(self.plan, self.schedule.name, self._calls, self._m)
+        if self._executor is not None:
+            self._executor.run(actions.ranks[self.rank], Batch(self._calls * self._m, {}, None))
+            self._executor.state.clear()
+        self._calls = 0
+
+    def versions(self) -> dict[str, Any]:
+        """This rank's weight bookkeeping: the copies it holds and, per micro-batch, the
+        updates reflected in the weights its forward and its backward used."""
+        if self._executor is None:
+            return {"copies": 0, "peak_copies": 0, "forward": {}, "backward": {}}
+        log = self.policy.log
+        return {
+            "copies": self.policy.copies(),
+            "peak_copies": self.policy.peak_copies,
+            "forward": {j: k for kind, j, k in log if kind == "F"},
+            "backward": {j: k for kind, j, k in log if kind == "B"},
+        }
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Everything a resume needs, gathered on every rank: the model (after `drain`), every
+        rank's optimizer state and weight-policy state."""
+        self.drain()
+        model = self.state_dict()
+        mine = None
+        if self._executor is not None:
+            mine = {"optimizer": self.optimizer.state_dict(), "policy": self.policy.state()}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, tree_map(_cpu, mine))
+        return {"model": model, "ranks": gathered, "weights": self._weights}
+
+    def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resume from `checkpoint` (from a pipeline with the same plan and world size)."""
+        self.load_state_dict(checkpoint["model"])
+        mine = checkpoint["ranks"][self.rank]
+        if self._executor is not None and mine is not None:
+            self.optimizer.load_state_dict(mine["optimizer"])
+            self.policy.load_state(mine["policy"])
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model's state dict under the original names, gathered on every rank."""
+        """The full model's state dict under the original names, gathered on every rank.
+
+        An asynchronous pipeline is drained first (`drain`), so the weights are the ones
+        after every update of the micro-batches seen so far.
+        """
+        self.drain()
         mine = (
             {} if self.module is None else {k: _cpu(v) for k, v in self.module.state_dict().items()}
         )
@@ -446,13 +527,6 @@ def _device(runtime: RuntimeConfig) -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-def _specs(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], b: int) -> dict[str, Any]:
-    values = micro_shapes(gm, inputs, b)
-    return {
-        name: (tuple(v.shape), v.dtype) for name, v in values.items() if isinstance(v, torch.Tensor)
-    }
 
 
 def _orphans(model: nn.Module, modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:

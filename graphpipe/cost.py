@@ -21,7 +21,23 @@ from typing import Any
 
 from graphpipe.errors import ConfigError
 
-__all__ = ["CostModel", "LinkModel", "MemoryModel"]
+__all__ = ["CostModel", "LinkModel", "MemoryModel", "weight_copies"]
+
+
+def weight_copies(policy: str, warmup: int, correction: bool = True) -> int:
+    """Peak copies of a stage's weights under a weight policy (see graphpipe.runtime.weights).
+
+    flush 1; stash warm-up + 1 (one per micro-batch in flight, the live one among them); 2bw 2;
+    pipemare 1, plus the moving average of its steps and the corrected weights of the
+    backward in progress when its correction is on and the stage has a warm-up.
+    """
+    if policy == "stash":
+        return warmup + 1
+    if policy == "2bw":
+        return 2
+    if policy == "pipemare":
+        return 1 + (2 if correction and warmup > 0 else int(correction))
+    return 1
 
 
 @dataclass(frozen=True)
@@ -67,9 +83,10 @@ class MemoryModel:
                 f"{self.weight_versions} and {self.optimizer_slots}"
             )
 
-    def weights(self, param_bytes: float) -> float:
+    def weights(self, param_bytes: float, versions: int | None = None) -> float:
         """Bytes for parameters: the kept versions, one gradient and the optimizer state."""
-        return param_bytes * (self.weight_versions + 1 + self.optimizer_slots)
+        kept = self.weight_versions if versions is None else versions
+        return param_bytes * (kept + 1 + self.optimizer_slots)
 
     def fits(self, nbytes: float) -> bool:
         """Whether `nbytes` fits in the budget."""

@@ -27,7 +27,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from graphpipe.cost import CostModel
+from graphpipe.cost import CostModel, weight_copies
 from graphpipe.errors import ScheduleError
 from graphpipe.ir import Action, Plan, Schedule, Span, Stage, StageEdge, Timeline
 
@@ -85,7 +85,9 @@ class SimResult:
     timeline: Timeline
 
 
-def simulate(plan: Plan, schedule: Schedule | str, *, contention: bool = True) -> SimResult:
+def simulate(
+    plan: Plan, schedule: Schedule | str, *, contention: bool = True, weights: str | None = None
+) -> SimResult:
     """Run `schedule` over `plan`'s costs.
 
     Args:
@@ -94,6 +96,8 @@ def simulate(plan: Plan, schedule: Schedule | str, *, contention: bool = True) -
             schedule name, generated for one step() call (asynchronous ones for
             `ASYNC_CALLS` calls, then drained).
         contention: Queue each rank's sends on one link (else links are independent).
+        weights: A weight policy ("flush", "stash", "2bw", "pipemare"): each stage then keeps
+            `cost.weight_copies` copies of its weights; by default the plan's memory model.
 
     Returns:
         The prediction.
@@ -116,7 +120,9 @@ def simulate(plan: Plan, schedule: Schedule | str, *, contention: bool = True) -
         1 - busy[r] / makespan if r in holders and makespan > 0 else 1.0
         for r in range(plan.num_devices)
     )
-    memory = tuple(_peak_memory(plan, r, engine.peak_held[r]) for r in range(plan.num_devices))
+    memory = tuple(
+        _peak_memory(plan, r, engine.peak_held[r], weights) for r in range(plan.num_devices)
+    )
     samples = calls * schedule.micro_batches * plan.micro_batch_size
     return SimResult(
         iteration_time=makespan / calls,
@@ -142,11 +148,16 @@ def steady_run(plan: Plan, name: str, calls: int = ASYNC_CALLS) -> Schedule:
     return Schedule(name, run.micro_batches, ranks, calls)
 
 
-def _peak_memory(plan: Plan, rank: int, held: float) -> int:
+def _peak_memory(plan: Plan, rank: int, held: float, policy: str | None) -> int:
     stage = plan.stage_on(rank)
     if stage is None:
         return 0
-    weights = plan.cost_model.memory.weights(stage.param_bytes)
+    copies = None
+    if policy is not None:
+        from graphpipe.schedule import warmups
+
+        copies = weight_copies(policy, warmups(plan)[stage.index])
+    weights = plan.cost_model.memory.weights(stage.param_bytes, copies)
     return int(weights + stage.activation_bytes * held)
 
 

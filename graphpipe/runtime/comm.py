@@ -171,8 +171,13 @@ class Transport:
         self._wait(pending.work, pending.peer, pending.what)
         return unpack(pending.buffer, pending.specs)
 
-    def finish_sends(self) -> None:
-        """Wait for every posted send (they hold their buffers until then)."""
+    def finish_sends(self, block: bool = True) -> None:
+        """Wait for every posted send (they hold their buffers until then), or, without
+        `block`, only forget those already done: a send whose receiver posts its receive
+        later (an asynchronous pipeline's next call) must stay pending."""
+        if not block:
+            self._sends = [s for s in self._sends if not s[0].is_completed()]
+            return
         sends, self._sends = self._sends, []
         for work, peer, what, _ in sends:
             self._wait(work, peer, what)

@@ -71,6 +71,7 @@ class _MicroBatch:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor | None = None
+    target: Any = None  # kept when the policy recomputes the forward for its backward
     forward_recvs: list[tuple[int, Pending]] = field(default_factory=list)
     backward_recvs: list[tuple[int, Pending]] = field(default_factory=list)
     arrived: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
@@ -108,8 +109,9 @@ class Executor:
             "U": self._update,
         }
 
-    def run(self, actions: Sequence[Action], batch: Batch) -> None:
-        """Execute `actions` in order, then wait for the sends to complete.
+    def run(self, actions: Sequence[Action], batch: Batch, wait_sends: bool = True) -> None:
+        """Execute `actions` in order, then wait for the sends to complete (with
+        `wait_sends`; an asynchronous pipeline's next call receives some of them).
 
         With a transport that matches messages by tag (gloo), every receive of the call is
         posted first, so data flows as soon as its sender is ready instead of when this rank
@@ -134,7 +136,7 @@ class Executor:
                 ) from exc
             if self.record and (a.is_compute or a.kind == "U"):
                 self.spans.append(Span(self.stage.rank, str(a), start, time.perf_counter()))
-        self.transport.finish_sends()
+        self.transport.finish_sends(block=wait_sends)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -191,7 +193,8 @@ class Executor:
                 if batch.targets is None:  # inference: keep the output
                     mb.outputs[OUTPUT] = out
                     return
-                mb.loss = s.loss_fn(out, batch.targets[j - batch.first])
+                mb.target = batch.targets[j - batch.first]
+                mb.loss = s.loss_fn(out, mb.target)
                 self.losses[j] = float(mb.loss.detach())
 
     def _send_forward(self, a: Action, batch: Batch) -> None:
@@ -235,8 +238,19 @@ class Executor:
         mb = self.state[j]
         return [v for n, v in mb.inputs.items() if n in self.stage.io.received and v.requires_grad]
 
+    def _recompute(self, j: int) -> None:
+        """Run micro-batch j's forward again, with the weights the policy picks for backward."""
+        mb, s = self.state[j], self.stage
+        args = [mb.inputs[name] for name in s.io.inputs]
+        with torch.enable_grad():
+            mb.outputs = self.policy.recompute(j, lambda w: _call(s.module, w, args))
+            if s.io.has_output:
+                mb.loss = s.loss_fn(model_output(s.gm, mb.outputs[OUTPUT]), mb.target)
+
     def _backward(self, a: Action, batch: Batch) -> None:
         assert a.mb is not None
+        if self.policy.recomputes:
+            self._recompute(a.mb)
         roots, seeds = self._roots(a.mb)
         self.policy.backward(a.mb, lambda: backward.full(roots, seeds))
         self._finish_backward(a.mb)

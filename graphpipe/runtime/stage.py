@@ -16,6 +16,7 @@ into every stage that reads them (tied weights are then held by several stages).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,19 +121,25 @@ def _copy_inputs(node: fx.Node, graph: fx.Graph, env: dict[str, fx.Node]) -> Non
 
 def micro_shapes(
     gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...], micro_batch_size: int
-) -> dict[str, Any]:
-    """Every node's output for one micro-batch, as fake tensors (shape and dtype only)."""
-    values: dict[str, Any] = {}
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every tensor a node outputs, for one micro-batch (a fake run)."""
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
     class _Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
-            values[n.name] = super().run_node(n)
-            return values[n.name]
+            value = super().run_node(n)
+            if isinstance(value, torch.Tensor):
+                specs[n.name] = (tuple(value.shape), value.dtype)
+            return value
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
         fakes = [mode.from_tensor(resize_batch(x, micro_batch_size)) for x in example_inputs]
         _Recorder(gm).run(*fakes)
-    return values
+    # the fake mode memoises the real parameters through weak references until it is
+    # collected; the weight policies' copy on write (swap_tensors) refuses such tensors
+    del mode, fakes
+    gc.collect()
+    return specs
 
 
 def model_output(gm: fx.GraphModule, value: Any) -> Any:

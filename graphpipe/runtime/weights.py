@@ -1,21 +1,52 @@
 """Weight policies: which weights each forward and backward uses, and when the optimizer steps.
 
-One small object per stage and rank. The executor asks it to run every forward and backward,
-and hands it every update action (`U`) of the schedule:
+One small object per stage and rank. The executor runs every pass through it and hands it
+every update action (`U`) of the schedule:
 
-    policy.forward(j, run)     run(weights) for micro-batch j; weights None = the live ones
-    policy.backward(j, run)    run() the backward of micro-batch j
-    policy.update(j)           the schedule's update action (j None when flushed)
+    policy.forward(j, run)       run(weights) for micro-batch j; weights None = the live ones
+    policy.recompute(j, run)     (PipeMare) the forward again, with the backward's weights
+    policy.backward(j, run)      run() the backward of micro-batch j
+    policy.update(j)             the schedule's update action (j is None when flushed)
 
-    flush   one version; gradients of the M micro-batches accumulate; one optimizer step per
-            mini-batch, after the gradients are summed over replicas and tied copies. The
-            loss of each micro-batch is scaled by 1/M, so a step equals one step on the mean
-            loss of the mini-batch (gradient accumulation).
+Letters: j a micro-batch, M micro-batches per step() call, w the stage's warm-up (forwards
+before its first backward; `graphpipe.schedule.warmups`), k the updates applied so far.
+
+    flush     One version. The gradients of the M micro-batches accumulate (each loss scaled
+              by 1/M); one step per mini-batch after summing over replicas and tied copies:
+              gradient accumulation, equal to one step on the mini-batch's mean loss.
+    stash     PipeDream. Asynchronous 1F1B, no flush: every micro-batch is its own update
+              (loss not scaled). A forward uses the newest weights; that version is kept for
+              the same micro-batch's backward. At stage i micro-batch j sees the weights after
+              max(0, j - w_i) updates: w(j+1) = w(j) - lr * grad f(w_1(j - w_1), ..., w_n(j - w_n)).
+              At most w + 1 copies per stage, the live one included; one optimizer, no copies
+              of its state.
+    2bw       PipeDream-2BW. Gradients of a whole mini-batch (M >= depth micro-batches, loss
+              scaled by 1/M) coalesce into one update, made after its last backward. The
+              forwards of mini-batch t use version V_t, the live weights at its first forward
+              or before update t-1, whichever comes first (on the last stage the update comes
+              first): V_0 = V_1 = W0 and V_(t+2) = step(V_(t+1), grad f(V_t)), that is
+              W(t+1) = W(t) - lr * grad f(W(t-1)), momentum and Adam included, with no shadow
+              optimizer state. At most 2 copies.
+    pipemare  PipeMare. Asynchronous 1F1B without stashing: a forward uses the live weights
+              (k = j - w updates old), the backward re-runs the stage's forward on the saved
+              input with the live weights, optionally corrected back towards the forward's:
+              w - (tau_fwd - tau_bwd) * delta = w - w_i * delta, delta an exponential moving
+              average of the weight steps. Learning rate rescheduling scales the rate by
+              1 / tau^(1 - min(k / K, 1)), tau = max(w_i, 1). Both fixes can be switched off.
+              One copy of the weights (plus delta, and the corrected weights while a
+              backward runs).
+
+How step() calls map to updates: flush and the synchronous schedules update once per call.
+The asynchronous schedules (async, 2bw) keep micro-batches in flight across calls: call c
+forwards micro-batches cM..cM+M-1 and runs the backwards and updates that fall due; step()
+returns the mean loss of the micro-batches forwarded by this call. `drain()` (and
+state_dict()) finish the backwards still in flight; the next step() starts a new warm-up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -24,23 +55,36 @@ from torch import nn
 from graphpipe.errors import ConfigError
 from graphpipe.runtime.sync import GradSync
 
-__all__ = ["POLICIES", "Flush", "WeightPolicy", "make_policy"]
+__all__ = ["POLICIES", "Flush", "PipeMare", "PolicyOptions", "Stash", "TwoBW", "make_policy"]
 
 T = TypeVar("T")
 Weights = dict[str, torch.Tensor] | None
 
 
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Settings of the PipeMare fixes (the other policies have none)."""
+
+    lr_reschedule: bool = True  # scale the rate by 1 / tau^(1 - min(k/K, 1))
+    correction: bool = True  # backward with w - w_i * delta instead of the live weights
+    warmup_updates: int = 100  # K: updates until the rate is back to the full rate
+    ema: float = 0.9  # delta <- ema * delta + (1 - ema) * (w_new - w_old)
+
+
 class WeightPolicy:
-    """Base class: the live parameters for everything, a step per update action.
+    """Base class: the live parameters for everything, one step per update action.
 
     Args:
         module: The stage module.
         optimizer: Its optimizer.
         sync: Sums gradients over replicas and tied copies.
         micro_batches: M.
+        warmup: The stage's warm-up w.
+        options: PipeMare settings.
     """
 
     name = "base"
+    recomputes = False  # whether the backward re-runs the forward (PipeMare)
 
     def __init__(
         self,
@@ -48,10 +92,15 @@ class WeightPolicy:
         optimizer: torch.optim.Optimizer,
         sync: GradSync,
         micro_batches: int,
+        warmup: int = 0,
+        options: PolicyOptions | None = None,
     ) -> None:
         self.module, self.optimizer, self.sync, self.m = module, optimizer, sync, micro_batches
-        self.log: list[tuple[str, int, int]] = []  # (pass, micro-batch, version)
-        self.version = 0  # optimizer steps taken
+        self.warmup, self.options = warmup, options or PolicyOptions()
+        self.params = dict(module.named_parameters())
+        self.log: list[tuple[str, int, int]] = []  # (pass, micro-batch, updates reflected)
+        self.version = 0  # k: optimizer steps taken
+        self.peak_copies = 1  # the most copies held at once so far
 
     def loss_scale(self) -> float:
         """What each micro-batch's loss is multiplied by before its backward."""
@@ -62,25 +111,45 @@ class WeightPolicy:
         self.log.append(("F", j, self.version))
         return run(None)
 
+    def recompute(self, j: int, run: Callable[[Weights], T]) -> T:
+        """Run micro-batch j's forward again, for its backward (PipeMare only)."""
+        raise NotImplementedError(f"the {self.name} policy keeps the forward's graph")
+
     def backward(self, j: int, run: Callable[[], None]) -> None:
         """Run micro-batch j's backward (its autograd graph already holds the weights)."""
-        self.log.append(("B", j, self.version))
+        self.log.append(("B", j, self.forward_version(j)))
         run()
+
+    def forward_version(self, j: int) -> int:
+        """Updates reflected in the weights micro-batch j's forward used."""
+        return next(v for kind, mb, v in reversed(self.log) if kind == "F" and mb == j)
 
     def update(self, j: int | None) -> None:
         """The schedule's update action: sum gradients, step, clear them."""
+        self._step()
+
+    def _step(self) -> None:
+        self.note_copies()
         self.sync()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
+    def note_copies(self) -> None:
+        """Remember the peak of `copies()`."""
+        self.peak_copies = max(self.peak_copies, self.copies())
+
     def copies(self) -> int:
-        """Copies of the weights this stage holds now (the live ones included)."""
+        """Copies of the weights this stage holds now, the live ones included."""
         return 1
 
     def state(self) -> dict[str, Any]:
-        """Extra state a resume needs beyond the parameters (none for flush)."""
-        return {}
+        """What a resume needs besides the parameters and the optimizer state."""
+        return {"version": self.version}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Inverse of `state`."""
+        self.version = int(state["version"])
 
 
 class Flush(WeightPolicy):
@@ -89,7 +158,185 @@ class Flush(WeightPolicy):
     name = "flush"
 
 
-POLICIES: dict[str, type[WeightPolicy]] = {"flush": Flush}
+class _Versioned(WeightPolicy):
+    """Forwards run on aliases of the live weights (versions); an update first moves the live
+    weights to fresh storage while a version in flight still aliases them (copy on write),
+    so every version stays intact until its last backward."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.versions: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # id -> (k, alias)
+        self.of_mb: dict[int, int] = {}
+
+    def _version_id(self, j: int) -> int:
+        raise NotImplementedError
+
+    def _publish(self, vid: int) -> None:
+        """Make version `vid` an alias of the live weights, unless it exists."""
+        if vid not in self.versions:
+            alias = {n: p.detach().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+            self.versions[vid] = (self.version, alias)
+
+    def forward(self, j: int, run: Callable[[Weights], T]) -> T:
+        vid = self._version_id(j)
+        self._publish(vid)
+        self.note_copies()
+        self.of_mb[j] = vid
+        k, alias = self.versions[vid]
+        self.log.append(("F", j, k))
+        return run(alias)
+
+    def backward(self, j: int, run: Callable[[], None]) -> None:
+        self.log.append(("B", j, self.versions[self.of_mb[j]][0]))
+        run()
+
+    def _take_grads(self, vid: int) -> dict[str, torch.Tensor | None]:
+        """The gradients gathered on version `vid`, which then starts from none again."""
+        _, alias = self.versions[vid]
+        grads = {n: t.grad for n, t in alias.items()}
+        for t in alias.values():
+            t.grad = None
+        return grads
+
+    def _step_with(self, grads: dict[str, torch.Tensor | None]) -> None:
+        """Step the live weights with `grads`; first copy them away from in-flight versions."""
+        live = {p.data_ptr() for p in self.params.values()}
+        if any(t.data_ptr() in live for _, a in self.versions.values() for t in a.values()):
+            for p in self.params.values():
+                torch.utils.swap_tensors(p, nn.Parameter(p.detach().clone(), p.requires_grad))
+        for n, p in self.params.items():
+            p.grad = grads[n]
+        self._step()
+
+    def copies(self) -> int:
+        if not self.params:
+            return 1
+        first = next(iter(self.params))
+        stores = {self.params[first].data_ptr()}
+        stores |= {a[first].data_ptr() for _, a in self.versions.values()}
+        return len(stores)
+
+
+class Stash(_Versioned):
+    """PipeDream: every micro-batch an update; its backward uses its forward's version."""
+
+    name = "stash"
+
+    def loss_scale(self) -> float:
+        return 1.0
+
+    def _version_id(self, j: int) -> int:
+        return self.version  # the newest weights
+
+    def update(self, j: int | None) -> None:
+        assert j is not None, "stash updates after each micro-batch"
+        vid = self.of_mb.pop(j)
+        grads = self._take_grads(vid)
+        if vid not in self.of_mb.values():  # no other micro-batch in flight uses it
+            del self.versions[vid]
+        self._step_with(grads)
+
+
+class TwoBW(_Versioned):
+    """PipeDream-2BW: one version per mini-batch, one update per mini-batch, two copies."""
+
+    name = "2bw"
+
+    def _version_id(self, j: int) -> int:
+        return j // self.m  # the mini-batch: its first forward publishes the live weights
+
+    def update(self, j: int | None) -> None:
+        assert j is not None, "2bw updates after the last micro-batch of a mini-batch"
+        vid = j // self.m
+        for mb in [mb for mb, v in self.of_mb.items() if v == vid]:
+            del self.of_mb[mb]
+        grads = self._take_grads(vid)
+        del self.versions[vid]
+        # mini-batch vid + 1 sees the weights from before this update, also on the last
+        # stage, where this update runs before the mini-batch's first forward
+        self._publish(vid + 1)
+        self._step_with(grads)
+
+
+class PipeMare(WeightPolicy):
+    """PipeMare: no stashing; the backward recomputes with the live (corrected) weights."""
+
+    name = "pipemare"
+    recomputes = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delta = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.backward_weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def loss_scale(self) -> float:
+        return 1.0
+
+    def forward(self, j: int, run: Callable[[Weights], T]) -> T:
+        self.log.append(("F", j, self.version))
+        with torch.no_grad():
+            return run(None)
+
+    def recompute(self, j: int, run: Callable[[Weights], T]) -> T:
+        if not (self.options.correction and self.warmup > 0):
+            return run(None)  # the live parameters: gradients land in their .grad
+        estimate = {
+            n: (p.detach() - self.warmup * self.delta[n]).requires_grad_(p.requires_grad)
+            for n, p in self.params.items()
+        }
+        self.backward_weights[j] = estimate
+        self.note_copies()
+        return run(estimate)
+
+    def backward(self, j: int, run: Callable[[], None]) -> None:
+        self.log.append(("B", j, self.version))
+        run()
+
+    def lr_factor(self) -> float:
+        """1 / tau^(1 - min(k/K, 1)) with tau = max(w, 1); 1 when rescheduling is off."""
+        if not self.options.lr_reschedule:
+            return 1.0
+        progress = min(self.version / max(self.options.warmup_updates, 1), 1.0)
+        return 1.0 / max(self.warmup, 1) ** (1.0 - progress)
+
+    def update(self, j: int | None) -> None:
+        assert j is not None, "pipemare updates after each micro-batch"
+        estimate = self.backward_weights.pop(j, None)
+        if estimate is not None:
+            for n, p in self.params.items():
+                p.grad = estimate[n].grad
+        before = {n: p.detach().clone() for n, p in self.params.items()}
+        factor = self.lr_factor()
+        rates = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["lr"] * factor
+        try:
+            self._step()
+        finally:
+            for g, lr in zip(self.optimizer.param_groups, rates, strict=True):
+                g["lr"] = lr
+        with torch.no_grad():
+            for n, p in self.params.items():
+                self.delta[n].mul_(self.options.ema).add_(p - before[n], alpha=1 - self.options.ema)
+
+    def copies(self) -> int:
+        return 1 + int(self.options.correction) + len(self.backward_weights)
+
+    def state(self) -> dict[str, Any]:
+        return {"version": self.version, "delta": {n: d.clone() for n, d in self.delta.items()}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        for n, d in state["delta"].items():
+            self.delta[n].copy_(d)
+
+
+POLICIES: dict[str, type[WeightPolicy]] = {
+    "flush": Flush,
+    "stash": Stash,
+    "2bw": TwoBW,
+    "pipemare": PipeMare,
+}
 
 
 def make_policy(name: str, *args: Any, **kwargs: Any) -> WeightPolicy:
