@@ -1,4 +1,7 @@
 """graphpipe's benchmarks. `python -m benchmarks` runs them all and writes BENCHMARKS.md.
 
-python -m benchmarks.planner     graph vs sequential plans of the paper presets (simulated)
+python -m benchmarks.planner       graph vs sequential plans of the paper presets (simulated)
+python -m benchmarks.runtime       2 CPU processes: vs torch.distributed.pipelining, vs one
+                                   process, simulated vs measured step time
+python -m benchmarks.convergence   the weight policies on a teacher-student regression
 """
