@@ -179,3 +179,16 @@ def synthetic_data(
         return inputs, teacher(inputs)
 
     return make_batch(torch.Generator().manual_seed(seed))[0], make_batch
+
+
+def run_example(module: str) -> None:
+    """`python -m models.<name> [options]`: `graphpipe run models.<name> [options]`.
+
+    Options: --devices N (default 2), --preset (default cpu), --schedule, --weights, --steps,
+    --micro-batches, --out; `graphpipe run --help` lists them all.
+    """
+    import sys
+
+    from graphpipe.cli import main
+
+    sys.exit(main(["run", module, *sys.argv[1:]]))

@@ -34,6 +34,7 @@ from models._common import (
     mlp,
     preset_options,
     projection,
+    run_example,
     seeded,
     synthetic_data,
 )
@@ -127,3 +128,7 @@ def workload(preset: str = "tiny", *, seed: int = 0, **options: Any) -> Workload
         description=f"CANDLE-Uno, {cfg.towers} towers of {cfg.depth} × Dense({cfg.width})",
         options=options,
     )
+
+
+if __name__ == "__main__":
+    run_example("models.candle_uno")

@@ -35,6 +35,7 @@ from models._common import (
     mlp,
     preset_options,
     projection,
+    run_example,
     seeded,
     synthetic_data,
 )
@@ -146,3 +147,7 @@ def workload(preset: str = "tiny", *, seed: int = 0, **options: Any) -> Workload
         description=f"DLRM, {cfg.dense_branches} dense MLP branches and {cfg.tables} tables",
         options=options,
     )
+
+
+if __name__ == "__main__":
+    run_example("models.dlrm")

@@ -38,6 +38,7 @@ from models._common import (
     Teacher,
     preset_options,
     projection,
+    run_example,
     seeded,
     synthetic_data,
 )
@@ -183,3 +184,7 @@ def workload(preset: str = "tiny", *, seed: int = 0, **options: Any) -> Workload
         description=f"Inception-style CNN, {cfg.blocks} blocks of 4 branches",
         options=options,
     )
+
+
+if __name__ == "__main__":
+    run_example("models.inception")

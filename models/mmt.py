@@ -36,6 +36,7 @@ from models._common import (
     mlp,
     preset_options,
     projection,
+    run_example,
     seeded,
     synthetic_data,
 )
@@ -142,3 +143,7 @@ def workload(preset: str = "tiny", *, seed: int = 0, **options: Any) -> Workload
         description=f"multi-modal transformer, {cfg.branches} branches × {cfg.layers} layers",
         options=options,
     )
+
+
+if __name__ == "__main__":
+    run_example("models.mmt")

@@ -34,6 +34,7 @@ from models._common import (
     encoder_stack,
     preset_options,
     projection,
+    run_example,
     seeded,
     synthetic_data,
 )
@@ -121,3 +122,7 @@ def workload(preset: str = "tiny", *, seed: int = 0, **options: Any) -> Workload
         description=f"{cfg.branches} parallel transformer branches × {cfg.layers} layers",
         options=options,
     )
+
+
+if __name__ == "__main__":
+    run_example("models.nbranch")
