@@ -17,8 +17,17 @@ FILES = ("plan.svg", "ops.svg", "timeline.svg", "timeline.json", "simulated.svg"
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_every_example_trains_on_two_processes(name: str, tmp_path: Path) -> None:
-    result = train(TrainConfig(model=f"models.{name}", preset="tiny", devices=2, steps=2,
-                               profile="flops", out=str(tmp_path), timeout=60))
+    result = train(
+        TrainConfig(
+            model=f"models.{name}",
+            preset="tiny",
+            devices=2,
+            steps=2,
+            profile="flops",
+            out=str(tmp_path),
+            timeout=60,
+        )
+    )
     assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
     for file in FILES:
         assert (tmp_path / file).stat().st_size > 0, file
@@ -27,8 +36,7 @@ def test_every_example_trains_on_two_processes(name: str, tmp_path: Path) -> Non
 
 def test_gallery_renders_three_pictures_per_model(tmp_path: Path) -> None:
     written = render_gallery(tmp_path, devices=4)
-    assert sorted(p.name for p in written) == sorted(
-        f"{m}-{k}.svg" for m in MODELS for k in KINDS)
+    assert sorted(p.name for p in written) == sorted(f"{m}-{k}.svg" for m in MODELS for k in KINDS)
     for m in MODELS:
         ops = (tmp_path / f"{m}-ops.svg").read_text()
         assert ops.startswith("<?xml") or ops.startswith("<svg")

@@ -39,8 +39,10 @@ def render_gallery(
         w = load_workload(f"models.{name}", preset)
         gm = trace(w.model, w.example_inputs, w.leaf_modules)
         prof = profile(gm, w.example_inputs, micro_batch_size(w.batch_size, w.micro_batches))
-        plans = {kind: partition(gm, prof, PlanConfig(devices, w.micro_batches, kind))
-                 for kind in ("graph", "sequential")}
+        plans = {
+            kind: partition(gm, prof, PlanConfig(devices, w.micro_batches, kind))
+            for kind in ("graph", "sequential")
+        }
         schedule, run = best_schedule(plans["graph"], "best")
         pictures = {
             "ops": render(gm, plans["graph"]).pipe(format="svg"),
@@ -51,8 +53,11 @@ def render_gallery(
             path = out / f"{name}-{kind}.svg"
             path.write_bytes(svg)
             written.append(path)
-        print(f"{name}: {len(plans['graph'].stages)} stages, depth {plans['graph'].depth} "
-              f"(sequential: depth {plans['sequential'].depth}), schedule {schedule}", flush=True)
+        print(
+            f"{name}: {len(plans['graph'].stages)} stages, depth {plans['graph'].depth} "
+            f"(sequential: depth {plans['sequential'].depth}), schedule {schedule}",
+            flush=True,
+        )
     return written
 
 
