@@ -134,8 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     _model_arguments(run, devices_default=2)
     run.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
     run.add_argument("--weights", default="flush", help="weight policy (default: flush)")
-    run.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
-    run.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+    run.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
+    run.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default: 3e-3)")
     run.add_argument(
         "--profile",
         choices=("measure", "flops"),

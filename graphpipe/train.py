@@ -1,6 +1,6 @@
 """train: the example training loop behind `graphpipe run` and `python -m models.<name>`.
 
-    graphpipe run models.mmt --devices 2                 # the cpu preset, 30 steps
+    graphpipe run models.mmt --devices 2                 # the cpu preset, 40 steps
     python -m models.dlrm --devices 2 --schedule zb --steps 50
 
 Every rank builds the same workload and draws the same synthetic mini-batches; graphpipe.compile
@@ -53,8 +53,8 @@ class TrainConfig:
     devices: int = 2  # processes, one stage (or replica) each
     schedule: str = "1f1b"
     weights: str = "flush"
-    steps: int = 30
-    lr: float = 1e-3  # Adam's learning rate
+    steps: int = 40
+    lr: float = 3e-3  # Adam's learning rate
     micro_batches: int | None = None  # default: the preset's
     profile: str = "measure"  # op times for planning: "measure" (this machine) or "flops"
     replication: bool = False  # allow data-parallel stages (off: a pipeline of distinct stages)

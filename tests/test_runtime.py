@@ -41,8 +41,15 @@ SCHEDULES = ("gpipe", "1f1b", "zb")
 TIMEOUT = 240  # seconds for a whole launch
 
 
-def _optimizer() -> functools.partial[torch.optim.Optimizer]:
+def _optimizer(kind: str = "sgd") -> functools.partial[torch.optim.Optimizer]:
+    if kind == "adam":
+        return functools.partial(torch.optim.Adam, lr=0.01)
     return functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
+
+
+def _scheduler(opt: torch.optim.Optimizer, kind: str) -> Any:
+    """Adam runs with a StepLR that halves the rate every step; SGD with none."""
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if kind == "adam" else None
 
 
 def batch(name: str, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -58,10 +65,11 @@ def batch(name: str, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]
     return fresh, torch.randn(shape, generator=gen)
 
 
-def reference(name: str, steps: int = STEPS) -> tuple[list[float], nn.Module]:
+def reference(name: str, steps: int = STEPS, kind: str = "sgd") -> tuple[list[float], nn.Module]:
     """Single-process training with gradient accumulation over the same micro-batches."""
     model, _ = ZOO[name]()
-    opt = _optimizer()(model.parameters())
+    opt = _optimizer(kind)(model.parameters())
+    scheduler = _scheduler(opt, kind)
     losses = []
     for step in range(steps):
         inputs, target = batch(name, step)
@@ -73,40 +81,48 @@ def reference(name: str, steps: int = STEPS) -> tuple[list[float], nn.Module]:
             total += loss.item()
         opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(total / M)
     return losses, model
 
 
-def _train(pm: Any, name: str) -> dict[str, Any]:
-    losses = [pm.step(*batch(name, s)[0], target=batch(name, s)[1]) for s in range(STEPS)]
+def _train(pm: Any, name: str, kind: str = "sgd") -> dict[str, Any]:
+    scheduler = _scheduler(pm.optimizer, kind)
+    losses = []
+    for s in range(STEPS):
+        losses.append(pm.step(*batch(name, s)[0], target=batch(name, s)[1]))
+        if scheduler is not None:
+            scheduler.step()
     return {"losses": losses, "state": pm.state_dict(), "output": pm(*batch(name, 0)[0])}
 
 
-def _grid_worker(cases: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+def _grid_worker(cases: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Any]:
     results = {}
-    for name, schedule in cases:
+    for name, schedule, kind in cases:
         model, inputs = ZOO[name]()
         the_plan = plan(model, inputs, devices=3, micro_batches=M, pins=PINS[name])
         pm = gp_compile(
             model,
             inputs,
             loss_fn=dict_loss,
-            optimizer=_optimizer(),
+            optimizer=_optimizer(kind),
             schedule=schedule,
             plan=the_plan,
         )
-        results[(name, schedule)] = _train(pm, name)
+        results[(name, schedule, kind)] = _train(pm, name, kind)
     return results
 
 
 @pytest.fixture(scope="module")
-def grid() -> dict[tuple[str, str], Any]:
-    cases = [(name, s) for name in PINS for s in SCHEDULES]
+def grid() -> dict[tuple[str, str, str], Any]:
+    cases = [(name, s, "sgd") for name in PINS for s in SCHEDULES]
+    cases.append(("tied", "1f1b", "adam"))  # another optimizer, with an LR scheduler
     return launch(_grid_worker, 3, args=(cases,), timeout=TIMEOUT)[0]
 
 
-def _assert_matches(result: dict[str, Any], name: str) -> None:
-    ref_losses, ref_model = reference(name)
+def _assert_matches(result: dict[str, Any], name: str, kind: str = "sgd") -> None:
+    ref_losses, ref_model = reference(name, kind=kind)
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
     ref_state = ref_model.state_dict()
     assert list(result["state"]) == list(ref_state)
@@ -123,9 +139,15 @@ def _assert_matches(result: dict[str, Any], name: str) -> None:
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", sorted(PINS))
 def test_pipelined_training_matches_single_process(
-    grid: dict[tuple[str, str], Any], name: str, schedule: str
+    grid: dict[tuple[str, str, str], Any], name: str, schedule: str
 ) -> None:
-    _assert_matches(grid[(name, schedule)], name)
+    _assert_matches(grid[(name, schedule, "sgd")], name)
+
+
+def test_any_optimizer_with_an_lr_scheduler_on_pm_optimizer(
+    grid: dict[tuple[str, str, str], Any],
+) -> None:
+    _assert_matches(grid[("tied", "1f1b", "adam")], "tied", "adam")
 
 
 def _replicated_worker() -> dict[str, Any]:

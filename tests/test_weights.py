@@ -308,3 +308,40 @@ def test_the_simulator_counts_the_same_weight_copies() -> None:
         rank = s.devices[0]
         extra = stash.peak_memory[rank] - flush.peak_memory[rank]
         assert extra == s.param_bytes * (weight_copies("stash", warm[s.index]) - 1)
+
+
+def _resume_worker(policy: str, options: PolicyOptions | None) -> list[dict[str, torch.Tensor]]:
+    """Two calls, a checkpoint, two more; and a fresh pipeline resumed from the checkpoint."""
+    name = "skip_across"
+    mbs = mini_batches(name)
+
+    def build() -> Any:
+        model, _ = ZOO[name]()
+        return gp_compile(
+            model,
+            mbs[0][0],
+            loss_fn=dict_loss,
+            optimizer=OPTIMIZERS["adam"],
+            weights=policy,
+            weight_options=options,
+            plan=_plan(name),
+        )
+
+    first = build()
+    for x, y in mbs[:2]:
+        first.step(*x, target=y)
+    checkpoint = first.checkpoint()
+    for x, y in mbs[2:4]:
+        first.step(*x, target=y)
+    second = build()
+    second.load_checkpoint(checkpoint)
+    for x, y in mbs[2:4]:
+        second.step(*x, target=y)
+    return [first.state_dict(), second.state_dict()]
+
+
+@pytest.mark.parametrize(("policy", "options"), [("stash", None), ("pipemare", FIXES)])
+def test_a_checkpoint_resumes_exactly(policy: str, options: PolicyOptions | None) -> None:
+    uninterrupted, resumed = launch(_resume_worker, 3, args=(policy, options), timeout=300)[0]
+    for key, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)

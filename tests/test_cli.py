@@ -1,0 +1,133 @@
+"""The command line: `graphpipe plan` prints tables and writes files; errors are one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from graphpipe.cli import main, parse_options
+from graphpipe.errors import ConfigError
+from graphpipe.ir import Plan
+
+
+def test_plan_prints_both_plans_and_writes_every_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = {
+        k: tmp_path / f"{k}.{ext}"
+        for k, ext in (
+            ("plan", "json"),
+            ("stages", "svg"),
+            ("ops", "svg"),
+            ("tl", "svg"),
+            ("tr", "json"),
+        )
+    }
+    code = main(
+        [
+            "plan",
+            "models.mmt",
+            "--preset",
+            "tiny",
+            "--devices",
+            "3",
+            "--micro-batches",
+            "2",
+            "--json",
+            str(files["plan"]),
+            "--render",
+            str(files["stages"]),
+            "--render-ops",
+            str(files["ops"]),
+            "--timeline",
+            str(files["tl"]),
+            "--trace",
+            str(files["tr"]),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "graph plan:" in out and "sequential plan:" in out and "graph vs sequential" in out
+    assert "predicted bottleneck" in out and "samples/s" in out and "peak memory" in out
+    plan = Plan.from_json(files["plan"].read_text())
+    assert plan.num_devices == 3 and plan.micro_batches == 2
+    for name in ("stages", "ops"):
+        assert "<svg" in files[name].read_text()
+    for kind in ("graph", "sequential"):  # one timeline and one trace per plan
+        assert "<svg" in (tmp_path / f"tl-{kind}.svg").read_text()
+        events = json.loads((tmp_path / f"tr-{kind}.json").read_text())["traceEvents"]
+        assert any(e["ph"] == "X" for e in events)
+
+
+def test_a_model_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "mine.py"
+    source.write_text(
+        "from models import candle_uno\n"
+        "def make(preset, **options):\n"
+        "    return candle_uno.workload('tiny', **options)\n"
+    )
+    assert main(["plan", f"{source}:make", "--devices", "2", "--partitioner", "graph"]) == 0
+    assert "graph plan:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "models.nothing", "--devices", "2"], "cannot import 'models.nothing'"),
+        (["plan", "models.mmt", "--preset", "huge", "--devices", "2"], "'huge'"),
+        (
+            ["plan", "models.mmt", "--preset", "tiny", "--devices", "2", "-m", "3"],
+            "batch of 8 does not split into 3",
+        ),
+        (["plan", "models.mmt", "--preset", "tiny", "--devices", "99"], "99 devices"),
+        (
+            ["plan", "models.mmt", "--preset", "tiny", "--devices", "2", "--memory", "0.000001"],
+            "memory budget",
+        ),
+    ],
+)
+def test_errors_are_one_clear_line_and_status_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "graphpipe: error:" in err and message in err
+    assert "Traceback" not in err
+
+
+def test_model_options() -> None:
+    assert parse_options(["branches=3", "name=x", "sizes=(1, 2)"]) == {
+        "branches": 3,
+        "name": "x",
+        "sizes": (1, 2),
+    }
+    with pytest.raises(ConfigError, match="'branches'"):
+        parse_options(["branches"])
+
+
+def test_zero_bubble_timeline_shows_its_weight_gradient_passes(tmp_path: Path) -> None:
+    out = tmp_path / "t.svg"
+    assert (
+        main(
+            [
+                "plan",
+                "models.dlrm",
+                "--preset",
+                "tiny",
+                "--devices",
+                "2",
+                "--partitioner",
+                "sequential",
+                "--no-replication",
+                "--schedule",
+                "zb",
+                "--timeline",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    svg = out.read_text()
+    assert "<title>0I0" in svg and "<title>0W0" in svg and "<title>1W0" in svg
