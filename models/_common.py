@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from graphpipe.errors import ConfigError
-from graphpipe.workload import BatchFn
+from graphpipe.workload import BatchFn, Workload
 
 Inputs = tuple[torch.Tensor, ...]
 Teacher = Callable[[Inputs], torch.Tensor]  # inputs -> target: the function to be learnt
@@ -179,6 +179,39 @@ def synthetic_data(
         return inputs, teacher(inputs)
 
     return make_batch(torch.Generator().manual_seed(seed))[0], make_batch
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a model module hands `build_workload`: everything that differs per model."""
+
+    name: str  # the model's short name
+    model: Callable[[], nn.Module]  # builds the model (called seeded, on the right device)
+    specs: Sequence[InputSpec]  # its inputs
+    teacher: Callable[[Inputs], torch.Tensor]  # the fixed function the target comes from
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    micro_batches: int
+    description: str
+    leaf_modules: tuple[type, ...] = ()
+
+
+def build_workload(recipe: Recipe, preset: str, seed: int, options: dict[str, Any]) -> Workload:
+    """The Workload of a recipe: the paper preset on the meta device, the others on the CPU."""
+    paper = preset == "paper"
+    with seeded(seed), torch.device("meta" if paper else "cpu"):
+        model = recipe.model()
+    inputs, make_batch = synthetic_data(recipe.name, recipe.specs, recipe.teacher, seed, meta=paper)
+    return Workload(
+        name=recipe.name,
+        model=model,
+        example_inputs=inputs,
+        loss_fn=recipe.loss_fn,
+        make_batch=make_batch,
+        leaf_modules=recipe.leaf_modules,
+        micro_batches=recipe.micro_batches,
+        description=recipe.description,
+        options=options,
+    )
 
 
 def run_example(module: str) -> None:

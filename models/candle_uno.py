@@ -29,14 +29,14 @@ from graphpipe.workload import Workload
 from models._common import (
     Inputs,
     InputSpec,
+    Recipe,
     Teacher,
+    build_workload,
     cyclic,
     mlp,
     preset_options,
     projection,
     run_example,
-    seeded,
-    synthetic_data,
 )
 
 __all__ = ["PRESETS", "CandleUno", "UnoConfig", "workload"]
@@ -112,22 +112,16 @@ def workload(preset: str = "tiny", *, seed: int = 0, **options: Any) -> Workload
     """
     options = preset_options("candle_uno", PRESETS, preset, options)
     cfg = UnoConfig(**options)
-    paper = preset == "paper"
-    with seeded(seed), torch.device("meta" if paper else "cpu"):
-        model = CandleUno(cfg)
-    specs = [InputSpec((cfg.batch, feat)) for feat in cfg.tower_features]
-    teacher = partial(_teacher, cfg)
-    inputs, make_batch = synthetic_data("candle_uno", specs, teacher, seed, meta=paper)
-    return Workload(
+    recipe = Recipe(
         name="candle_uno",
-        model=model,
-        example_inputs=inputs,
+        model=partial(CandleUno, cfg),
+        specs=[InputSpec((cfg.batch, feat)) for feat in cfg.tower_features],
+        teacher=partial(_teacher, cfg),
         loss_fn=F.mse_loss,
-        make_batch=make_batch,
         micro_batches=cfg.micro_batches,
         description=f"CANDLE-Uno, {cfg.towers} towers of {cfg.depth} × Dense({cfg.width})",
-        options=options,
     )
+    return build_workload(recipe, preset, seed, options)
 
 
 if __name__ == "__main__":

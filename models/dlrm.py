@@ -31,13 +31,13 @@ from graphpipe.workload import Workload
 from models._common import (
     Inputs,
     InputSpec,
+    Recipe,
     Teacher,
+    build_workload,
     mlp,
     preset_options,
     projection,
     run_example,
-    seeded,
-    synthetic_data,
 )
 
 __all__ = ["DLRM", "PRESETS", "DLRMConfig", "workload"]
@@ -129,24 +129,19 @@ def workload(preset: str = "tiny", *, seed: int = 0, **options: Any) -> Workload
     """
     options = preset_options("dlrm", PRESETS, preset, options)
     cfg = DLRMConfig(**options)
-    paper = preset == "paper"
-    with seeded(seed), torch.device("meta" if paper else "cpu"):
-        model = DLRM(cfg)
-    specs = [
-        InputSpec((cfg.batch, cfg.dense_branches, cfg.dense_in)),
-        InputSpec((cfg.batch, cfg.tables, cfg.bag), high=cfg.rows),
-    ]
-    inputs, make_batch = synthetic_data("dlrm", specs, partial(_teacher, cfg), seed, meta=paper)
-    return Workload(
+    recipe = Recipe(
         name="dlrm",
-        model=model,
-        example_inputs=inputs,
+        model=partial(DLRM, cfg),
+        specs=[
+            InputSpec((cfg.batch, cfg.dense_branches, cfg.dense_in)),
+            InputSpec((cfg.batch, cfg.tables, cfg.bag), high=cfg.rows),
+        ],
+        teacher=partial(_teacher, cfg),
         loss_fn=F.binary_cross_entropy_with_logits,
-        make_batch=make_batch,
         micro_batches=cfg.micro_batches,
         description=f"DLRM, {cfg.dense_branches} dense MLP branches and {cfg.tables} tables",
-        options=options,
     )
+    return build_workload(recipe, preset, seed, options)
 
 
 if __name__ == "__main__":

@@ -35,12 +35,12 @@ from graphpipe.workload import Workload
 from models._common import (
     Inputs,
     InputSpec,
+    Recipe,
     Teacher,
+    build_workload,
     preset_options,
     projection,
     run_example,
-    seeded,
-    synthetic_data,
 )
 
 __all__ = ["PRESETS", "ConvBNReLU", "Inception", "InceptionConfig", "workload"]
@@ -167,23 +167,17 @@ def workload(preset: str = "tiny", *, seed: int = 0, **options: Any) -> Workload
     options = preset_options("inception", PRESETS, preset, options)
     cfg = InceptionConfig(**options)
     _check(cfg)
-    paper = preset == "paper"
-    with seeded(seed), torch.device("meta" if paper else "cpu"):
-        model = Inception(cfg)
-    specs = [InputSpec((cfg.batch, 3, cfg.image, cfg.image))]
-    teacher = partial(_teacher, cfg)
-    inputs, make_batch = synthetic_data("inception", specs, teacher, seed, meta=paper)
-    return Workload(
+    recipe = Recipe(
         name="inception",
-        model=model,
-        example_inputs=inputs,
+        model=partial(Inception, cfg),
+        specs=[InputSpec((cfg.batch, 3, cfg.image, cfg.image))],
+        teacher=partial(_teacher, cfg),
         loss_fn=F.cross_entropy,
-        make_batch=make_batch,
-        leaf_modules=(ConvBNReLU,),
         micro_batches=cfg.micro_batches,
         description=f"Inception-style CNN, {cfg.blocks} blocks of 4 branches",
-        options=options,
+        leaf_modules=(ConvBNReLU,),
     )
+    return build_workload(recipe, preset, seed, options)
 
 
 if __name__ == "__main__":

@@ -30,15 +30,15 @@ from graphpipe.workload import Workload
 from models._common import (
     Inputs,
     InputSpec,
+    Recipe,
     Teacher,
+    build_workload,
     cyclic,
     encoder_stack,
     mlp,
     preset_options,
     projection,
     run_example,
-    seeded,
-    synthetic_data,
 )
 
 __all__ = ["PRESETS", "MMTConfig", "MultiModalTransformer", "workload"]
@@ -128,21 +128,16 @@ def workload(preset: str = "tiny", *, seed: int = 0, **options: Any) -> Workload
     """
     options = preset_options("mmt", PRESETS, preset, options)
     cfg = MMTConfig(**options)
-    paper = preset == "paper"
-    with seeded(seed), torch.device("meta" if paper else "cpu"):
-        model = MultiModalTransformer(cfg)
-    specs = [InputSpec((cfg.batch, cfg.seq, feat)) for feat in cfg.modality_features]
-    inputs, make_batch = synthetic_data("mmt", specs, partial(_teacher, cfg), seed, meta=paper)
-    return Workload(
+    recipe = Recipe(
         name="mmt",
-        model=model,
-        example_inputs=inputs,
+        model=partial(MultiModalTransformer, cfg),
+        specs=[InputSpec((cfg.batch, cfg.seq, feat)) for feat in cfg.modality_features],
+        teacher=partial(_teacher, cfg),
         loss_fn=F.cross_entropy,
-        make_batch=make_batch,
         micro_batches=cfg.micro_batches,
         description=f"multi-modal transformer, {cfg.branches} branches × {cfg.layers} layers",
-        options=options,
     )
+    return build_workload(recipe, preset, seed, options)
 
 
 if __name__ == "__main__":

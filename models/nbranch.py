@@ -30,13 +30,13 @@ from graphpipe.workload import Workload
 from models._common import (
     Inputs,
     InputSpec,
+    Recipe,
     Teacher,
+    build_workload,
     encoder_stack,
     preset_options,
     projection,
     run_example,
-    seeded,
-    synthetic_data,
 )
 
 __all__ = ["PRESETS", "NBranch", "NBranchConfig", "workload"]
@@ -106,22 +106,16 @@ def workload(preset: str = "tiny", *, seed: int = 0, **options: Any) -> Workload
     """
     options = preset_options("nbranch", PRESETS, preset, options)
     cfg = NBranchConfig(**options)
-    paper = preset == "paper"
-    with seeded(seed), torch.device("meta" if paper else "cpu"):
-        model = NBranch(cfg)
-    specs = [InputSpec((cfg.batch, cfg.seq, cfg.hidden))]
-    teacher = partial(_teacher, cfg)
-    inputs, make_batch = synthetic_data("nbranch", specs, teacher, seed, meta=paper)
-    return Workload(
+    recipe = Recipe(
         name="nbranch",
-        model=model,
-        example_inputs=inputs,
+        model=partial(NBranch, cfg),
+        specs=[InputSpec((cfg.batch, cfg.seq, cfg.hidden))],
+        teacher=partial(_teacher, cfg),
         loss_fn=F.cross_entropy,
-        make_batch=make_batch,
         micro_batches=cfg.micro_batches,
         description=f"{cfg.branches} parallel transformer branches × {cfg.layers} layers",
-        options=options,
     )
+    return build_workload(recipe, preset, seed, options)
 
 
 if __name__ == "__main__":
