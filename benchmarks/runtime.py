@@ -7,10 +7,11 @@ Three measurements, each the median step time after warm-up steps:
 1. graphpipe vs torch.distributed.pipelining's Schedule1F1B on the same sequential 2-stage
    split of an MLP (8 x Linear(1024) + ReLU, batch 256, 4 micro-batches).
 2. A two-branch model (two towers of 4 x Linear(768) + ReLU, concatenated, a head): the
-   graph plan vs PyTorch's best sequential split (branch a | branch b and the head, the input
-   passed through stage 0 because PyTorch's stages only read their predecessor, and h * 1.0
-   in stage 1 to work around its non-contiguous gradient failure), and vs
-   plain training in one process with one thread (2 processes can at most double it).
+   graph plan (op times measured on this machine) vs PyTorch's best sequential split
+   (branch a | branch b and the head; the input is passed through stage 0 because PyTorch's
+   stages only read their predecessor, and stage 1 computes h * 1.0 to work around its
+   failure on non-contiguous gradients), and vs plain training in one process with one
+   thread (2 processes can at most double it).
 3. Simulated vs measured step time of graphpipe on the two-branch model: costs calibrated
    from a measured timeline (per-action medians, waits excluded) and a ping-pong of the link;
    the simulator then has to predict the bubbles, transfers and order.
@@ -35,6 +36,7 @@ from graphpipe.calibrate import calibrated, measure_link
 from graphpipe.compile import compile as pipeline
 from graphpipe.launch import launch
 from graphpipe.partition import plan
+from graphpipe.profile import ProfileConfig
 from graphpipe.simulate import simulate
 
 BATCH, M, WARMUP, STEPS = 256, 4, 5, 20
@@ -83,7 +85,7 @@ def _graphpipe(model_name: str, pins: dict[str, int] | None) -> dict[str, float]
     options: dict[str, Any] = (
         {"plan": plan(model, x, devices=2, micro_batches=M, pins=pins)}
         if pins
-        else {"replication": False, "profile_config": None}
+        else {"replication": False, "profile_config": ProfileConfig(mode="measure")}
     )
     pm = pipeline(
         model,

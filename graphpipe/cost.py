@@ -4,13 +4,14 @@ Times are seconds for one micro-batch; bytes are for one micro-batch unless name
 
     transfer(bytes)      = latency + bytes / bandwidth                       (0 for 0 bytes)
     allreduce(bytes, r)  = 2 (r-1)/r * bytes / bandwidth + 2 (r-1) latency   (ring; 0 for r=1)
-    stage_time(c, p, r)  = c / r + allreduce(p, r) / M
+    stage_time(c, p, r)  = c * ceil(M / r) / M + allreduce(p, r) / M
     stage_memory         = p * (versions + 1 + optimizer_slots) + a * ceil(min(k, M) / r)
 
 with c the stage's forward + backward time on one device, p its parameter bytes, r its data-
 parallel replicas, M the micro-batches per mini-batch, a its activation bytes per micro-batch
 and k its in-flight micro-batches. A replicated stage takes every r-th micro-batch on each
-replica, and its gradient all-reduce runs once per mini-batch, so it is spread over M.
+replica, so its busiest replica runs ceil(M / r) of the M (replicas beyond M would idle), and
+its gradient all-reduce runs once per mini-batch, so it is spread over M.
 """
 
 from __future__ import annotations
@@ -112,8 +113,11 @@ class CostModel:
             )
 
     def stage_time(self, compute: float, param_bytes: float, replicas: int) -> float:
-        """Seconds per micro-batch of a stage: compute split over replicas plus its all-reduce."""
-        return compute / replicas + self.link.allreduce(param_bytes, replicas) / self.micro_batches
+        """Seconds per micro-batch of a stage: its busiest replica's share of the compute plus
+        its all-reduce, both spread over the M micro-batches of a mini-batch."""
+        m = self.micro_batches
+        share = math.ceil(m / replicas) / m
+        return compute * share + self.link.allreduce(param_bytes, replicas) / m
 
     def stage_memory(
         self, param_bytes: float, activation_bytes: float, in_flight: int, replicas: int

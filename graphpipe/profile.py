@@ -131,6 +131,11 @@ def profile(
         raise ConfigError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if config.mode == "flops":
         return _estimate(gm, micro_batch_size, config)
+    if any(x.device.type == "meta" for x in example_inputs):
+        raise ConfigError(
+            "cannot measure a model on the meta device (e.g. a paper preset): "
+            "profile it with mode='flops' (graphpipe plan --profile flops)"
+        )
     path = _cache_path(gm, example_inputs, micro_batch_size, config)
     if path is not None and path.exists():
         return Profile.from_json(path.read_text())

@@ -50,3 +50,11 @@ def test_bad_profile_settings_are_named() -> None:
     gm, x = _model()
     with pytest.raises(ConfigError, match="micro_batch_size must be >= 1, got 0"):
         profile(gm, x, 0)
+
+
+def test_measuring_a_meta_device_model_says_to_use_the_estimate() -> None:
+    with torch.device("meta"):
+        model, x = nn.Linear(4, 4), torch.randn(2, 4)
+    gm = trace(model, x)
+    with pytest.raises(ConfigError, match="meta device.*mode='flops'"):
+        profile(gm, (x,), 1, ProfileConfig(mode="measure"))

@@ -1,0 +1,386 @@
+"""PipelinedModel: one rank's part of a compiled pipeline, and the calls every rank makes.
+
+`graphpipe.compile` builds it (see there for the semantics of step()). Every public method is
+called on every rank: training, inference, state dicts, checkpoints and timelines all move
+data between ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.utils._pytree import tree_map
+
+from graphpipe.errors import ConfigError, PipelineError
+from graphpipe.ir import Plan, Schedule, Timeline
+from graphpipe.runtime.comm import FailureBoard, Transport
+from graphpipe.runtime.executor import Batch, Executor, StageRuntime
+from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes
+from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
+from graphpipe.runtime.weights import PolicyOptions, WeightPolicy, make_policy
+from graphpipe.schedule import ASYNC, drain_schedule, make_schedule, warmups
+from graphpipe.trace import trace_info
+
+__all__ = ["PipelinedModel", "RuntimeConfig"]
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the pipeline runs."""
+
+    timeout: float = 60.0  # seconds any receive or collective may wait before failing
+    backend: str | None = None  # None: "nccl" when CUDA is available, else "gloo"
+    device: str | None = None  # None: cuda:LOCAL_RANK with nccl, else cpu
+    record: bool = False  # time every action (see PipelinedModel.timeline)
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise ConfigError(f"timeout must be positive, got {self.timeout}")
+
+
+@dataclass
+class _Groups:
+    """Where gradients are summed, from this rank's point of view."""
+
+    sync: GradSync
+    loss_group: dist.ProcessGroup | None = None
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+class PipelinedModel:
+    """A model whose stages run on the ranks of a process group (see `compile`).
+
+    Attributes:
+        plan: The Plan.
+        schedule: The flushed schedule's actions (the first call's for async ones).
+        rank: This process's rank.
+        optimizer: This rank's optimizer, over its stage's parameters (create LR schedulers
+            on it).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        gm: fx.GraphModule,
+        example_inputs: tuple[torch.Tensor, ...],
+        plan: Plan,
+        schedule: Schedule,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        optimizer: OptimizerFactory,
+        weights: str,
+        runtime: RuntimeConfig,
+        weight_options: PolicyOptions | None = None,
+    ) -> None:
+        self.plan, self.schedule, self.runtime = plan, schedule, runtime
+        self.rank = dist.get_rank()
+        self.device = runtime_device(runtime)
+        self._model, self._gm = model, gm
+        self._shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
+        self._input_names = list(trace_info(gm).input_names)[: len(example_inputs)]
+        self._m = schedule.micro_batches
+        self._calls = 0
+        stage = plan.stage_on(self.rank)
+        self._stage_index = None if stage is None else stage.index
+        modules = {s.index: build_stage(gm, plan, s.index) for s in plan.stages}
+        self._orphans = _orphans(model, [m for m, _ in modules.values()])
+        groups = self._groups(model, modules)
+        self.module: nn.Module | None = None
+        self._executor: Executor | None = None
+        params: list[nn.Parameter] = []
+        if stage is not None:
+            module, io = modules[stage.index]
+            self.module = module.to(self.device)
+            params = list(self.module.parameters())
+            specs = micro_shapes(gm, example_inputs, plan.micro_batch_size)
+            runtime_stage = StageRuntime(
+                self.rank, plan, stage.index, self.module, io, specs, gm, loss_fn, self.device
+            )
+            self.optimizer = optimizer(params or [nn.Parameter(torch.zeros(0))])
+            self.policy: WeightPolicy = make_policy(
+                weights,
+                self.module,
+                self.optimizer,
+                groups.sync,
+                self._m,
+                warmups(plan)[stage.index],
+                weight_options,
+            )
+            board = FailureBoard(dist.get_world_size())
+            transport = Transport(self.rank, runtime.timeout, self.device, board)
+            self._executor = Executor(runtime_stage, self.policy, transport)
+            self._executor.record = runtime.record
+        else:
+            self.optimizer = optimizer([nn.Parameter(torch.zeros(0))])
+        self._weights = weights
+
+    # -- training -------------------------------------------------------------------------------
+
+    def step(self, *inputs: torch.Tensor, target: Any = None) -> float:
+        """One mini-batch: every micro-batch through the schedule, and the updates.
+
+        Args:
+            *inputs: The model inputs, shaped like the example inputs.
+            target: What `loss_fn` compares the output with (dim 0 the batch).
+
+        Returns:
+            The mean of the micro-batch losses of this call, on every rank.
+
+        Raises:
+            ConfigError: a missing target or inputs of the wrong shape, before any
+                communication.
+            PipelineError: a failure while running (a timeout, a dead peer).
+        """
+        if target is None:
+            raise ConfigError("step() needs target=...: the loss is computed on the last stage")
+        batch = self._batch(inputs, target, first=self._calls * self._m if self._async else 0)
+        actions = self._actions(self._calls)
+        if self._executor is not None:
+            self._executor.losses.clear()
+            self._executor.training = True
+            self._executor.run(actions, batch, wait_sends=not self._async)
+        self._calls += 1
+        return self._mean_loss()
+
+    @property
+    def _async(self) -> bool:
+        return self.schedule.name in ASYNC
+
+    def _actions(self, call: int) -> Sequence[Any]:
+        if not self._async:
+            return self.schedule.ranks[self.rank]
+        return make_schedule(self.plan, self.schedule.name, self._m, first_call=call).ranks[
+            self.rank
+        ]
+
+    def _mean_loss(self) -> float:
+        losses = self._executor.losses if self._executor is not None else {}
+        total = torch.tensor([sum(losses.values())], dtype=torch.float64, device=self.device)
+        self._all_reduce(total, "the loss")
+        return float(total.item()) / self._m
+
+    def _all_reduce(self, t: torch.Tensor, what: str) -> None:
+        try:
+            dist.all_reduce(t)
+        except RuntimeError as exc:
+            raise PipelineError(
+                f"rank {self.rank}: all-reduce of {what} failed: {str(exc).splitlines()[0]}"
+            ) from exc
+
+    def _batch(self, inputs: Sequence[torch.Tensor], target: Any, first: int) -> Batch:
+        if len(inputs) != len(self._shapes):
+            raise ConfigError(
+                f"step() got {len(inputs)} inputs, the model was compiled with {len(self._shapes)}"
+            )
+        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._shapes, strict=True)):
+            if tuple(x.shape) != shape or x.dtype != dtype:
+                raise ConfigError(
+                    f"input #{i} ({self._input_names[i]}) is {x.dtype}"
+                    f"{list(x.shape)}, the pipeline was compiled for {dtype}"
+                    f"{list(shape)}"
+                )
+        chunks = {
+            name: list(x.to(self.device).chunk(self._m))
+            for name, x in zip(self._input_names, inputs, strict=True)
+        }
+        targets = None if target is None else _split(target, self._m, self.device)
+        return Batch(first, chunks, targets)
+
+    # -- inference, state ----------------------------------------------------------------------
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        """Forward only: the model's output for this mini-batch, on every rank."""
+        batch = self._batch(inputs, None, first=0)
+        outputs: dict[int, Any] = {}
+        if self._executor is not None:
+            inference = Executor(self._executor.stage, self.policy, self._executor.transport)
+            inference.training = False
+            inference.run(make_schedule(self.plan, "forward", self._m).ranks[self.rank], batch)
+            outputs = {
+                j: mb.outputs[OUTPUT] for j, mb in inference.state.items() if OUTPUT in mb.outputs
+            }
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, tree_map(_cpu, outputs))
+        merged = {j: out for part in gathered for j, out in part.items()}
+        pieces = [merged[j] for j in range(self._m)]
+        return tree_map(lambda *xs: torch.cat(xs), *pieces) if pieces else None
+
+    def drain(self) -> None:
+        """Finish the backwards and updates an asynchronous pipeline still has in flight.
+
+        The next step() starts with a new warm-up. Flushed schedules have nothing to drain.
+        """
+        if not self._async or self._calls == 0:
+            return
+        actions = drain_schedule(self.plan, self.schedule.name, self._calls, self._m)
+        if self._executor is not None:
+            self._executor.run(actions.ranks[self.rank], Batch(self._calls * self._m, {}, None))
+            self._executor.state.clear()
+        self._calls = 0
+
+    def versions(self) -> dict[str, Any]:
+        """This rank's weight bookkeeping: the copies it holds and, per micro-batch, the
+        updates reflected in the weights its forward and its backward used."""
+        if self._executor is None:
+            return {"copies": 0, "peak_copies": 0, "forward": {}, "backward": {}}
+        log = self.policy.log
+        return {
+            "copies": self.policy.copies(),
+            "peak_copies": self.policy.peak_copies,
+            "forward": {j: k for kind, j, k in log if kind == "F"},
+            "backward": {j: k for kind, j, k in log if kind == "B"},
+        }
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Everything a resume needs, gathered on every rank: the model (after `drain`), every
+        rank's optimizer state and weight-policy state."""
+        self.drain()
+        model = self.state_dict()
+        mine = None
+        if self._executor is not None:
+            mine = {"optimizer": self.optimizer.state_dict(), "policy": self.policy.state()}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, tree_map(_cpu, mine))
+        return {"model": model, "ranks": gathered, "weights": self._weights}
+
+    def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resume from `checkpoint` (from a pipeline with the same plan and world size)."""
+        self.load_state_dict(checkpoint["model"])
+        mine = checkpoint["ranks"][self.rank]
+        if self._executor is not None and mine is not None:
+            self.optimizer.load_state_dict(mine["optimizer"])
+            self.policy.load_state(mine["policy"])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's state dict under the original names, gathered on every rank.
+
+        An asynchronous pipeline is drained first (`drain`), so the weights are the ones
+        after every update of the micro-batches seen so far.
+        """
+        self.drain()
+        mine = (
+            {} if self.module is None else {k: _cpu(v) for k, v in self.module.state_dict().items()}
+        )
+        if self.rank == 0:
+            mine.update(self._orphans)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        order = list(self._model.state_dict())
+        return {k: merged[k] for k in order if k in merged}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict (e.g. the plain model's); each rank takes its stage's part.
+
+        Raises:
+            ConfigError: names this stage needs that `state` lacks.
+        """
+        if self.module is None:
+            return
+        keys = list(self.module.state_dict())
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise ConfigError(f"state dict lacks {missing} (needed by stage {self._stage_index})")
+        self.module.load_state_dict({k: state[k] for k in keys})
+
+    @property
+    def recording(self) -> bool:
+        """Whether every action's start and end are being recorded (see `timeline`)."""
+        return self._executor is not None and self._executor.record
+
+    @recording.setter
+    def recording(self, on: bool) -> None:
+        if self._executor is not None:
+            self._executor.record = on
+
+    def timeline(self, clear: bool = True) -> Timeline:
+        """The actions every rank recorded (a collective: call it on every rank).
+
+        Args:
+            clear: Forget the recorded actions afterwards.
+        """
+        spans = [] if self._executor is None else self._executor.spans
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, spans)
+        if clear and self._executor is not None:
+            self._executor.spans = []
+        every = sorted((s for part in gathered for s in part), key=lambda s: s.start)
+        return Timeline(tuple(every), self.plan.num_devices, "measured", self.schedule.name)
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def _groups(self, model: nn.Module, modules: dict[int, Any]) -> _Groups:
+        """Process groups for replicas and tied copies; created in the same order everywhere."""
+        canonical = {id(t): n for n, t in model.named_parameters()}
+        holders: dict[str, set[int]] = {}
+        for index, (module, _) in modules.items():
+            for p in module.parameters():
+                holders.setdefault(canonical.get(id(p), ""), set()).add(index)
+        shared = {n: tuple(sorted(s)) for n, s in sorted(holders.items()) if len(s) > 1}
+        stages = self.plan.stages
+        replicas = [(s.devices, f"stage {s.index} replicas") for s in stages if s.replicas > 1]
+        tied = [
+            (tuple(sorted(d for t in held for d in stages[t].devices)), f"tied {name}")
+            for name, held in shared.items()
+        ]
+        groups = make_groups(replicas + tied, self.rank, self.runtime.timeout)
+        mine = self.plan.stage_on(self.rank)
+        local = (
+            {}
+            if mine is None
+            else {canonical.get(id(p), n): p for n, p in modules[mine.index][0].named_parameters()}
+        )
+        plan: list[SyncGroup] = []
+        for (ranks, label), group in zip(replicas + tied, groups, strict=True):
+            if label.startswith("tied "):
+                params = [local[label[5:]]] if label[5:] in local else []
+            else:
+                params = [p for n, p in local.items() if n not in shared]
+            plan.append(SyncGroup(ranks, group, params, label))
+        return _Groups(GradSync(plan), shared=shared)
+
+
+def runtime_device(runtime: RuntimeConfig) -> torch.device:
+    """This rank's device: the configured one, cuda:LOCAL_RANK with NCCL, else the CPU.
+
+    A CUDA device is made current, as NCCL's object collectives (the plan's broadcast, state
+    dicts) need.
+    """
+    if runtime.device is not None:
+        device = torch.device(runtime.device)
+    elif dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def _orphans(model: nn.Module, modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """Parameters and buffers no stage holds (unused by forward): kept as they are."""
+    held = {k for m in modules for k in m.state_dict()}
+    return {k: _cpu(v) for k, v in model.state_dict().items() if k not in held}
+
+
+def _cpu(x: Any) -> Any:
+    return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x
+
+
+def _split(target: Any, m: int, device: torch.device) -> list[Any]:
+    leaves = tree_map(
+        lambda t: list(t.to(device).chunk(m)) if isinstance(t, torch.Tensor) else [t] * m, target
+    )
+    return [
+        tree_map(lambda chunks, j=j: chunks[j], leaves, is_leaf=lambda x: isinstance(x, list))
+        for j in range(m)
+    ]
