@@ -61,6 +61,7 @@ class TrainConfig:
     out: str | None = None  # where pictures go; None: runs/<model name>
     seed: int = 0
     timeout: float = 120.0  # seconds a receive may wait
+    deadline: float = 3600.0  # seconds the whole run may take before every process is stopped
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,11 @@ def train(config: TrainConfig) -> TrainResult:
         PipelineError: a rank failed (the message says which and why).
     """
     results = launch(
-        _rank_main, config.devices, args=(config,), timeout=3600, comm_timeout=config.timeout
+        _rank_main,
+        config.devices,
+        args=(config,),
+        timeout=config.deadline,
+        comm_timeout=config.timeout,
     )
     result: TrainResult = results[0]
     return result

@@ -26,6 +26,7 @@ def test_every_example_trains_on_two_processes(name: str, tmp_path: Path) -> Non
             profile="flops",
             out=str(tmp_path),
             timeout=60,
+            deadline=240,
         )
     )
     assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
