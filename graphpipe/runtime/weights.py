@@ -45,6 +45,7 @@ state_dict()) finish the backwards still in flight; the next step() starts a new
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -58,6 +59,7 @@ from graphpipe.runtime.sync import GradSync
 __all__ = ["POLICIES", "Flush", "PipeMare", "PolicyOptions", "Stash", "TwoBW", "make_policy"]
 
 T = TypeVar("T")
+LOG = 4096  # micro-batches whose weight versions `log` keeps
 Weights = dict[str, torch.Tensor] | None
 
 
@@ -98,7 +100,8 @@ class WeightPolicy:
         self.module, self.optimizer, self.sync, self.m = module, optimizer, sync, micro_batches
         self.warmup, self.options = warmup, options or PolicyOptions()
         self.params = dict(module.named_parameters())
-        self.log: list[tuple[str, int, int]] = []  # (pass, micro-batch, updates reflected)
+        # (pass, micro-batch, updates reflected) of the last LOG micro-batches
+        self.log: deque[tuple[str, int, int]] = deque(maxlen=2 * LOG)
         self.version = 0  # k: optimizer steps taken
         self.peak_copies = 1  # the most copies held at once so far
 
@@ -116,13 +119,10 @@ class WeightPolicy:
         raise NotImplementedError(f"the {self.name} policy keeps the forward's graph")
 
     def backward(self, j: int, run: Callable[[], None]) -> None:
-        """Run micro-batch j's backward (its autograd graph already holds the weights)."""
-        self.log.append(("B", j, self.forward_version(j)))
+        """Run micro-batch j's backward (its autograd graph already holds the weights, those
+        of its forward: no update comes between a flushed step's forward and backward)."""
+        self.log.append(("B", j, self.version))
         run()
-
-    def forward_version(self, j: int) -> int:
-        """Updates reflected in the weights micro-batch j's forward used."""
-        return next(v for kind, mb, v in reversed(self.log) if kind == "F" and mb == j)
 
     def update(self, j: int | None) -> None:
         """The schedule's update action: sum gradients, step, clear them."""
