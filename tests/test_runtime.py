@@ -97,21 +97,26 @@ def _train(pm: Any, name: str, kind: str = "sgd") -> dict[str, Any]:
     return {"losses": losses, "state": pm.state_dict(), "output": pm(*batch(name, 0)[0])}
 
 
+def _pipeline(name: str, schedule: str = "1f1b", kind: str = "sgd", timeout: float = 60) -> Any:
+    """`name` compiled over three ranks, cut by its pins."""
+    model, inputs = ZOO[name]()
+    the_plan = plan(model, inputs, devices=3, micro_batches=M, pins=PINS[name])
+    return gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=_optimizer(kind),
+        schedule=schedule,
+        plan=the_plan,
+        runtime=RuntimeConfig(timeout=timeout),
+    )
+
+
 def _grid_worker(cases: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Any]:
-    results = {}
-    for name, schedule, kind in cases:
-        model, inputs = ZOO[name]()
-        the_plan = plan(model, inputs, devices=3, micro_batches=M, pins=PINS[name])
-        pm = gp_compile(
-            model,
-            inputs,
-            loss_fn=dict_loss,
-            optimizer=_optimizer(kind),
-            schedule=schedule,
-            plan=the_plan,
-        )
-        results[(name, schedule, kind)] = _train(pm, name, kind)
-    return results
+    return {
+        (name, schedule, kind): _train(_pipeline(name, schedule, kind), name, kind)
+        for name, schedule, kind in cases
+    }
 
 
 @pytest.fixture(scope="module")
@@ -193,16 +198,7 @@ def test_two_ranks_with_the_plan_made_on_rank_0() -> None:
 
 
 def _dying_worker(victim: int) -> None:
-    model, inputs = ZOO["two_branch"]()
-    the_plan = plan(model, inputs, devices=3, micro_batches=M, pins=PINS["two_branch"])
-    pm = gp_compile(
-        model,
-        inputs,
-        loss_fn=dict_loss,
-        optimizer=_optimizer(),
-        plan=the_plan,
-        runtime=RuntimeConfig(timeout=10),
-    )
+    pm = _pipeline("two_branch", timeout=10)
     inputs, target = batch("two_branch", 0)
     pm.step(*inputs, target=target)
     if pm.rank == victim:
@@ -223,16 +219,7 @@ def test_a_dead_rank_is_named_by_the_others_within_the_timeout() -> None:
 
 
 def _stalling_worker() -> None:
-    model, inputs = ZOO["two_branch"]()
-    the_plan = plan(model, inputs, devices=3, micro_batches=M, pins=PINS["two_branch"])
-    pm = gp_compile(
-        model,
-        inputs,
-        loss_fn=dict_loss,
-        optimizer=_optimizer(),
-        plan=the_plan,
-        runtime=RuntimeConfig(timeout=3),
-    )
+    pm = _pipeline("two_branch", timeout=3)
     if pm.rank == 0:
         time.sleep(120)  # hangs instead of working
     inputs, target = batch("two_branch", 0)
