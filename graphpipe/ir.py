@@ -27,6 +27,14 @@ __all__ = ["KINDS", "Action", "Plan", "Schedule", "Span", "Stage", "StageEdge", 
 PLAN_FORMAT = "graphpipe-plan/1"
 
 
+def edges_to_sink(g: nx.DiGraph) -> dict[int, int]:
+    """For every node of a DAG, the edges on its longest path to a sink."""
+    height: dict[int, int] = {}
+    for s in reversed(list(nx.topological_sort(g))):
+        height[s] = max((height[t] + 1 for t in g.successors(s)), default=0)
+    return height
+
+
 @dataclass(frozen=True)
 class Stage:
     """One stage: a convex set of ops run on a group of devices (its data-parallel replicas)."""

@@ -24,10 +24,9 @@ import hashlib
 
 import networkx as nx
 from torch import fx
-from torch.utils._pytree import tree_flatten
 
 from graphpipe.profile import NodeTime, Profile
-from graphpipe.trace import trace_info
+from graphpipe.trace import has_float_output, trace_info
 
 __all__ = ["graph_hash", "op_graph", "target_name"]
 
@@ -58,17 +57,12 @@ def op_graph(gm: fx.GraphModule, prof: Profile) -> nx.DiGraph:
             params=frozenset(node.meta.get("gp_params", {})),
             order=order,
             module=node.meta.get("gp_module", ""),
-            float=_has_float_output(node),
+            float=has_float_output(node),
         )
         for src in node.all_input_nodes:
             if src.name in g:
                 g.add_edge(src.name, node.name, bytes=g.nodes[src.name]["act"])
     return g
-
-
-def _has_float_output(node: fx.Node) -> bool:
-    leaves, _ = tree_flatten(node.meta.get("gp_outputs"))
-    return any(spec is not None and "float" in spec.dtype for spec in leaves)
 
 
 def target_name(node: fx.Node) -> str:

@@ -34,7 +34,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten
 
 from graphpipe.errors import ConfigError
-from graphpipe.trace import trace_info
+from graphpipe.trace import has_float_output, trace_info
 
 __all__ = ["NodeTime", "Profile", "ProfileConfig", "profile"]
 
@@ -152,10 +152,7 @@ def _is_compute(node: fx.Node) -> bool:
 
 def _on_grad_path(node: fx.Node) -> bool:
     """Whether a backward runs through the node: it has parameters or float outputs."""
-    if node.meta.get("gp_params"):
-        return True
-    leaves, _ = tree_flatten(node.meta.get("gp_outputs"))
-    return any(spec is not None and "float" in spec.dtype for spec in leaves)
+    return bool(node.meta.get("gp_params")) or has_float_output(node)
 
 
 def _estimate(gm: fx.GraphModule, b: int, config: ProfileConfig) -> Profile:

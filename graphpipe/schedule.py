@@ -37,10 +37,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import networkx as nx
-
 from graphpipe.errors import ConfigError, ScheduleError
-from graphpipe.ir import Action, Plan, Schedule, Stage
+from graphpipe.ir import Action, Plan, Schedule, Stage, edges_to_sink
 from graphpipe.simulate import compute_time, freed, transfer_time
 
 __all__ = ["ASYNC", "SCHEDULES", "drain_schedule", "make_schedule", "warmups"]
@@ -52,11 +50,7 @@ ALIASES = {"graph1f1b": "1f1b"}
 
 def warmups(plan: Plan) -> dict[int, int]:
     """Forwards each stage runs before its first backward: its longest path to a sink."""
-    g = plan.stage_graph
-    height: dict[int, int] = {}
-    for s in reversed(list(nx.topological_sort(g))):
-        height[s] = max((height[t] + 1 for t in g.successors(s)), default=0)
-    return height
+    return edges_to_sink(plan.stage_graph)
 
 
 def _one_f_one_b(mbs: list[int], warmup: int, backward: str = "B") -> Order:

@@ -325,6 +325,12 @@ def _drop_dead_getitems(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def has_float_output(node: fx.Node) -> bool:
+    """Whether `node.meta["gp_outputs"]` holds a floating-point tensor (gradients flow)."""
+    leaves, _ = tree_flatten(node.meta.get("gp_outputs"))
+    return any(spec is not None and "float" in spec.dtype for spec in leaves)
+
+
 def _canonical_names(model: nn.Module) -> dict[int, str]:
     """Map each parameter/buffer tensor (by identity) to its first, canonical name."""
     names: dict[int, str] = {}

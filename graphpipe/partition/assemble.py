@@ -21,7 +21,7 @@ import networkx as nx
 
 from graphpipe.cost import CostModel
 from graphpipe.errors import PlanError
-from graphpipe.ir import Plan, Stage, StageEdge
+from graphpipe.ir import Plan, Stage, StageEdge, edges_to_sink
 
 __all__ = ["assemble", "bottleneck"]
 
@@ -66,7 +66,7 @@ def assemble(
     stage_graph = nx.DiGraph()
     stage_graph.add_nodes_from(range(len(order)))
     stage_graph.add_edges_from((e.src, e.dst) for e in edges)
-    heights = _heights(stage_graph)
+    heights = {s: h + 1 for s, h in edges_to_sink(stage_graph).items()}  # stages, incl. itself
     stages, next_device = [], 0
     for i, gi in enumerate(order):
         nodes, replicas = groups[gi]
@@ -129,14 +129,6 @@ def _stage_edges(
             )
         )
     return edges
-
-
-def _heights(stage_graph: nx.DiGraph) -> dict[int, int]:
-    """Stages on the longest path from each stage to a sink, the stage itself included."""
-    height: dict[int, int] = {}
-    for s in reversed(list(nx.topological_sort(stage_graph))):
-        height[s] = 1 + max((height[t] for t in stage_graph.successors(s)), default=0)
-    return height
 
 
 def _stage(
