@@ -1,27 +1,51 @@
 """Backward passes of one stage and micro-batch: whole (B), or split for zero bubble (I, W).
 
-    full(roots, grads)                            parameter and input gradients at once
-    split = input_half(roots, grads, inputs, params)   input gradients now (I) ...
-    weight_half(split)                            ... parameter gradients later (W)
+    full(roots, grads)                                  parameter and input gradients at once
+    grads, half = input_half(roots, grads, inputs, params)   input gradients now (I) ...
+    weight_half(half)                                   ... parameter gradients later (W)
 
-The split works on the autograd graph, at any granularity: the "consumers" of a parameter are
-the autograd nodes that feed its gradient accumulator (e.g. a matmul's backward). The input
-half asks autograd for the stage inputs' gradients and for the gradient arriving at every
-consumer (a `GradientEdge` on its output), keeping the graph. The weight half then runs only
-the consumers' parameter branches from those gradients. Nothing is computed twice except what
-a consumer's own backward recomputes for its weight gradient.
+The split works on the autograd graph, at any granularity. Its nodes fall in two regions:
+
+- N, the nodes from which a stage input's gradient accumulator can be reached. The input half
+  runs exactly these (`torch.autograd.grad` with the inputs as targets).
+- D, every other node that leads to a parameter: its work only serves weight gradients.
+
+Every path from a root to a parameter enters D once: at a root whose node is in D, or along an
+edge p -> c from a *boundary* node p in N to a child c in D. So the weight gradient is
+
+    sum over D-roots of (seed pushed through D) + sum over boundary edges of (p's share to c
+    pushed through D),
+
+and each term is counted once if the second stage pushes all of them through D in one engine
+call, which sums at shared nodes as the whole backward would. The input half captures the
+gradient at each boundary node's outputs (already computed, since p is in N). The weight half
+first turns each into p's share for its D children (running p's backward for those edges
+only), then makes the one call from the D-roots, with their original seeds, and the boundary
+edges, with those shares. Deferring roots with their own seeds, not the gradient arriving at
+their node, is what keeps a stage that sends both b and f(b) from counting f's path twice.
+
+A boundary node whose D child is also the child of another boundary node below it (one
+Linear applied twice, so its bias accumulator has two parents on one path) cannot run its
+share alone: the engine would walk down to the other parent too. Such a node's backward is
+called directly, which recomputes its input gradient; it is rare and stays exact.
+
+Cost: the input half does the N work, the weight half the D work; nothing runs twice except
+the boundary nodes' own backward (a matmul's weight gradient is computed once, in W), and the
+direct calls above. Analysing the graph is linear in its size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 
 __all__ = ["WeightHalf", "full", "input_half", "weight_half"]
+
+Slot = tuple[Any, int]  # (autograd node, input number): where a gradient enters a node
 
 
 def full(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -31,55 +55,29 @@ def full(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) ->
 
 
 @dataclass
+class _Boundary:
+    """A node in N with children in D: its output gradients and the D slots it feeds."""
+
+    node: Any
+    slots: list[tuple[int, Slot]]  # (index in node.next_functions, D slot)
+    direct: bool = False  # call the node itself (see the module docstring)
+    grads: list[torch.Tensor | None] = field(default_factory=list)  # per output of node
+
+
+@dataclass
 class WeightHalf:
-    """What the weight half needs: per consumer, its edge, its gradient, its parameters."""
+    """What the weight half needs: the D-roots with their seeds, the boundary nodes with
+    their output gradients, and the parameters to accumulate into."""
 
-    parts: list[tuple[GradientEdge, torch.Tensor, list[torch.Tensor]]]
-
-
-def _consumers(
-    roots: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
-) -> list[tuple[GradientEdge, list[torch.Tensor]]]:
-    """Where each parameter's gradient branch splits off from the rest of the backward.
-
-    A node is "weight-only" when everything below it accumulates into `params` (a transpose
-    feeding a weight's accumulator is). A consumer is a node that is not weight-only but has
-    weight-only children, like the matmul of a Linear: deferring the gradient at its output
-    defers exactly the weight-gradient work. A root whose whole graph is weight-only (no input
-    needs a gradient) is its own consumer. Returns each consumer with the parameters below
-    its weight-only children.
-    """
-    wanted = {id(p) for p in params}
-    order = _post_order(roots)
-    below: dict[int, list[torch.Tensor] | None] = {}  # weight-only node -> its parameters
-    for node in order:
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            below[id(node)] = [variable] if id(variable) in wanted else None
-            continue
-        kids = [below[id(c)] for c, _ in node.next_functions if c is not None]
-        pure = bool(kids) and all(k is not None for k in kids)
-        below[id(node)] = [p for k in kids for p in k or []] if pure else None
-    found = []
-    for node in order:
-        if below[id(node)] is not None:
-            continue
-        mine = [p for c, _ in node.next_functions if c is not None for p in below[id(c)] or []]
-        if mine:
-            found.append((GradientEdge(node, 0), _unique(mine)))
-    for r in roots:  # a root whose whole graph is weight-only is deferred whole
-        if r.grad_fn is not None and below[id(r.grad_fn)]:
-            found.append((get_gradient_edge(r), _unique(below[id(r.grad_fn)] or [])))
-    return found
+    roots: list[torch.Tensor] = field(default_factory=list)
+    seeds: list[torch.Tensor | None] = field(default_factory=list)
+    boundaries: list[_Boundary] = field(default_factory=list)
+    params: list[torch.Tensor] = field(default_factory=list)
 
 
-def _unique(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    return list({id(p): p for p in params}.values())
-
-
-def _post_order(roots: Sequence[torch.Tensor]) -> list:
+def _post_order(roots: Sequence[torch.Tensor]) -> list[Any]:
     """Autograd nodes below `roots`, children before parents (iterative, for deep graphs)."""
-    order: list = []
+    order: list[Any] = []
     seen: set[int] = set()
     stack = [(r.grad_fn, False) for r in roots if r.grad_fn is not None]
     while stack:
@@ -97,6 +95,78 @@ def _post_order(roots: Sequence[torch.Tensor]) -> list:
     return order
 
 
+def _reaches(order: list[Any], targets: set[int]) -> set[int]:
+    """Ids of the nodes in `order` from which an accumulator of a tensor in `targets` is
+    reachable (the accumulators included)."""
+    hit: set[int] = set()
+    for node in order:
+        variable = getattr(node, "variable", None)
+        if (variable is not None and id(variable) in targets) or any(
+            id(c) in hit for c, _ in node.next_functions if c is not None
+        ):
+            hit.add(id(node))
+    return hit
+
+
+def _split(
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> WeightHalf:
+    """Find the D-roots and the boundary nodes (see the module docstring)."""
+    order = _post_order(roots)
+    in_n = _reaches(order, {id(x) for x in inputs})
+    to_param = _reaches(order, {id(p) for p in params})
+    half = WeightHalf(params=list(params))
+    for r, g in zip(roots, grads, strict=True):
+        if r.grad_fn is not None and id(r.grad_fn) not in in_n and id(r.grad_fn) in to_param:
+            half.roots.append(r)
+            half.seeds.append(g)
+    for node in order:
+        if id(node) not in in_n:
+            continue
+        slots = [
+            (k, (c, nr))
+            for k, (c, nr) in enumerate(node.next_functions)
+            if c is not None and id(c) not in in_n and id(c) in to_param
+        ]
+        if slots:
+            half.boundaries.append(_Boundary(node, slots))
+    _mark_direct(half.boundaries, in_n)
+    return half
+
+
+def _mark_direct(boundaries: list[_Boundary], in_n: set[int]) -> None:
+    """Mark the boundary nodes whose D child is also fed by another boundary node below them."""
+    feeders: dict[int, list[Any]] = {}
+    for b in boundaries:
+        for _, (c, _nr) in b.slots:
+            feeders.setdefault(id(c), []).append(b.node)
+    for b in boundaries:
+        others = {id(f) for _, (c, _nr) in b.slots for f in feeders[id(c)] if f is not b.node}
+        if others and _below(b.node, others, in_n):
+            b.direct = True
+
+
+def _below(start: Any, targets: set[int], in_n: set[int]) -> bool:
+    """Whether a node in `targets` is reachable from `start` through nodes of N."""
+    stack, seen = [start], {id(start)}
+    while stack:
+        for c, _ in stack.pop().next_functions:
+            if c is None or id(c) in seen or id(c) not in in_n:
+                continue
+            if id(c) in targets:
+                return True
+            seen.add(id(c))
+            stack.append(c)
+    return False
+
+
+def _outputs(node: Any) -> int:
+    return len(node._input_metadata)
+
+
 def input_half(
     roots: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
@@ -105,33 +175,82 @@ def input_half(
 ) -> tuple[list[torch.Tensor | None], WeightHalf]:
     """Input gradients now (added into `inputs[i].grad`), parameter gradients deferred.
 
+    Args:
+        roots: The stage's loss and the outputs whose gradients arrived.
+        grads: Their seeds (None for the loss).
+        inputs: The received values that require grad.
+        params: The stage's parameters.
+
     Returns:
         The gradients of `inputs`, and what `weight_half` needs.
     """
-    consumers = _consumers(roots, [p for p in params if p.requires_grad])
-    edges = [edge for edge, _ in consumers]
-    if not roots or not (inputs or edges):
-        return [None] * len(inputs), WeightHalf([])
-    wrt: list[Any] = [*inputs, *edges]
+    half = _split(roots, grads, inputs, [p for p in params if p.requires_grad])
+    edges = [GradientEdge(b.node, k) for b in half.boundaries for k in range(_outputs(b.node))]
+    if not inputs or not roots:
+        return [None] * len(inputs), half
     results = torch.autograd.grad(
-        list(roots), wrt, list(grads), retain_graph=bool(edges), allow_unused=True
+        list(roots),
+        [*inputs, *edges],
+        list(grads),
+        retain_graph=bool(half.roots or half.boundaries),
+        allow_unused=True,
     )
     input_grads: list[torch.Tensor | None] = list(results[: len(inputs)])
     for x, g in zip(inputs, input_grads, strict=True):
         if g is not None:
             x.grad = g if x.grad is None else x.grad + g
-    parts = [
-        (edge, g, ps)
-        for (edge, ps), g in zip(consumers, results[len(inputs) :], strict=True)
-        if g is not None
-    ]
-    return input_grads, WeightHalf(parts)
+    captured = iter(results[len(inputs) :])
+    for b in half.boundaries:
+        b.grads = [next(captured) for _ in range(_outputs(b.node))]
+    return input_grads, half
+
+
+def _shares(b: _Boundary) -> list[torch.Tensor | None]:
+    """What boundary node `b` passes to each of its D slots, given its output gradients."""
+    if all(g is None for g in b.grads):
+        return [None] * len(b.slots)
+    if b.direct:
+        seeds = [
+            g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+            for g, m in zip(b.grads, b.node._input_metadata, strict=True)
+        ]
+        out = b.node(*seeds)
+        out = out if isinstance(out, tuple) else (out,)
+        return [_fit(out[k], c._input_metadata[nr]) for k, (c, nr) in b.slots]
+    live = [(k, g) for k, g in enumerate(b.grads) if g is not None]
+    return list(
+        torch.autograd.grad(
+            [GradientEdge(b.node, k) for k, _ in live],
+            [GradientEdge(c, nr) for _, (c, nr) in b.slots],
+            [g for _, g in live],
+            retain_graph=True,
+            allow_unused=True,
+        )
+    )
+
+
+def _fit(grad: torch.Tensor | None, meta: Any) -> torch.Tensor | None:
+    """Reduce a gradient over broadcast dimensions, as the engine does between nodes."""
+    if grad is None or tuple(grad.shape) == tuple(meta.shape):
+        return grad
+    return grad.sum_to_size(meta.shape)
 
 
 def weight_half(half: WeightHalf) -> None:
-    """Parameter gradients from each consumer's gradient, added into `.grad`."""
-    for edge, grad, params in half.parts:
-        results = torch.autograd.grad([edge], params, [grad], retain_graph=True, allow_unused=True)
-        for p, g in zip(params, results, strict=True):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+    """Parameter gradients from the deferred roots and boundary edges, added into `.grad`."""
+    totals: dict[tuple[int, int], tuple[GradientEdge, torch.Tensor]] = {}
+    for b in half.boundaries:
+        for (_, (c, nr)), share in zip(b.slots, _shares(b), strict=True):
+            if share is None:
+                continue
+            key = (id(c), nr)
+            total = totals[key][1] + share if key in totals else share
+            totals[key] = (GradientEdge(c, nr), total)
+    outputs: list[Any] = [*half.roots, *(edge for edge, _ in totals.values())]
+    seeds: list[Any] = [*half.seeds, *(g for _, g in totals.values())]
+    if not outputs or not half.params:
+        return
+    results = torch.autograd.grad(outputs, half.params, seeds, allow_unused=True)
+    for p, g in zip(half.params, results, strict=True):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
