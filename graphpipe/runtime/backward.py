@@ -188,9 +188,10 @@ def input_half(
     edges = [GradientEdge(b.node, k) for b in half.boundaries for k in range(_outputs(b.node))]
     if not inputs or not roots:
         return [None] * len(inputs), half
+    wrt: list[Any] = [*inputs, *edges]
     results = torch.autograd.grad(
         list(roots),
-        [*inputs, *edges],
+        wrt,
         list(grads),
         retain_graph=bool(half.roots or half.boundaries),
         allow_unused=True,
