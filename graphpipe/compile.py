@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from graphpipe.bind import batch_of, normalise
 from graphpipe.dryrun import check_schedule
 from graphpipe.errors import ConfigError, GraphPipeError, PlanError
 from graphpipe.ir import Plan
@@ -45,7 +46,7 @@ from graphpipe.runtime.pipeline import (
 )
 from graphpipe.runtime.weights import POLICIES, PolicyOptions
 from graphpipe.schedule import ASYNC, make_schedule
-from graphpipe.trace import LeafSpec, trace, trace_info
+from graphpipe.trace import LeafSpec, flat_inputs, trace, trace_info
 
 __all__ = ["PipelinedModel", "RuntimeConfig", "compile"]
 
@@ -74,7 +75,11 @@ def compile(
 
     Args:
         model: The model; each rank keeps only its stage's parameters.
-        example_inputs: One mini-batch of inputs (dim 0 is the batch); fixes the shapes.
+        example_inputs: One mini-batch: a tensor, a tuple of positional tensors, or a dict
+            of keyword inputs as Hugging Face models take them (`input_ids`,
+            `attention_mask`; non-tensor values such as `use_cache=False` are constants of
+            the trace). Dim 0 of every tensor is the batch. It fixes the shapes: the model
+            is traced at the micro-batch size (batch / M).
         loss_fn: (model output, target) -> scalar, mean-reduced over the batch.
         optimizer: Builds the optimizer from a list of parameters, e.g.
             `functools.partial(torch.optim.SGD, lr=0.1)`.
@@ -99,26 +104,32 @@ def compile(
         PlanError: no plan fits, or the given plan is not for this model.
     """
     runtime = runtime or RuntimeConfig()
-    inputs = (
-        (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    )
+    args, kwargs = normalise(example_inputs)
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
             "optimizer must build an optimizer from a parameter list, e.g. "
             "functools.partial(torch.optim.Adam, lr=1e-3); each rank owns "
             "only its stage's parameters"
         )
+    if micro_batches is not None and micro_batches < 1:
+        raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
     schedule = _schedule_for(weights, schedule)
+    given = None if plan is None else _load_plan(plan)
+    m = _micro_batches(micro_batches, given)
+    b = micro_batch_size(batch_of(args, kwargs), m)
     _ensure_process_group(runtime)
     runtime_device(runtime)  # NCCL's object collectives below need the rank's GPU current
-    gm = trace(model, inputs, leaf_modules=leaf_modules)
+    gm = trace(model, example_inputs, leaf_modules=leaf_modules, micro_batch_size=b)
+    inputs = tuple(flat_inputs(gm, *args, **_tensor_items(kwargs)))
     options = {"partitioner": partitioner, **plan_options}
     if weights != "flush":
         options.setdefault("replication", False)
         options.setdefault("weight_versions", 2)
-    the_plan = _agree_on_plan(gm, inputs, plan, micro_batches, profile_config, options)
-    m = micro_batches or the_plan.micro_batches
-    micro_batch_size(trace_info(gm).batch_size, m)
+    the_plan = (
+        _checked_plan(given, gm)
+        if given is not None
+        else _plan_on_rank_0(gm, inputs, m, profile_config, options, runtime)
+    )
     world = dist.get_world_size()
     if the_plan.num_devices != world:
         raise ConfigError(
@@ -131,6 +142,30 @@ def compile(
     return PipelinedModel(
         model, gm, inputs, the_plan, sched, loss_fn, optimizer, weights, runtime, weight_options
     )
+
+
+def _tensor_items(kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+
+
+def _load_plan(plan: Plan | str | Path) -> Plan:
+    return plan if isinstance(plan, Plan) else Plan.from_json(Path(plan).read_text())
+
+
+def _micro_batches(micro_batches: int | None, plan: Plan | None) -> int:
+    """M: the one asked for, the given plan's, or 4.
+
+    Raises:
+        ConfigError: M differs from the given plan's.
+    """
+    if plan is None:
+        return micro_batches or 4
+    if micro_batches is not None and micro_batches != plan.micro_batches:
+        raise ConfigError(
+            f"micro_batches={micro_batches}, but the plan was made for "
+            f"{plan.micro_batches} micro-batches; plan again or leave micro_batches out"
+        )
+    return plan.micro_batches
 
 
 SCHEDULE_FOR = {"stash": "async", "pipemare": "async", "2bw": "2bw"}
@@ -165,38 +200,57 @@ def _ensure_process_group(runtime: RuntimeConfig) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=runtime.timeout))
 
 
-def _agree_on_plan(
+def _checked_plan(plan: Plan, gm: fx.GraphModule) -> Plan:
+    """A given plan, checked against this model's trace.
+
+    Raises:
+        PlanError: the plan was made for another graph, or is invalid for this one.
+        ConfigError: the plan was made for another micro-batch size.
+    """
+    b = trace_info(gm).micro_batch_size
+    if plan.micro_batch_size != b:
+        raise ConfigError(
+            f"the plan was made for micro-batches of {plan.micro_batch_size} samples, but "
+            f"this batch of {trace_info(gm).batch_size} in {plan.micro_batches} "
+            f"micro-batches gives {b}"
+        )
+    if plan.graph_hash != graph_hash(gm):
+        raise PlanError(
+            f"the plan was made for another graph (hash {plan.graph_hash}, "
+            f"this model traces to {graph_hash(gm)})"
+        )
+    plan.validate(gm)
+    return plan
+
+
+def _plan_on_rank_0(
     gm: fx.GraphModule,
     inputs: tuple[torch.Tensor, ...],
-    plan: Plan | str | Path | None,
-    micro_batches: int | None,
+    micro_batches: int,
     profile_config: ProfileConfig | None,
     options: dict[str, Any],
+    runtime: RuntimeConfig,
 ) -> Plan:
-    """The plan every rank uses: given and checked, or made on rank 0 and broadcast."""
-    if plan is not None:
-        loaded = plan if isinstance(plan, Plan) else Plan.from_json(Path(plan).read_text())
-        if loaded.graph_hash != graph_hash(gm):
-            raise PlanError(
-                f"the plan was made for another graph (hash {loaded.graph_hash}, "
-                f"this model traces to {graph_hash(gm)})"
-            )
-        loaded.validate(gm)
-        return loaded
+    """The plan made on rank 0 and broadcast to every rank.
+
+    The broadcast runs on a group of its own whose timeout is `runtime.plan_timeout`: the other
+    ranks wait as long as planning may take, not the step's timeout, and still fail at once
+    if rank 0 dies.
+    """
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=runtime.plan_timeout))
     message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            config = PlanConfig.build(
-                dist.get_world_size(), micro_batches=micro_batches or 4, **options
-            )
-            b = micro_batch_size(trace_info(gm).batch_size, config.micro_batches)
-            message[0] = (
-                "plan",
-                partition(gm, profile(gm, inputs, b, profile_config), config).to_json(),
-            )
+            config = PlanConfig.build(dist.get_world_size(), micro_batches=micro_batches, **options)
+            b = trace_info(gm).micro_batch_size
+            made = partition(gm, profile(gm, inputs, b, profile_config), config)
+            message[0] = ("plan", made.to_json())
         except GraphPipeError as exc:
             message[0] = ("error", f"{type(exc).__name__}: {exc}")
-    dist.broadcast_object_list(message, src=0)
+    try:
+        dist.broadcast_object_list(message, src=0, group=group)
+    finally:
+        dist.destroy_process_group(group)
     kind, payload = message[0]
     if kind == "error":
         raise PlanError(f"planning on rank 0 failed: {payload}")

@@ -6,6 +6,26 @@ Tracing tries `torch.fx.symbolic_trace` first. Where that fails (Python control 
 as in many Hugging Face models) it falls back to `torch.export.export(..., strict=False)`, which
 also yields an fx graph, at ATen granularity. Where both fail, `TraceError` quotes both reasons.
 
+Inputs. `example_inputs` is a tensor, a tuple of tensors (positional), or a dict of keyword
+inputs, as Hugging Face models take them: `{"input_ids": ids, "attention_mask": mask}`. In a
+dict, non-tensor values (`use_cache=False`) are constants of the trace, and so are the
+forward's optional arguments left out: both are traced as the values they have (fx's
+`concrete_args`), so no input is left that nobody feeds. Each tensor input becomes one
+placeholder; `TraceInfo.sources` says where each comes from, and `flat_inputs` binds a call's
+arguments to them.
+
+Shapes. With `micro_batch_size=b` the model is traced and annotated on the first b rows of
+the example inputs: the size the pipeline runs at. torch.export specialises every shape it
+sees, so an exported graph holds its batch size as a literal (in views, expands, cats); traced
+at the micro-batch size, that literal is the one every stage runs with, and no symbol ever
+crosses a stage. A model whose own code fixes the batch size fails here, at compile time,
+with a `TraceError` that says so.
+
+State. Tracing must not change the model. Modules that update buffers in their forward
+(BatchNorm and its subclasses from any library) are leaves of the fx trace, so their updates
+run as the module runs; torch.export records such updates in the graph. A trace that still
+changed a buffer is refused, naming the buffer, and the buffer is restored.
+
 Granularity: every module in `leaf_modules` (a type, or a module path such as `"encoder.3"`)
 becomes one node, and so one indivisible unit for the planner. torch.nn's own modules are always
 leaves (fx's default), so `nn.TransformerEncoderLayer` is already one node.
@@ -23,6 +43,8 @@ Keys written on `node.meta` (every node):
                   a module called twice). Count their bytes once per stage that holds them.
     gp_flops      int: forward FLOPs per sample, from `torch.utils.flop_counter`.
 
+"Per sample" is per row of the traced batch (the micro-batch with `micro_batch_size`).
+
 Key written on `gm.meta`:
     graphpipe     `TraceInfo`: how the graph was traced, the batch size, the input names and
                   the bytes of every parameter and buffer of the model.
@@ -31,24 +53,29 @@ Key written on `gm.meta`:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import operator
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.fx._pytree import tree_flatten_spec
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_structure
 from torch.utils.flop_counter import FlopCounterMode
 
+from graphpipe import bind
+from graphpipe.bind import flat_inputs, model_output
 from graphpipe.errors import ConfigError, TraceError
 
-__all__ = ["TensorSpec", "TraceInfo", "trace"]
+__all__ = ["TensorSpec", "TraceInfo", "flat_inputs", "model_output", "trace"]
 
 LeafSpec = type | str
+Source = int | str  # where a placeholder's value comes from: a positional index or a keyword
 
 
 @dataclass(frozen=True)
@@ -69,10 +96,15 @@ class TraceInfo:
 
     Attributes:
         method: "fx" (symbolic_trace) or "export" (torch.export fallback).
-        batch_size: dim 0 of the example inputs.
+        batch_size: dim 0 of the example inputs (the mini-batch).
         input_names: the placeholder names, in order.
         param_bytes: bytes of every parameter and buffer, by canonical name.
         fx_error: why symbolic_trace failed, when method is "export".
+        micro_batch_size: rows the graph was traced and annotated at (the batch size when
+            no micro-batch size was given).
+        sources: per placeholder, its positional index or keyword name in the call.
+        constants: keyword inputs traced as constants, with their values' repr.
+        out_spec: how the output's leaves nest (graphs from torch.export return them flat).
     """
 
     method: str
@@ -80,27 +112,44 @@ class TraceInfo:
     input_names: tuple[str, ...]
     param_bytes: dict[str, int] = field(default_factory=dict)
     fx_error: str | None = None
+    micro_batch_size: int = 0
+    sources: tuple[Source, ...] = ()
+    constants: dict[str, str] = field(default_factory=dict)
+    out_spec: TreeSpec | None = None
+
+    @property
+    def keywords(self) -> bool:
+        """Whether the inputs are keyword inputs (a dict at trace time)."""
+        return any(isinstance(s, str) for s in self.sources)
 
 
 def trace(
     model: nn.Module,
-    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    example_inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any],
     leaf_modules: Iterable[LeafSpec] = (),
+    *,
+    micro_batch_size: int | None = None,
 ) -> fx.GraphModule:
     """Trace `model` into an fx graph and annotate every node with shapes, bytes and FLOPs.
 
     Args:
         model: The model. Its parameters are shared with the result, not copied.
-        example_inputs: One mini-batch of positional inputs; dim 0 is the batch.
+        example_inputs: One mini-batch: a tensor, a tuple of positional tensors, or a dict
+            of keyword inputs (non-tensor values are constants); dim 0 is the batch.
         leaf_modules: Module types or module paths to keep as single nodes.
+        micro_batch_size: Trace and annotate at this many rows (the size the pipeline runs
+            at); default the whole example batch.
 
     Returns:
         The traced `GraphModule`, computing exactly what `model` computes, with the
-        `node.meta` keys listed in this module's docstring.
+        `node.meta` keys listed in this module's docstring. It takes the tensor inputs
+        (`flat_inputs` binds a call to them).
 
     Raises:
-        ConfigError: the inputs are not tensors, or a leaf module path does not exist.
-        TraceError: both torch.fx and torch.export failed; the message quotes both.
+        ConfigError: bad inputs, a micro-batch size that does not divide the batch, or a leaf
+            module path that does not exist.
+        TraceError: both torch.fx and torch.export failed (the message quotes both), the
+            graph does not run at the micro-batch size, or tracing changed a buffer.
 
     Example:
         >>> m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -108,25 +157,101 @@ def trace(
         >>> [n.name for n in gm.graph.nodes]
         ['input_1', '_0', '_1', '_2', 'output']
     """
-    inputs = _normalise_inputs(example_inputs)
+    args, kwargs = bind.normalise(example_inputs)
+    batch = bind.batch_of(args, kwargs)
+    b = batch if micro_batch_size is None else _checked_micro(batch, micro_batch_size)
+    full = (args, kwargs)
+    args, kwargs = bind.rows(args, kwargs, b)
     leaf_types, leaf_paths = _split_leaves(model, leaf_modules)
+    concrete = bind.concrete_args(model, args, kwargs)
+    fx_error = None
     try:
-        gm, method, fx_error = _fx_trace(model, leaf_types, leaf_paths), "fx", None
-    except Exception as fx_exc:  # any failure here means "try torch.export"
+        with _unchanged(model, "torch.fx.symbolic_trace"):
+            gm, sources = _fx_trace(model, args, kwargs, concrete, leaf_types, leaf_paths)
+        method = "fx"
+    except TraceError:
+        raise
+    except Exception as fx_exc:  # any other failure here means "try torch.export"
         fx_error = f"{type(fx_exc).__name__}: {fx_exc}"
-        gm, method = _export_trace(model, inputs, fx_error), "export"
-    _spread_varargs(gm, len(inputs))
+        with _unchanged(model, "torch.export"):
+            gm, sources = _export_trace(model, (args, kwargs), full, fx_error)
+        method = "export"
     _drop_dead_getitems(gm)
+    flat = [args[s] if isinstance(s, int) else kwargs[s] for s in sources]
     with _untouched(model):
-        _annotate(gm, model, inputs)
+        _annotate(gm, model, flat, (b, batch))
     gm.meta["graphpipe"] = TraceInfo(
         method=method,
-        batch_size=inputs[0].shape[0],
+        batch_size=batch,
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         param_bytes=_all_param_bytes(model),
         fx_error=fx_error,
+        micro_batch_size=b,
+        sources=tuple(sources),
+        constants={k: repr(v) for k, v in concrete.items() if k in kwargs},
+        out_spec=_out_spec(gm),
     )
     return gm
+
+
+def _checked_micro(batch: int, micro_batch_size: int) -> int:
+    if micro_batch_size < 1 or batch % micro_batch_size:
+        raise ConfigError(
+            f"micro_batch_size {micro_batch_size} does not divide the example batch of {batch}"
+        )
+    return micro_batch_size
+
+
+def _batch_hint(sizes: tuple[int, int]) -> str:
+    b, batch = sizes
+    if b == batch:
+        return ""
+    return (
+        f" graphpipe runs the model at the micro-batch size ({b} rows of the example batch of "
+        f"{batch}): if its code fixes the batch size (a literal {batch} in a view or reshape), "
+        "derive it from the input's shape instead."
+    )
+
+
+def _batch_diagnosis(
+    model: nn.Module,
+    inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
+    full: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
+) -> str:
+    """Why an export at the micro-batch size failed, if the whole batch exports: the model's
+    code fixes the batch size. Empty when the whole batch fails too (another cause)."""
+    b, batch = bind.batch_of(*inputs), bind.batch_of(*full)
+    if b == batch:
+        return ""
+    try:
+        with _quiet_torch(), _unchanged(model, "torch.export"):
+            torch.export.export(model, full[0], full[1], strict=False)
+    except Exception:
+        return ""
+    return (
+        f"It exports at the whole example batch of {batch} but not at the micro-batch size "
+        f"{b}: the model's code fixes the batch size (a literal {batch} in a view, reshape or "
+        "expand). graphpipe runs every stage on micro-batches; derive the batch size from the "
+        "input's shape instead."
+    )
+
+
+def _export_advice(message: str) -> str:
+    if "which is not a known type" in message:
+        return (
+            "The model returns an object that is not a tensor or a container of tensors (for "
+            "Hugging Face models, a key/value cache: pass use_cache=False as a keyword input)."
+        )
+    return (
+        "Control flow that depends on tensor values cannot be traced: move it out of "
+        "forward(), replace it with torch.where/torch.cond, or name the module that holds it in "
+        "leaf_modules so it stays one opaque node."
+    )
+
+
+def _out_spec(gm: fx.GraphModule) -> TreeSpec | None:
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    return None if info is None else info.out_spec
 
 
 def trace_info(gm: fx.GraphModule) -> TraceInfo:
@@ -139,22 +264,6 @@ def trace_info(gm: fx.GraphModule) -> TraceInfo:
     if not isinstance(info, TraceInfo):
         raise ConfigError("this GraphModule was not made by graphpipe.trace(); trace it first")
     return info
-
-
-def _normalise_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
-    if not isinstance(inputs, (tuple, list)) or not inputs:
-        raise ConfigError(
-            f"example_inputs must be a tensor or a non-empty tuple of tensors, got {type(inputs)}"
-        )
-    bad = [
-        f"#{i}: {type(x).__name__}" for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)
-    ]
-    if bad:
-        raise ConfigError("every example input must be a tensor", bad)
-    if inputs[0].dim() == 0:
-        raise ConfigError("example input #0 is a scalar; dim 0 of the inputs must be the batch")
-    return tuple(inputs)
 
 
 def _split_leaves(
@@ -177,6 +286,12 @@ def _split_leaves(
     return tuple(types), frozenset(paths)
 
 
+# Modules whose forward updates their buffers in place (running statistics): traced as leaves,
+# so the update runs when the module runs; a subclass from another library (timm's
+# BatchNormAct2d) would otherwise be traced through and its update lost from the graph.
+STATEFUL_LEAVES: tuple[type, ...] = (nn.modules.batchnorm._NormBase,)
+
+
 class _Tracer(fx.Tracer):
     """symbolic_trace with user leaf modules, recording each node's module path."""
 
@@ -188,7 +303,7 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return (
-            isinstance(m, self._leaf_types)
+            isinstance(m, self._leaf_types + STATEFUL_LEAVES)
             or module_qualified_name in self._leaf_paths
             or super().is_leaf_module(m, module_qualified_name)
         )
@@ -207,27 +322,110 @@ class _Tracer(fx.Tracer):
 
 
 def _fx_trace(
-    model: nn.Module, leaf_types: tuple[type, ...], leaf_paths: frozenset[str]
-) -> fx.GraphModule:
+    model: nn.Module,
+    args: tuple[torch.Tensor, ...],
+    kwargs: dict[str, Any],
+    concrete: dict[str, Any],
+    leaf_types: tuple[type, ...],
+    leaf_paths: frozenset[str],
+) -> tuple[fx.GraphModule, list[Source]]:
+    """symbolic_trace with the constants as `concrete_args`; their placeholders are dropped."""
     tracer = _Tracer(leaf_types, leaf_paths)
-    graph = tracer.trace(model)
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+    graph = tracer.trace(model, concrete_args=concrete or None)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _drop_constants(gm, set(concrete))
+    _spread_varargs(gm, len(args))
+    return gm, _fx_sources(gm, model, args, kwargs)
+
+
+def _drop_constants(gm: fx.GraphModule, names: set[str]) -> None:
+    """Remove the placeholders fx keeps for the concrete arguments `names` (it renames them,
+    `mask` -> `mask_1`), with the checks that read them.
+
+    Raises:
+        TraceError: a concrete argument is used by the computation, not only by checks.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op != "placeholder" or not _is_concrete(str(node.target), names):
+            continue
+        _erase_dead_users(node)
+        if node.users:
+            raise TraceError(
+                f"the constant input {node.target!r} is used by {[u.name for u in node.users]}"
+            )
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _is_concrete(target: str, names: set[str]) -> bool:
+    base, _, suffix = target.rpartition("_")
+    return target in names or (suffix.isdigit() and base in names)
+
+
+def _erase_dead_users(node: fx.Node) -> None:
+    """Erase the nodes that only check `node` (no path from them to the output)."""
+    below: list[fx.Node] = []
+    stack = list(node.users)
+    while stack:
+        user = stack.pop()
+        if user not in below:
+            below.append(user)
+            stack.extend(user.users)
+    if any(u.op == "output" for u in below):
+        return
+    for user in sorted(below, key=lambda n: -_position(n)):
+        if not user.users:
+            user.graph.erase_node(user)
+
+
+def _position(node: fx.Node) -> int:
+    return next(i for i, n in enumerate(node.graph.nodes) if n is node)
+
+
+def _fx_sources(
+    gm: fx.GraphModule, model: nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]
+) -> list[Source]:
+    """Each placeholder's source: a positional index or a keyword, by the forward's signature.
+
+    Placeholders come in signature order; `forward(*inputs)`'s spread ones follow the named
+    positional parameters.
+    """
+    params = inspect.signature(model.forward).parameters.values()
+    positional = [p.name for p in params if p.kind in bind.POSITIONAL][: len(args)]
+    sources: list[Source] = []
+    spread = len(positional)
+    for node in gm.graph.nodes:
+        name = str(node.target)
+        if node.op != "placeholder":
+            continue
+        if name in kwargs:
+            sources.append(name)
+        elif name in positional:
+            sources.append(positional.index(name))
+        else:
+            sources.append(spread)
+            spread += 1
+    return sources
 
 
 def _export_trace(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], fx_error: str
-) -> fx.GraphModule:
+    model: nn.Module,
+    inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
+    full: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
+    fx_error: str,
+) -> tuple[fx.GraphModule, list[Source]]:
+    """torch.export at the micro-batch size (`inputs`; `full` is the whole example batch)."""
+    args, kwargs = inputs
     try:
         with _quiet_torch():
-            exported = torch.export.export(model, inputs, strict=False)
+            exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:
         raise TraceError(
             f"could not trace {type(model).__name__}. torch.fx.symbolic_trace failed "
             f"({_first_line(fx_error)}) and torch.export (non-strict) failed "
-            f"({type(exc).__name__}: {_first_line(str(exc))}). Control flow that depends on "
-            "tensor values cannot be traced: move it out of forward(), replace it with "
-            "torch.where/torch.cond, or name the module that holds it in leaf_modules so it "
-            "stays one opaque node."
+            f"({type(exc).__name__}: {_first_line(str(exc))}). "
+            + (_batch_diagnosis(model, inputs, full) or _export_advice(str(exc)))
         ) from exc
     gm = exported.module()
     for node in list(gm.graph.nodes):
@@ -235,9 +433,37 @@ def _export_trace(
             gm.graph.erase_node(node)
         else:
             node.meta["gp_module"] = _export_module_path(node)
+    sources = _drop_exported_constants(gm, args, kwargs)
     gm.delete_all_unused_submodules()
     gm.recompile()
-    return gm
+    return gm, sources
+
+
+def _drop_exported_constants(
+    gm: fx.GraphModule, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]
+) -> list[Source]:
+    """Drop the placeholders of non-tensor inputs (export specialised on their values) and
+    make the module's calling convention the tensor inputs only; return the sources."""
+    codegen = gm.graph._codegen
+    info = codegen.pytree_info  # type: ignore[attr-defined]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sources: list[Source] = list(tree_flatten_spec(list(bind.labels(args, kwargs)), info.in_spec))
+    constants = {k for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    if not constants:
+        return sources
+    kept: list[Source] = []
+    for node, source in zip(placeholders, sources, strict=True):
+        if source in constants:
+            if node.users:
+                raise TraceError(f"the constant input {source!r} is used by {list(node.users)}")
+            gm.graph.erase_node(node)
+        else:
+            kept.append(source)
+    keys = [k for k in info.in_spec.child(1).context if k not in constants]
+    spec = tree_structure((args, {k: kwargs[k] for k in keys}))
+    orig = [a for a in info.orig_args if a not in constants]
+    codegen.pytree_info = type(info)(orig, spec, info.out_spec)  # type: ignore[attr-defined]
+    return kept
 
 
 @contextlib.contextmanager
@@ -281,7 +507,8 @@ def _spread_varargs(gm: fx.GraphModule, count: int) -> None:
     )
     if star is None:
         return
-    fixed = sum(1 for n in gm.graph.nodes if n.op == "placeholder") - 1
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fixed = placeholders.index(star)  # named positional inputs come before it
     bad = [
         u.name
         for u in star.users
@@ -306,14 +533,59 @@ def _spread_varargs(gm: fx.GraphModule, count: int) -> None:
 def _untouched(model: nn.Module) -> Iterator[None]:
     """Run the example pass without side effects: buffers (BatchNorm statistics) and the
     random number generator are restored afterwards."""
-    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    saved = _buffers(model)
     with torch.random.fork_rng(devices=[]):
         try:
             yield
         finally:
-            with torch.no_grad():
-                for name, b in model.named_buffers():
-                    b.copy_(saved[name])
+            _restore(model, saved)
+
+
+@contextlib.contextmanager
+def _unchanged(model: nn.Module, how: str) -> Iterator[None]:
+    """Tracing must not change the model: restore every buffer afterwards and, if tracing
+    succeeded but changed one, refuse the trace, naming the buffers.
+
+    Raises:
+        TraceError: a buffer changed while tracing (its update would be missing from the
+            graph).
+    """
+    saved = _buffers(model)
+    try:
+        yield
+    except BaseException:
+        _restore(model, saved)
+        raise
+    changed = _restore(model, saved)
+    if changed:
+        raise TraceError(
+            f"{how} changed buffers {changed} of the model in place while tracing, so the "
+            "graph would not update them. Name the module that updates them in leaf_modules "
+            "(BatchNorm and its subclasses already are leaves)"
+        )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.is_meta or b.is_meta:  # no values to change
+        return True
+    if a.is_floating_point():
+        return a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    return torch.equal(a, b)
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+def _restore(model: nn.Module, saved: dict[str, torch.Tensor]) -> list[str]:
+    """Put the saved buffer values back; return the names of those that had changed."""
+    changed = []
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if not _same(b, saved[name]):
+                changed.append(name)
+                b.copy_(saved[name])
+    return changed
 
 
 def _drop_dead_getitems(gm: fx.GraphModule) -> None:
@@ -361,10 +633,13 @@ def _spec(value: Any) -> Any:
 class _Annotator(fx.Interpreter):
     """Runs the graph once on the example inputs, writing the gp_* keys on every node."""
 
-    def __init__(self, gm: fx.GraphModule, canonical: dict[int, str], batch: int) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, canonical: dict[int, str], sizes: tuple[int, int]
+    ) -> None:
         super().__init__(gm)
         self._canonical = canonical
-        self._batch = batch
+        self._sizes = sizes  # (rows traced, example batch)
+        self._batch = sizes[0]
 
     def run_node(self, n: fx.Node) -> Any:
         with FlopCounterMode(display=False) as flops:
@@ -373,7 +648,7 @@ class _Annotator(fx.Interpreter):
             except Exception as exc:
                 raise TraceError(
                     f"running node {n.name!r} ({n.format_node()}) on the example inputs failed: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{type(exc).__name__}: {exc}.{_batch_hint(self._sizes)}"
                 ) from exc
         n.meta["gp_outputs"] = _spec(result)
         n.meta["gp_out_bytes"] = _tensor_bytes(result) // self._batch
@@ -394,9 +669,11 @@ class _Annotator(fx.Interpreter):
         }
 
 
-def _annotate(gm: fx.GraphModule, model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+def _annotate(
+    gm: fx.GraphModule, model: nn.Module, inputs: list[torch.Tensor], sizes: tuple[int, int]
+) -> None:
     with torch.no_grad():
-        _Annotator(gm, _canonical_names(model), inputs[0].shape[0]).run(*inputs)
+        _Annotator(gm, _canonical_names(model), sizes).run(*inputs)
     _attribute_get_attrs(gm)
     _flag_shared(gm)
 

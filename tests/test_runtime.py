@@ -272,6 +272,6 @@ def test_bad_input_is_refused_before_any_communication() -> None:
         errors[2] == "ConfigError: step() needs target=...: the loss is computed on the last stage"
     )
     assert (
-        "input #0 (x) is torch.float32[6, 16], the pipeline was compiled for "
+        "input x is torch.float32[6, 16], the pipeline was compiled for "
         "torch.float32[8, 16]" in errors[3]
     )

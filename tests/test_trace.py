@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 from zoo import ZOO
 
 from graphpipe.errors import ConfigError, TraceError
-from graphpipe.trace import TensorSpec, trace, trace_info
+from graphpipe.trace import TensorSpec, flat_inputs, model_output, trace, trace_info
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -172,3 +174,149 @@ def test_tracing_leaves_buffers_and_random_state_alone() -> None:
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class KeywordModel(nn.Module):
+    """A Hugging-Face-like forward: keyword inputs, optional arguments, a dict output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        scale: float = 1.0,
+        return_dict: bool = True,
+    ) -> dict[str, torch.Tensor] | tuple[torch.Tensor]:
+        h = self.proj(input_ids) * scale
+        if attention_mask is not None:
+            h = h * attention_mask
+        return {"logits": h} if return_dict else (h,)
+
+
+def test_keyword_inputs_and_optional_arguments_become_constants() -> None:
+    model, x = KeywordModel(), torch.randn(6, 4)
+    gm = trace(model, {"input_ids": x, "scale": 2.0}, micro_batch_size=3)
+    info = trace_info(gm)
+    assert info.input_names == ("input_ids",) and info.sources == ("input_ids",)
+    assert info.constants == {"scale": "2.0"} and info.micro_batch_size == 3
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert placeholder.meta["gp_outputs"] == TensorSpec((3, 4), "torch.float32")
+    torch.testing.assert_close(gm(x), model(x, scale=2.0))
+    assert flat_inputs(gm, input_ids=x)[0] is x
+    with pytest.raises(ConfigError, match="scale"):
+        flat_inputs(gm, input_ids=x, scale=3.0)  # a constant of the trace
+    with pytest.raises(ConfigError, match="attention_mask"):
+        flat_inputs(gm, input_ids=x, attention_mask=x)  # not traced as an input
+
+
+def test_keyword_tensor_inputs_feed_their_placeholders() -> None:
+    model, x, mask = KeywordModel(), torch.randn(4, 4), torch.rand(4, 4)
+    gm = trace(model, {"attention_mask": mask, "input_ids": x, "return_dict": False})
+    info = trace_info(gm)
+    assert info.sources == ("input_ids", "attention_mask")  # signature order
+    flat = flat_inputs(gm, attention_mask=mask, input_ids=x)
+    assert flat[0] is x and flat[1] is mask
+    assert "return_dict" in info.constants
+    torch.testing.assert_close(gm(*flat), model(x, mask, return_dict=False))
+
+
+def test_unknown_keyword_input_is_named() -> None:
+    with pytest.raises(ConfigError, match="pixel_values"):
+        trace(KeywordModel(), {"input_ids": torch.randn(2, 4), "pixel_values": torch.ones(2)})
+
+
+class ExportedKeywords(ShapeBranch):
+    """Falls back to torch.export, with keyword inputs, a constant and a nested output."""
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, flag: bool = False
+    ) -> dict[str, Any]:
+        y = super().forward(x)
+        y = y * mask if mask is not None else y
+        return {"y": y + 1 if flag else y, "pair": (y, y * 3)}
+
+
+def test_exported_keyword_inputs_constants_and_nested_outputs() -> None:
+    model, x, mask = ExportedKeywords(), torch.randn(4, 4), torch.rand(4, 4)
+    gm = trace(model, {"x": x, "mask": mask, "flag": True}, micro_batch_size=2)
+    info = trace_info(gm)
+    assert info.method == "export"
+    assert info.sources == ("x", "mask") and set(info.constants) == {"flag"}
+    flat = flat_inputs(gm, x=x[:2], mask=mask[:2])
+    out = model_output(gm, _run(gm, flat))
+    expected = model(x[:2], mask=mask[:2], flag=True)
+    torch.testing.assert_close(out, expected)
+
+
+def _run(gm: torch.fx.GraphModule, flat: list[torch.Tensor]) -> Any:
+    return torch.fx.Interpreter(gm).run(*flat)
+
+
+class FixedBatch(nn.Module):
+    """Its code holds the batch size as a literal: it cannot run on micro-batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).view(8, 2, 2).sum(-1)
+
+
+class FixedBatchExported(FixedBatch):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] > 2:  # forces the torch.export fallback
+            return self.a(x).reshape(8, 2, 2).sum(-1)
+        return x
+
+
+@pytest.mark.parametrize("model", [FixedBatch(), FixedBatchExported()], ids=["fx", "export"])
+def test_a_batch_size_fixed_by_the_code_is_named(model: nn.Module) -> None:
+    x = torch.randn(8, 4)
+    trace(model, x)  # the whole batch traces
+    with pytest.raises(TraceError, match="batch size") as err:
+        trace(model, x, micro_batch_size=2)
+    assert "8" in str(err.value) and "2" in str(err.value)
+
+
+class CountsCalls(nn.Module):
+    """Updates a buffer behind fx's back (as timm's BatchNormAct2d did): the graph would not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._buffers["calls"].add_(1)  # type: ignore[union-attr]
+        return self.a(x)
+
+
+def test_tracing_that_changes_a_buffer_is_refused_naming_it() -> None:
+    model = CountsCalls()
+    with pytest.raises(TraceError, match="calls"):
+        trace(model, torch.randn(2, 4))
+    assert int(model.calls) == 0  # and the model is left as it was
+
+
+class ForeignBatchNorm(nn.BatchNorm1d):
+    """A BatchNorm subclass from another library, updating its statistics in Python."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.num_batches_tracked is not None
+        self.num_batches_tracked.add_(1)
+        return nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, True, 0.1, self.eps
+        )
+
+
+def test_batchnorm_subclasses_are_leaves_so_their_updates_run() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), ForeignBatchNorm(4))
+    gm = trace(model, torch.randn(6, 4))
+    assert [n.op for n in gm.graph.nodes].count("call_module") == 2
+    gm(torch.randn(6, 4))
+    gm(torch.randn(6, 4))
+    assert int(model[1].num_batches_tracked) == 2  # every run counts, as in the model

@@ -26,6 +26,7 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
+from graphpipe.bind import batch_of, normalise
 from graphpipe.cost import CostModel, LinkModel, MemoryModel
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan
@@ -35,7 +36,7 @@ from graphpipe.partition.manual import groups_from_pins
 from graphpipe.partition.search import search
 from graphpipe.partition.sptree import coarsen, decompose, linearise
 from graphpipe.profile import Profile, ProfileConfig, profile
-from graphpipe.trace import LeafSpec, trace, trace_info
+from graphpipe.trace import LeafSpec, flat_inputs, trace
 
 __all__ = [
     "PlanConfig",
@@ -96,7 +97,7 @@ class PlanConfig:
 
 def plan(
     model: nn.Module,
-    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    example_inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any],
     devices: int,
     **options: Any,
 ) -> Plan:
@@ -104,8 +105,9 @@ def plan(
 
     Args:
         model: The model.
-        example_inputs: One mini-batch; dim 0 is the batch and must split into
-            `micro_batches` equal micro-batches.
+        example_inputs: One mini-batch (a tensor, a tuple, or a dict of keyword inputs);
+            dim 0 is the batch and must split into `micro_batches` equal micro-batches. The
+            model is traced at the micro-batch size.
         devices: N, the number of devices.
         **options: Any `PlanConfig` field (micro_batches, partitioner, memory_budget, ...).
 
@@ -125,10 +127,11 @@ def plan(
         True
     """
     config = PlanConfig.build(devices, **options)
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
-    gm = trace(model, inputs, leaf_modules=config.leaf_modules)
-    b = micro_batch_size(trace_info(gm).batch_size, config.micro_batches)
-    prof = profile(gm, inputs, b, config.profile)
+    args, kwargs = normalise(example_inputs)
+    b = micro_batch_size(batch_of(args, kwargs), config.micro_batches)
+    gm = trace(model, example_inputs, leaf_modules=config.leaf_modules, micro_batch_size=b)
+    tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    prof = profile(gm, flat_inputs(gm, *args, **tensors), b, config.profile)
     return partition(gm, prof, config)
 
 

@@ -25,7 +25,7 @@ from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
 from graphpipe.runtime.weights import PolicyOptions, WeightPolicy, make_policy
 from graphpipe.schedule import ASYNC, drain_schedule, make_schedule, warmups
-from graphpipe.trace import trace_info
+from graphpipe.trace import flat_inputs, trace_info
 
 __all__ = ["PipelinedModel", "RuntimeConfig"]
 
@@ -40,10 +40,14 @@ class RuntimeConfig:
     backend: str | None = None  # None: "nccl" when CUDA is available, else "gloo"
     device: str | None = None  # None: cuda:LOCAL_RANK with nccl, else cpu
     record: bool = False  # time every action (see PipelinedModel.timeline)
+    plan_timeout: float = 1800.0  # seconds ranks wait for rank 0's plan (profiling included)
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0:
-            raise ConfigError(f"timeout must be positive, got {self.timeout}")
+        if self.timeout <= 0 or self.plan_timeout <= 0:
+            raise ConfigError(
+                f"timeouts must be positive, got timeout={self.timeout}, "
+                f"plan_timeout={self.plan_timeout}"
+            )
 
 
 @dataclass
@@ -84,7 +88,8 @@ class PipelinedModel:
         self.device = runtime_device(runtime)
         self._model, self._gm = model, gm
         self._shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
-        self._input_names = list(trace_info(gm).input_names)[: len(example_inputs)]
+        self._input_names = list(trace_info(gm).input_names)
+        self._aliases = _aliases(model)
         self._m = schedule.micro_batches
         self._calls = 0
         stage = plan.stage_on(self.rank)
@@ -123,12 +128,14 @@ class PipelinedModel:
 
     # -- training -------------------------------------------------------------------------------
 
-    def step(self, *inputs: torch.Tensor, target: Any = None) -> float:
+    def step(self, *inputs: torch.Tensor, target: Any = None, **kw_inputs: torch.Tensor) -> float:
         """One mini-batch: every micro-batch through the schedule, and the updates.
 
         Args:
-            *inputs: The model inputs, shaped like the example inputs.
+            *inputs: The model's positional inputs, shaped like the example inputs.
             target: What `loss_fn` compares the output with (dim 0 the batch).
+            **kw_inputs: The model's keyword inputs, for a model compiled with a dict of
+                them (`input_ids=..., attention_mask=...`).
 
         Returns:
             The mean of the micro-batch losses of this call, on every rank.
@@ -140,7 +147,8 @@ class PipelinedModel:
         """
         if target is None:
             raise ConfigError("step() needs target=...: the loss is computed on the last stage")
-        batch = self._batch(inputs, target, first=self._calls * self._m if self._async else 0)
+        first = self._calls * self._m if self._async else 0
+        batch = self._batch(inputs, kw_inputs, target, first=first)
         actions = self._actions(self._calls)
         if self._executor is not None:
             self._executor.losses.clear()
@@ -174,30 +182,26 @@ class PipelinedModel:
                 f"rank {self.rank}: all-reduce of {what} failed: {str(exc).splitlines()[0]}"
             ) from exc
 
-    def _batch(self, inputs: Sequence[torch.Tensor], target: Any, first: int) -> Batch:
-        if len(inputs) != len(self._shapes):
-            raise ConfigError(
-                f"step() got {len(inputs)} inputs, the model was compiled with {len(self._shapes)}"
-            )
-        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._shapes, strict=True)):
+    def _batch(self, args: Sequence[Any], kwargs: dict[str, Any], target: Any, first: int) -> Batch:
+        flat = flat_inputs(self._gm, *args, **kwargs)
+        for name, x, (shape, dtype) in zip(self._input_names, flat, self._shapes, strict=True):
             if tuple(x.shape) != shape or x.dtype != dtype:
                 raise ConfigError(
-                    f"input #{i} ({self._input_names[i]}) is {x.dtype}"
-                    f"{list(x.shape)}, the pipeline was compiled for {dtype}"
-                    f"{list(shape)}"
+                    f"input {name} is {x.dtype}{list(x.shape)}, the pipeline was compiled "
+                    f"for {dtype}{list(shape)}"
                 )
         chunks = {
             name: list(x.to(self.device).chunk(self._m))
-            for name, x in zip(self._input_names, inputs, strict=True)
+            for name, x in zip(self._input_names, flat, strict=True)
         }
         targets = None if target is None else _split(target, self._m, self.device)
         return Batch(first, chunks, targets)
 
     # -- inference, state ----------------------------------------------------------------------
 
-    def __call__(self, *inputs: torch.Tensor) -> Any:
+    def __call__(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor) -> Any:
         """Forward only: the model's output for this mini-batch, on every rank."""
-        batch = self._batch(inputs, None, first=0)
+        batch = self._batch(inputs, kw_inputs, None, first=0)
         outputs: dict[int, Any] = {}
         if self._executor is not None:
             inference = Executor(self._executor.stage, self.policy, self._executor.transport)
@@ -265,9 +269,11 @@ class PipelinedModel:
         after every update of the micro-batches seen so far.
         """
         self.drain()
-        mine = (
-            {} if self.module is None else {k: _cpu(v) for k, v in self.module.state_dict().items()}
-        )
+        mine: dict[str, torch.Tensor] = {}
+        if self.module is not None:
+            for name, value in self.module.state_dict(keep_vars=True).items():
+                for alias in self._aliases.get(id(value), (name,)):
+                    mine[alias] = _cpu(value)
         if self.rank == 0:
             mine.update(self._orphans)
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -281,16 +287,24 @@ class PipelinedModel:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full state dict (e.g. the plain model's); each rank takes its stage's part.
 
+        A tied weight is found under any of its names.
+
         Raises:
             ConfigError: names this stage needs that `state` lacks.
         """
         if self.module is None:
             return
-        keys = list(self.module.state_dict())
-        missing = [k for k in keys if k not in state]
+        found: dict[str, torch.Tensor] = {}
+        missing = []
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            names = [a for a in self._aliases.get(id(value), (key,)) if a in state]
+            if names:
+                found[key] = state[names[0]]
+            else:
+                missing.append(key)
         if missing:
             raise ConfigError(f"state dict lacks {missing} (needed by stage {self._stage_index})")
-        self.module.load_state_dict({k: state[k] for k in keys})
+        self.module.load_state_dict(found)
 
     @property
     def recording(self) -> bool:
@@ -366,10 +380,20 @@ def runtime_device(runtime: RuntimeConfig) -> torch.device:
     return device
 
 
+def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """Every name of each parameter and buffer of `model`, by tensor identity (a tied weight
+    has several: GPT-2's `transformer.wte.weight` and `lm_head.weight`)."""
+    names: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+    return {k: tuple(v) for k, v in names.items()}
+
+
 def _orphans(model: nn.Module, modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """Parameters and buffers no stage holds (unused by forward): kept as they are."""
-    held = {k for m in modules for k in m.state_dict()}
-    return {k: _cpu(v) for k, v in model.state_dict().items() if k not in held}
+    """Parameters and buffers no stage holds (unused by forward), by tensor identity, so a
+    tied weight read under one of its names is held under all of them: kept as they are."""
+    held = {id(t) for m in modules for t in m.state_dict(keep_vars=True).values()}
+    return {k: _cpu(v) for k, v in model.state_dict(keep_vars=True).items() if id(v) not in held}
 
 
 def _cpu(x: Any) -> Any:

@@ -17,14 +17,15 @@ into every stage that reads them (tied weights are then held by several stages).
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from graphpipe.bind import model_output
 from graphpipe.errors import PlanError
 from graphpipe.ir import Plan
 from graphpipe.profile import resize_batch
@@ -61,7 +62,8 @@ def build_stage(gm: fx.GraphModule, plan: Plan, index: int) -> tuple[fx.GraphMod
         The stage module (sharing parameters with `gm`) and its inputs and outputs.
 
     Raises:
-        PlanError: the plan names ops that are not in `gm`.
+        PlanError: the plan names ops that are not in `gm`, or the stage reads a value that
+            no edge of the plan brings to it.
     """
     nodes = {n.name: n for n in gm.graph.nodes}
     mine = set(plan.stages[index].nodes)
@@ -73,6 +75,10 @@ def build_stage(gm: fx.GraphModule, plan: Plan, index: int) -> tuple[fx.GraphMod
     )
     graph, env = fx.Graph(), dict[str, fx.Node]()
     model_inputs, received, output = _placeholders(gm, mine, graph, env)
+    incoming = {t for e in plan.edges if e.dst == index for t in e.tensors}
+    unfed = [name for name in received if name not in incoming]
+    if unfed:
+        raise PlanError(f"stage {index} reads {unfed}, but no stage edge brings them to it")
     for node in gm.graph.nodes:
         if node.name in mine and node.op != "output":
             _copy_inputs(node, graph, env)
@@ -120,9 +126,13 @@ def _copy_inputs(node: fx.Node, graph: fx.Graph, env: dict[str, fx.Node]) -> Non
 
 
 def micro_shapes(
-    gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...], micro_batch_size: int
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], micro_batch_size: int
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of every tensor a node outputs, for one micro-batch (a fake run)."""
+    """Shape and dtype of every tensor a node outputs, for one micro-batch.
+
+    A fake-tensor run (no memory, no compute) on fake copies of the parameters and buffers,
+    so the real ones are never touched (a BatchNorm's `num_batches_tracked` stays as it is).
+    """
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
     class _Recorder(fx.Interpreter):
@@ -132,24 +142,35 @@ def micro_shapes(
                 specs[n.name] = (tuple(value.shape), value.dtype)
             return value
 
+    class _Run(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, *inputs: torch.Tensor) -> Any:
+            return _Recorder(self.gm).run(*inputs)
+
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
         fakes = [mode.from_tensor(resize_batch(x, micro_batch_size)) for x in example_inputs]
-        _Recorder(gm).run(*fakes)
+        state = _fake_state(gm, mode)
+        torch.func.functional_call(_Run(), state, tuple(fakes), strict=False)
     # the fake mode memoises the real parameters through weak references until it is
     # collected; the weight policies' copy on write (swap_tensors) refuses such tensors
-    del mode, fakes
+    del mode, fakes, state
     gc.collect()
     return specs
 
 
-def model_output(gm: fx.GraphModule, value: Any) -> Any:
-    """The model's output as the original module returns it, from the output node's value.
-
-    fx graphs return the output node's argument as it is; graphs from torch.export flatten it
-    and unflatten in their generated code, which this repeats.
-    """
-    info = getattr(gm.graph._codegen, "pytree_info", None)
-    if info is None or info.out_spec is None:
-        return value
-    leaves, _ = tree_flatten(value)
-    return tree_unflatten(leaves, info.out_spec)
+def _fake_state(gm: fx.GraphModule, mode: FakeTensorMode) -> dict[str, torch.Tensor]:
+    """A fake of every parameter and buffer under each of its names (one fake per tensor)."""
+    fakes: dict[int, torch.Tensor] = {}
+    state = {}
+    named = [
+        *gm.named_parameters(remove_duplicate=False),
+        *gm.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in named:
+        if id(t) not in fakes:
+            fakes[id(t)] = mode.from_tensor(t)
+        state[f"gm.{name}"] = fakes[id(t)]
+    return state
