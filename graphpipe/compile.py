@@ -61,7 +61,7 @@ def compile(
     schedule: str | None = None,
     weights: str = "flush",
     weight_options: PolicyOptions | None = None,
-    partitioner: str = "graph",
+    partitioner: str | None = None,
     plan: Plan | str | Path | None = None,
     leaf_modules: Sequence[LeafSpec] = (),
     profile_config: ProfileConfig | None = None,
@@ -89,7 +89,8 @@ def compile(
         weights: The weight policy: "flush", "stash", "2bw" or "pipemare" (see
             `graphpipe.runtime.weights`).
         weight_options: PipeMare's fixes.
-        partitioner: "graph" or "sequential", when no plan is given.
+        partitioner: "graph", "sequential" or "manual", when no plan is given. Default
+            "manual" when `pins` are given (a plan_options field), else "graph".
         plan: A Plan, or a path to its JSON, instead of planning.
         leaf_modules: Module types or paths to trace as single nodes.
         profile_config: How rank 0 obtains op times when it plans.
@@ -114,6 +115,10 @@ def compile(
     if micro_batches is not None and micro_batches < 1:
         raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
     schedule = _schedule_for(weights, schedule)
+    options = _plan_options(partitioner, plan_options)
+    if weights != "flush":
+        options.setdefault("replication", False)
+        options.setdefault("weight_versions", 2)
     given = None if plan is None else _load_plan(plan)
     m = _micro_batches(micro_batches, given)
     b = micro_batch_size(batch_of(args, kwargs), m)
@@ -121,10 +126,6 @@ def compile(
     runtime_device(runtime)  # NCCL's object collectives below need the rank's GPU current
     gm = trace(model, example_inputs, leaf_modules=leaf_modules, micro_batch_size=b)
     inputs = tuple(flat_inputs(gm, *args, **_tensor_items(kwargs)))
-    options = {"partitioner": partitioner, **plan_options}
-    if weights != "flush":
-        options.setdefault("replication", False)
-        options.setdefault("weight_versions", 2)
     the_plan = (
         _checked_plan(given, gm)
         if given is not None
@@ -142,6 +143,22 @@ def compile(
     return PipelinedModel(
         model, gm, inputs, the_plan, sched, loss_fn, optimizer, weights, runtime, weight_options
     )
+
+
+def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """PlanConfig options: pins imply the manual partitioner, and refuse any other.
+
+    Raises:
+        ConfigError: pins with a partitioner other than "manual".
+    """
+    pins = options.get("pins")
+    if pins and partitioner not in (None, "manual"):
+        raise ConfigError(
+            f"pins={dict(pins)} place stages by hand, which needs partitioner='manual' "
+            f"(or none), not {partitioner!r}"
+        )
+    chosen = partitioner or ("manual" if pins else "graph")
+    return {**options, "partitioner": chosen}
 
 
 def _tensor_items(kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from zoo import ZOO, dict_loss
 
@@ -192,6 +194,45 @@ def test_two_ranks_with_the_plan_made_on_rank_0() -> None:
     results = launch(_auto_plan_worker, 2, timeout=TIMEOUT)
     assert results[0]["stages"] == 2
     _assert_matches(results[1], "two_branch")
+
+
+def _slow_plan_worker(delay: float) -> int:
+    """Rank 0 plans for longer than the step timeout; the others must wait for it."""
+    gp = sys.modules["graphpipe.compile"]  # the package's `compile` shadows the module name
+    if dist.get_rank() == 0:
+        plan_it = gp.partition
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(delay)
+            return plan_it(*args, **kwargs)
+
+        gp.partition = slow  # type: ignore[assignment]
+    model, inputs = ZOO["two_branch"]()
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        micro_batches=M,
+        replication=False,
+        runtime=RuntimeConfig(timeout=2, plan_timeout=60),
+    )
+    return len(pm.plan.stages)
+
+
+def test_the_plan_broadcast_waits_as_long_as_planning_takes() -> None:
+    assert launch(_slow_plan_worker, 2, args=(6.0,), timeout=TIMEOUT, comm_timeout=2) == [2, 2]
+
+
+def test_pins_imply_the_manual_partitioner_and_refuse_another() -> None:
+    with pytest.raises(ConfigError, match="partitioner='manual'"):
+        gp_compile(
+            *ZOO["two_branch"](),
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            partitioner="graph",
+            pins=PINS["two_branch"],
+        )
 
 
 # -- failures ------------------------------------------------------------------------------------
