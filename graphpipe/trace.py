@@ -42,6 +42,8 @@ Keys written on `node.meta` (every node):
     gp_shared     frozenset[str]: those of `gp_params` that other nodes use too (tied weights,
                   a module called twice). Count their bytes once per stage that holds them.
     gp_flops      int: forward FLOPs per sample, from `torch.utils.flop_counter`.
+    gp_mutates    frozenset[str]: buffers the node updates in place (BatchNorm statistics),
+                  by canonical name. A stage holding such a node is not replicated.
 
 "Per sample" is per row of the traced batch (the micro-batch with `micro_batch_size`).
 
@@ -65,29 +67,31 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.fx._pytree import tree_flatten_spec
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_structure
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import TreeSpec, tree_structure
 
 from graphpipe import bind
+from graphpipe.annotate import (
+    TensorSpec,
+    annotate,
+    has_float_output,
+    param_bytes,
+    restore,
+    snapshot,
+)
 from graphpipe.bind import flat_inputs, model_output
 from graphpipe.errors import ConfigError, TraceError
 
-__all__ = ["TensorSpec", "TraceInfo", "flat_inputs", "model_output", "trace"]
+__all__ = [
+    "TensorSpec",
+    "TraceInfo",
+    "flat_inputs",
+    "has_float_output",
+    "model_output",
+    "trace",
+]
 
 LeafSpec = type | str
 Source = int | str  # where a placeholder's value comes from: a positional index or a keyword
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of one tensor value (the example batch's shape)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    def __str__(self) -> str:
-        dtype = self.dtype.removeprefix("torch.")
-        return f"{dtype}[{','.join(map(str, self.shape))}]"
 
 
 @dataclass(frozen=True)
@@ -178,13 +182,12 @@ def trace(
         method = "export"
     _drop_dead_getitems(gm)
     flat = [args[s] if isinstance(s, int) else kwargs[s] for s in sources]
-    with _untouched(model):
-        _annotate(gm, model, flat, (b, batch))
+    annotate(gm, model, flat, b, _batch_hint((b, batch)))
     gm.meta["graphpipe"] = TraceInfo(
         method=method,
         batch_size=batch,
         input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
-        param_bytes=_all_param_bytes(model),
+        param_bytes=param_bytes(model),
         fx_error=fx_error,
         micro_batch_size=b,
         sources=tuple(sources),
@@ -530,18 +533,6 @@ def _spread_varargs(gm: fx.GraphModule, count: int) -> None:
 
 
 @contextlib.contextmanager
-def _untouched(model: nn.Module) -> Iterator[None]:
-    """Run the example pass without side effects: buffers (BatchNorm statistics) and the
-    random number generator are restored afterwards."""
-    saved = _buffers(model)
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            _restore(model, saved)
-
-
-@contextlib.contextmanager
 def _unchanged(model: nn.Module, how: str) -> Iterator[None]:
     """Tracing must not change the model: restore every buffer afterwards and, if tracing
     succeeded but changed one, refuse the trace, naming the buffers.
@@ -550,42 +541,19 @@ def _unchanged(model: nn.Module, how: str) -> Iterator[None]:
         TraceError: a buffer changed while tracing (its update would be missing from the
             graph).
     """
-    saved = _buffers(model)
+    saved = snapshot(model)
     try:
         yield
     except BaseException:
-        _restore(model, saved)
+        restore(model, saved)
         raise
-    changed = _restore(model, saved)
+    changed = restore(model, saved)
     if changed:
         raise TraceError(
             f"{how} changed buffers {changed} of the model in place while tracing, so the "
             "graph would not update them. Name the module that updates them in leaf_modules "
             "(BatchNorm and its subclasses already are leaves)"
         )
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.is_meta or b.is_meta:  # no values to change
-        return True
-    if a.is_floating_point():
-        return a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
-    return torch.equal(a, b)
-
-
-def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: b.detach().clone() for name, b in model.named_buffers()}
-
-
-def _restore(model: nn.Module, saved: dict[str, torch.Tensor]) -> list[str]:
-    """Put the saved buffer values back; return the names of those that had changed."""
-    changed = []
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if not _same(b, saved[name]):
-                changed.append(name)
-                b.copy_(saved[name])
-    return changed
 
 
 def _drop_dead_getitems(gm: fx.GraphModule) -> None:
@@ -595,103 +563,3 @@ def _drop_dead_getitems(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
-
-
-def has_float_output(node: fx.Node) -> bool:
-    """Whether `node.meta["gp_outputs"]` holds a floating-point tensor (gradients flow)."""
-    leaves, _ = tree_flatten(node.meta.get("gp_outputs"))
-    return any(spec is not None and "float" in spec.dtype for spec in leaves)
-
-
-def _canonical_names(model: nn.Module) -> dict[int, str]:
-    """Map each parameter/buffer tensor (by identity) to its first, canonical name."""
-    names: dict[int, str] = {}
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        names.setdefault(id(t), name)
-    return names
-
-
-def _all_param_bytes(model: nn.Module) -> dict[str, int]:
-    return {
-        name: t.numel() * t.element_size()
-        for name, t in [*model.named_parameters(), *model.named_buffers()]
-    }
-
-
-def _tensor_bytes(value: Any) -> int:
-    leaves, _ = tree_flatten(value)
-    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
-
-
-def _spec(value: Any) -> Any:
-    return tree_map(
-        lambda x: TensorSpec(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else None,
-        value,
-    )
-
-
-class _Annotator(fx.Interpreter):
-    """Runs the graph once on the example inputs, writing the gp_* keys on every node."""
-
-    def __init__(
-        self, gm: fx.GraphModule, canonical: dict[int, str], sizes: tuple[int, int]
-    ) -> None:
-        super().__init__(gm)
-        self._canonical = canonical
-        self._sizes = sizes  # (rows traced, example batch)
-        self._batch = sizes[0]
-
-    def run_node(self, n: fx.Node) -> Any:
-        with FlopCounterMode(display=False) as flops:
-            try:
-                result = super().run_node(n)
-            except Exception as exc:
-                raise TraceError(
-                    f"running node {n.name!r} ({n.format_node()}) on the example inputs failed: "
-                    f"{type(exc).__name__}: {exc}.{_batch_hint(self._sizes)}"
-                ) from exc
-        n.meta["gp_outputs"] = _spec(result)
-        n.meta["gp_out_bytes"] = _tensor_bytes(result) // self._batch
-        n.meta["gp_flops"] = flops.get_total_flops() // self._batch
-        n.meta["gp_params"] = self._params_of(n)
-        return result
-
-    def _params_of(self, n: fx.Node) -> dict[str, int]:
-        tensors: list[torch.Tensor] = []
-        if n.op == "call_module":
-            sub = self.module.get_submodule(str(n.target))
-            tensors = [*sub.parameters(recurse=True), *sub.buffers(recurse=True)]
-        elif n.op == "get_attr":
-            value = self.fetch_attr(str(n.target))
-            tensors = [value] if isinstance(value, torch.Tensor) else []
-        return {
-            self._canonical.get(id(t), str(n.target)): t.numel() * t.element_size() for t in tensors
-        }
-
-
-def _annotate(
-    gm: fx.GraphModule, model: nn.Module, inputs: list[torch.Tensor], sizes: tuple[int, int]
-) -> None:
-    with torch.no_grad():
-        _Annotator(gm, _canonical_names(model), sizes).run(*inputs)
-    _attribute_get_attrs(gm)
-    _flag_shared(gm)
-
-
-def _attribute_get_attrs(gm: fx.GraphModule) -> None:
-    """A get_attr node's tensor counts as a parameter of each node that consumes it."""
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.meta.get("gp_params"):
-            for user in node.users:
-                user.meta.setdefault("gp_params", {}).update(node.meta["gp_params"])
-
-
-def _flag_shared(gm: fx.GraphModule) -> None:
-    users: dict[str, int] = {}
-    compute = [n for n in gm.graph.nodes if n.op not in ("get_attr", "placeholder", "output")]
-    for node in compute:
-        for name in node.meta.get("gp_params", {}):
-            users[name] = users.get(name, 0) + 1
-    for node in gm.graph.nodes:
-        params = node.meta.setdefault("gp_params", {})
-        node.meta["gp_shared"] = frozenset(p for p in params if users.get(p, 0) > 1)

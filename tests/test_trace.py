@@ -320,3 +320,23 @@ def test_batchnorm_subclasses_are_leaves_so_their_updates_run() -> None:
     gm(torch.randn(6, 4))
     gm(torch.randn(6, 4))
     assert int(model[1].num_batches_tracked) == 2  # every run counts, as in the model
+
+
+def test_nodes_that_update_buffers_are_flagged() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    gm = trace(model, torch.randn(6, 4))
+    flagged = {n.name: n.meta["gp_mutates"] for n in gm.graph.nodes if n.meta["gp_mutates"]}
+    assert flagged == {"_1": {"1.running_mean", "1.running_var", "1.num_batches_tracked"}}
+    exported = trace(ExportedNorm(), torch.randn(8, 4))
+    assert trace_info(exported).method == "export"
+    mutated = set().union(*(n.meta["gp_mutates"] for n in exported.graph.nodes))
+    assert mutated == {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}
+
+
+class ExportedNorm(ShapeBranch):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(super().forward(x))
