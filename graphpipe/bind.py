@@ -101,11 +101,18 @@ def batch_of(args: Args, kwargs: Kwargs) -> int:
     return int(batch)
 
 
-def rows(args: Args, kwargs: Kwargs, count: int) -> tuple[Args, Kwargs]:
-    """The first `count` rows of every tensor input; constants as they are."""
+def rows(
+    args: Args, kwargs: Kwargs, count: int, device: torch.device | str | None = None
+) -> tuple[Args, Kwargs]:
+    """The first `count` rows of every tensor input (moved to `device` when given, e.g. the
+    meta device for a model built there); constants as they are."""
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        return x[:count] if device is None else x[:count].to(device)
+
     return (
-        tuple(x[:count] for x in args),
-        {k: v[:count] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+        tuple(cut(x) for x in args),
+        {k: cut(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
     )
 
 

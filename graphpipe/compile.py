@@ -22,8 +22,10 @@ equals single-process gradient accumulation over the same micro-batches.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from graphpipe.ir import Plan
 from graphpipe.opgraph import graph_hash
 from graphpipe.partition import PlanConfig, micro_batch_size, partition
 from graphpipe.profile import ProfileConfig, profile
+from graphpipe.runtime.materialize import InitFn
 from graphpipe.runtime.pipeline import (
     OptimizerFactory,
     PipelinedModel,
@@ -49,6 +52,8 @@ from graphpipe.schedule import ASYNC, make_schedule
 from graphpipe.trace import LeafSpec, flat_inputs, trace, trace_info
 
 __all__ = ["PipelinedModel", "RuntimeConfig", "compile"]
+
+log = logging.getLogger("graphpipe")
 
 
 def compile(
@@ -66,6 +71,8 @@ def compile(
     leaf_modules: Sequence[LeafSpec] = (),
     profile_config: ProfileConfig | None = None,
     runtime: RuntimeConfig | None = None,
+    init_weights: InitFn | None = None,
+    checkpoint: str | Path | None = None,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -95,6 +102,11 @@ def compile(
         leaf_modules: Module types or paths to trace as single nodes.
         profile_config: How rank 0 obtains op times when it plans.
         runtime: Timeouts, backend, device, timeline recording.
+        init_weights: For a model on the meta device: `init_weights(model)` initialises
+            this rank's tensors once they are real (see `graphpipe.runtime.materialize`).
+            Default: each module's `reset_parameters()`.
+        checkpoint: For a model on the meta device: a state_dict file, safetensors file(s)
+            or a DCP directory to load this rank's stage from, by parameter name.
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...).
 
     Returns:
@@ -141,7 +153,18 @@ def compile(
     if schedule not in ASYNC:
         check_schedule(the_plan, sched)
     return PipelinedModel(
-        model, gm, inputs, the_plan, sched, loss_fn, optimizer, weights, runtime, weight_options
+        model,
+        gm,
+        inputs,
+        the_plan,
+        sched,
+        loss_fn,
+        optimizer,
+        weights,
+        runtime,
+        weight_options,
+        init_weights,
+        checkpoint,
     )
 
 
@@ -240,6 +263,20 @@ def _checked_plan(plan: Plan, gm: fx.GraphModule) -> Plan:
     return plan
 
 
+def _profile_config(gm: fx.GraphModule, config: ProfileConfig | None) -> ProfileConfig:
+    """The profile settings; a model on the meta device cannot be measured, so it is
+    estimated from FLOPs instead, with a notice."""
+    config = config or ProfileConfig()
+    if config.mode == "measure" and any(t.is_meta for t in gm.parameters()):
+        log.warning(
+            "graphpipe: the model is on the meta device, so op times are estimated from "
+            "FLOPs (ProfileConfig.device_flops=%.3g), not measured",
+            config.device_flops,
+        )
+        return replace(config, mode="flops")
+    return config
+
+
 def _plan_on_rank_0(
     gm: fx.GraphModule,
     inputs: tuple[torch.Tensor, ...],
@@ -260,7 +297,9 @@ def _plan_on_rank_0(
         try:
             config = PlanConfig.build(dist.get_world_size(), micro_batches=micro_batches, **options)
             b = trace_info(gm).micro_batch_size
-            made = partition(gm, profile(gm, inputs, b, profile_config), config)
+            made = partition(
+                gm, profile(gm, inputs, b, _profile_config(gm, profile_config)), config
+            )
             message[0] = ("plan", made.to_json())
         except GraphPipeError as exc:
             message[0] = ("error", f"{type(exc).__name__}: {exc}")

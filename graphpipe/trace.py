@@ -21,6 +21,9 @@ at the micro-batch size, that literal is the one every stage runs with, and no s
 crosses a stage. A model whose own code fixes the batch size fails here, at compile time,
 with a `TraceError` that says so.
 
+Meta. A model built on the meta device (too big for one device) is traced and annotated with
+its example inputs moved to the meta device: shapes, bytes and FLOPs need no values.
+
 State. Tracing must not change the model. Modules that update buffers in their forward
 (BatchNorm and its subclasses from any library) are leaves of the fx trace, so their updates
 run as the module runs; torch.export records such updates in the graph. A trace that still
@@ -165,7 +168,8 @@ def trace(
     batch = bind.batch_of(args, kwargs)
     b = batch if micro_batch_size is None else _checked_micro(batch, micro_batch_size)
     full = (args, kwargs)
-    args, kwargs = bind.rows(args, kwargs, b)
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    args, kwargs = bind.rows(args, kwargs, b, "meta" if on_meta else None)
     leaf_types, leaf_paths = _split_leaves(model, leaf_modules)
     concrete = bind.concrete_args(model, args, kwargs)
     fx_error = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Plan, Schedule, Timeline
 from graphpipe.runtime.comm import FailureBoard, Transport
 from graphpipe.runtime.executor import Batch, Executor, StageRuntime
-from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes
+from graphpipe.runtime.materialize import InitFn, materialize
+from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
 from graphpipe.runtime.weights import PolicyOptions, WeightPolicy, make_policy
 from graphpipe.schedule import ASYNC, drain_schedule, make_schedule, warmups
@@ -82,6 +84,8 @@ class PipelinedModel:
         weights: str,
         runtime: RuntimeConfig,
         weight_options: PolicyOptions | None = None,
+        init_weights: InitFn | None = None,
+        checkpoint: str | Path | None = None,
     ) -> None:
         self.plan, self.schedule, self.runtime = plan, schedule, runtime
         self.rank = dist.get_rank()
@@ -89,22 +93,33 @@ class PipelinedModel:
         self._model, self._gm = model, gm
         self._shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
         self._input_names = list(trace_info(gm).input_names)
-        self._aliases = _aliases(model)
         self._m = schedule.micro_batches
         self._calls = 0
         stage = plan.stage_on(self.rank)
         self._stage_index = None if stage is None else stage.index
+        self._model_inputs: tuple[str, ...] = ()
         modules = {s.index: build_stage(gm, plan, s.index) for s in plan.stages}
         self._orphans = _orphans(model, [m for m, _ in modules.values()])
-        groups = self._groups(model, modules)
+        canon = _canonical_by_name(model)
+        specs = micro_shapes(gm, example_inputs, plan.micro_batch_size) if stage is not None else {}
+        materialized = (
+            materialize(model, modules[stage.index][0], self.device, init_weights, checkpoint)
+            if stage is not None
+            else []
+        )
+        self._aliases = _aliases(model)
+        groups = self._groups(canon, modules)
+        if materialized:
+            groups.sync.broadcast()  # tied copies and replicas start equal on every holder
         self.module: nn.Module | None = None
         self._executor: Executor | None = None
         params: list[nn.Parameter] = []
         if stage is not None:
             module, io = modules[stage.index]
+            self._model_inputs = io.model_inputs
+            retarget(module, self.device)
             self.module = module.to(self.device)
             params = list(self.module.parameters())
-            specs = micro_shapes(gm, example_inputs, plan.micro_batch_size)
             runtime_stage = StageRuntime(
                 self.rank, plan, stage.index, self.module, io, specs, gm, loss_fn, self.device
             )
@@ -190,12 +205,16 @@ class PipelinedModel:
                     f"input {name} is {x.dtype}{list(x.shape)}, the pipeline was compiled "
                     f"for {dtype}{list(shape)}"
                 )
-        chunks = {
+        chunks = {  # only the inputs this rank's stage reads are copied to its device
             name: list(x.to(self.device).chunk(self._m))
             for name, x in zip(self._input_names, flat, strict=True)
+            if name in self._model_inputs
         }
-        targets = None if target is None else _split(target, self._m, self.device)
-        return Batch(first, chunks, targets)
+        if target is None:
+            return Batch(first, chunks, None)
+        if self._executor is None or not self._executor.stage.io.has_output:
+            return Batch(first, chunks, [None] * self._m)  # only the loss's stage needs it
+        return Batch(first, chunks, _split(target, self._m, self.device))
 
     # -- inference, state ----------------------------------------------------------------------
 
@@ -332,13 +351,17 @@ class PipelinedModel:
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def _groups(self, model: nn.Module, modules: dict[int, Any]) -> _Groups:
-        """Process groups for replicas and tied copies; created in the same order everywhere."""
-        canonical = {id(t): n for n, t in model.named_parameters()}
+    def _groups(self, canon: dict[str, str], modules: dict[int, Any]) -> _Groups:
+        """Process groups for replicas and tied copies; created in the same order everywhere.
+
+        Args:
+            canon: Every name of a parameter -> its canonical name.
+            modules: Every stage's module, by stage index.
+        """
         holders: dict[str, set[int]] = {}
         for index, (module, _) in modules.items():
-            for p in module.parameters():
-                holders.setdefault(canonical.get(id(p), ""), set()).add(index)
+            for n, _p in module.named_parameters():
+                holders.setdefault(canon.get(n, n), set()).add(index)
         shared = {n: tuple(sorted(s)) for n, s in sorted(holders.items()) if len(s) > 1}
         stages = self.plan.stages
         replicas = [(s.devices, f"stage {s.index} replicas") for s in stages if s.replicas > 1]
@@ -351,7 +374,7 @@ class PipelinedModel:
         local = (
             {}
             if mine is None
-            else {canonical.get(id(p), n): p for n, p in modules[mine.index][0].named_parameters()}
+            else {canon.get(n, n): p for n, p in modules[mine.index][0].named_parameters()}
         )
         plan: list[SyncGroup] = []
         for (ranks, label), group in zip(replicas + tied, groups, strict=True):
@@ -380,6 +403,15 @@ def runtime_device(runtime: RuntimeConfig) -> torch.device:
     return device
 
 
+def _canonical_by_name(model: nn.Module) -> dict[str, str]:
+    """Every name of each parameter -> its canonical (first) name."""
+    first: dict[int, str] = {}
+    canon: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canon[name] = first.setdefault(id(p), name)
+    return canon
+
+
 def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
     """Every name of each parameter and buffer of `model`, by tensor identity (a tied weight
     has several: GPT-2's `transformer.wte.weight` and `lm_head.weight`)."""
@@ -393,7 +425,11 @@ def _orphans(model: nn.Module, modules: Sequence[nn.Module]) -> dict[str, torch.
     """Parameters and buffers no stage holds (unused by forward), by tensor identity, so a
     tied weight read under one of its names is held under all of them: kept as they are."""
     held = {id(t) for m in modules for t in m.state_dict(keep_vars=True).values()}
-    return {k: _cpu(v) for k, v in model.state_dict(keep_vars=True).items() if id(v) not in held}
+    return {  # a meta model's unused tensors have no value to keep
+        k: _cpu(v)
+        for k, v in model.state_dict(keep_vars=True).items()
+        if id(v) not in held and not v.is_meta
+    }
 
 
 def _cpu(x: Any) -> Any:

@@ -30,7 +30,7 @@ from graphpipe.errors import PlanError
 from graphpipe.ir import Plan
 from graphpipe.profile import resize_batch
 
-__all__ = ["OUTPUT", "StageIO", "build_stage", "micro_shapes", "model_output"]
+__all__ = ["OUTPUT", "StageIO", "build_stage", "micro_shapes", "model_output", "retarget"]
 
 OUTPUT = "__output__"
 
@@ -125,6 +125,25 @@ def _copy_inputs(node: fx.Node, graph: fx.Graph, env: dict[str, fx.Node]) -> Non
             env[src.name] = graph.node_copy(src)
 
 
+def retarget(module: fx.GraphModule, device: torch.device) -> None:
+    """Make the devices written into the graph `device`.
+
+    torch.export records the device of every tensor a model creates (`arange(...,
+    device=meta)` for a causal mask): the device it was traced on. A stage runs on its rank's
+    device, so every device constant in its graph becomes that one.
+    """
+    changed = False
+    for node in module.graph.nodes:
+        args, kwargs = fx.node.map_aggregate(
+            (node.args, node.kwargs),
+            lambda a: device if isinstance(a, torch.device) and a != device else a,
+        )
+        if (args, kwargs) != (node.args, node.kwargs):
+            node.args, node.kwargs, changed = args, kwargs, True
+    if changed:
+        module.recompile()
+
+
 def micro_shapes(
     gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], micro_batch_size: int
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -150,8 +169,12 @@ def micro_shapes(
         def forward(self, *inputs: torch.Tensor) -> Any:
             return _Recorder(self.gm).run(*inputs)
 
+    on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
-        fakes = [mode.from_tensor(resize_batch(x, micro_batch_size)) for x in example_inputs]
+        fakes = [
+            mode.from_tensor(resize_batch(x.to("meta") if on_meta else x, micro_batch_size))
+            for x in example_inputs
+        ]
         state = _fake_state(gm, mode)
         torch.func.functional_call(_Run(), state, tuple(fakes), strict=False)
     # the fake mode memoises the real parameters through weak references until it is

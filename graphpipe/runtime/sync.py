@@ -51,6 +51,14 @@ class GradSync:
     def __init__(self, groups: Sequence[SyncGroup]) -> None:
         self.groups = [g for g in groups if g.group is not None and g.params]
 
+    def broadcast(self) -> None:
+        """Make every copy equal to its group's first rank's: tied copies and replicas that
+        were initialised separately (a model materialised from the meta device)."""
+        with torch.no_grad():
+            for g in self.groups:
+                for p in g.params:
+                    dist.broadcast(p, src=g.ranks[0], group=g.group)
+
     def __call__(self) -> None:
         for g in self.groups:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params]
