@@ -1,0 +1,301 @@
+"""Real models for the real-model tier: Hugging Face transformers at tiny sizes (random
+weights, no download) and CNNs with the concatenations that real vision models cut across.
+
+Each case builds a seeded model, a step's batch (keyword inputs as the model takes them, and
+a target) and a loss, so that the pipelined run and the single-process reference see the same
+numbers. Dropout is off everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+B = 8  # mini-batch
+M = 4  # micro-batches
+L = 6  # sequence length
+V = 64  # vocabulary
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model: how to build it, a step's inputs and target, and the loss."""
+
+    build: Callable[[], nn.Module]
+    inputs: Callable[[torch.Generator], dict[str, Any]]
+    target: Callable[[torch.Generator], torch.Tensor]
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    constants: dict[str, Any] = field(default_factory=dict)  # keyword constants of the trace
+    pins: dict[int, dict[str, int]] = field(default_factory=dict)  # by world size: a manual
+    # plan where the hard case needs one
+
+
+def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return build()
+
+    return make
+
+
+def _tokens(gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(3, V, (B, L), generator=gen)
+
+
+def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), target.reshape(-1))
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertModel(cfg)
+
+
+def _bert_inputs(gen: torch.Generator) -> dict[str, Any]:
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[:, L - 2 :] = (torch.rand(B, 2, generator=gen) > 0.5).long()  # some padding
+    return {"input_ids": _tokens(gen), "attention_mask": mask}
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=V,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)  # lm_head.weight is transformer.wte.weight
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=V,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
+    return T5ForConditionalGeneration(cfg)  # shared = encoder/decoder embed_tokens = lm_head
+
+
+def _t5_inputs(gen: torch.Generator) -> dict[str, Any]:
+    return {"input_ids": _tokens(gen), "decoder_input_ids": _tokens(gen)}
+
+
+def _clip() -> nn.Module:
+    from transformers import CLIPConfig, CLIPModel
+
+    cfg = CLIPConfig(
+        text_config={
+            "vocab_size": V,
+            "hidden_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 32,
+            "max_position_embeddings": 32,
+            "eos_token_id": 2,
+        },
+        vision_config={
+            "hidden_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 32,
+            "image_size": 8,
+            "patch_size": 4,
+        },
+        projection_dim=8,
+    )
+    return CLIPModel(cfg)
+
+
+def _clip_inputs(gen: torch.Generator) -> dict[str, Any]:
+    ids = _tokens(gen)
+    ids[:, -1] = 2  # end of text
+    return {"input_ids": ids, "pixel_values": torch.randn(B, 3, 8, 8, generator=gen)}
+
+
+def _clip_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """The contrastive loss within each micro-batch: `target` holds each row's index in it."""
+    return (
+        F.cross_entropy(out.logits_per_image, target) + F.cross_entropy(out.logits_per_text, target)
+    ) / 2
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _conv_bn(cin: int, cout: int, k: int = 3) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2), nn.BatchNorm2d(cout), nn.ReLU())
+
+
+class InceptionNet(nn.Module):
+    """A stem, two Inception blocks (four branches, concatenated) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = _conv_bn(3, 8)
+        self.block1 = InceptionBlock(8)
+        self.block2 = InceptionBlock(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = self.block2(self.block1(self.stem(image)))  # (B, 16, 8, 8)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class InceptionBlock(nn.Module):
+    def __init__(self, cin: int) -> None:
+        super().__init__()
+        self.b1 = _conv_bn(cin, 4, 1)
+        self.b3 = nn.Sequential(_conv_bn(cin, 4, 1), _conv_bn(4, 4))
+        self.b5 = nn.Sequential(_conv_bn(cin, 4, 1), _conv_bn(4, 4), _conv_bn(4, 4))
+        self.pool = nn.Sequential(nn.MaxPool2d(3, 1, 1), _conv_bn(cin, 4, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.b1(x), self.b3(x), self.b5(x), self.pool(x)], dim=1)
+
+
+class DenseNet(nn.Module):
+    """A dense block: each layer reads the concatenation of every earlier feature map, so a
+    cut after layer k sends both x0 and f(x0) to later stages."""
+
+    def __init__(self, layers: int = 4, growth: int = 4) -> None:
+        super().__init__()
+        self.stem = _conv_bn(3, 8)
+        self.layers = nn.ModuleList(_conv_bn(8 + i * growth, growth) for i in range(layers))
+        self.norm = nn.BatchNorm2d(8 + layers * growth)
+        self.head = nn.Linear(8 + layers * growth, 5)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        features = [self.stem(image)]
+        for layer in self.layers:
+            features.append(layer(torch.cat(features, dim=1)))
+        x = torch.relu(self.norm(torch.cat(features, dim=1)))  # (B, 24, 8, 8)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def _images(gen: torch.Generator) -> dict[str, Any]:
+    return {"image": torch.randn(B, 3, 8, 8, generator=gen)}
+
+
+def _classes(gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 5, (B,), generator=gen)
+
+
+HF_CASES: dict[str, Case] = {
+    "bert": Case(
+        _seeded(_bert),
+        _bert_inputs,
+        lambda gen: torch.randn(B, L, generator=gen),
+        lambda out, t: F.mse_loss(out.last_hidden_state.mean(-1), t),
+    ),
+    "gpt2": Case(
+        _seeded(_gpt2),
+        lambda gen: {"input_ids": _tokens(gen)},
+        _tokens,
+        _lm_loss,
+        {"use_cache": False},
+    ),
+    "t5": Case(_seeded(_t5), _t5_inputs, _tokens, _lm_loss, {"use_cache": False}),
+    "clip": Case(
+        _seeded(_clip),
+        _clip_inputs,
+        lambda gen: torch.arange(B) % (B // M),
+        _clip_loss,
+    ),
+    "llama": Case(
+        _seeded(_llama),
+        lambda gen: {"input_ids": _tokens(gen)},
+        _tokens,
+        _lm_loss,
+        {"use_cache": False},
+    ),
+}
+
+CNN_CASES: dict[str, Case] = {
+    "inception": Case(_seeded(InceptionNet), _images, _classes, F.cross_entropy),
+    "densenet": Case(
+        _seeded(DenseNet),
+        _images,
+        _classes,
+        F.cross_entropy,
+        pins={  # stage 0 sends x0, x1 and cat(x0, x1); unpinned ops follow their inputs
+            2: {"stem": 0, "layers.0": 0, "layers.1": 1},
+            3: {"stem": 0, "layers.0": 0, "layers.1": 1, "layers.2": 2},
+        },
+    ),
+}
+
+CASES = {**HF_CASES, **CNN_CASES}
+
+
+def step_data(case: Case, step: int) -> tuple[dict[str, Any], torch.Tensor]:
+    """Step `step`'s keyword inputs and target."""
+    gen = torch.Generator().manual_seed(100 + step)
+    return case.inputs(gen), case.target(gen)
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def reference(case: Case, steps: int) -> tuple[list[float], nn.Module]:
+    """Single-process gradient accumulation over the same M micro-batches."""
+    model = case.build()
+    opt = optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        inputs, target = step_data(case, step)
+        total = 0.0
+        for j in range(M):
+            part = {k: v.chunk(M)[j] for k, v in inputs.items()}
+            loss = case.loss(model(**part, **case.constants), target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    return losses, model
