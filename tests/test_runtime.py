@@ -295,7 +295,12 @@ def _bad_input_worker() -> list[str]:
         except (ConfigError, Exception) as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     pm = gp_compile(model, inputs, loss_fn=dict_loss, optimizer=_optimizer(), micro_batches=M)
-    for call in (lambda: pm.step(*inputs), lambda: pm.step(inputs[0][:6], target=inputs[0])):
+    for call in (
+        lambda: pm.step(*inputs),
+        lambda: pm.step(inputs[0][:6], target=inputs[0]),
+        lambda: pm.step(inputs[0], target=inputs[0][:6]),
+        lambda: pm.step(inputs[0].tolist(), target=inputs[0]),
+    ):
         try:
             call()
         except ConfigError as exc:
@@ -316,3 +321,25 @@ def test_bad_input_is_refused_before_any_communication() -> None:
         "input x is torch.float32[6, 16], the pipeline was compiled for "
         "torch.float32[8, 16]" in errors[3]
     )
+    assert "the batch (8) on dim 0, got shapes [[6, 16]]" in errors[4]
+    assert "every input must be a tensor" in errors[5] and "x: list" in errors[5]
+
+
+def _vector_loss_worker() -> None:
+    model, inputs = ZOO["two_branch"]()
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=lambda out, t: (out - t) ** 2,  # not reduced
+        optimizer=_optimizer(),
+        micro_batches=M,
+        replication=False,
+        runtime=RuntimeConfig(timeout=20),
+    )
+    inputs_, target = batch("two_branch", 0)
+    pm.step(*inputs_, target=target)
+
+
+def test_a_loss_that_is_not_a_scalar_is_named() -> None:
+    with pytest.raises(PipelineError, match=r"loss_fn returned a torch.float32 tensor of shape"):
+        launch(_vector_loss_worker, 2, timeout=TIMEOUT, comm_timeout=20)

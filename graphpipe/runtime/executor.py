@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from graphpipe.errors import PipelineError
+from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Action, Plan, Span
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Pending, Spec, Transport, tag_for
@@ -128,7 +128,7 @@ class Executor:
                     self._await(a)  # waiting for peers is not part of the action's time
                 start = time.perf_counter()
                 self._handlers[a.kind](a, batch)
-            except PipelineError:
+            except (PipelineError, ConfigError):
                 raise
             except Exception as exc:
                 raise PipelineError(
@@ -194,7 +194,7 @@ class Executor:
                     mb.outputs[OUTPUT] = out
                     return
                 mb.target = batch.targets[j - batch.first]
-                mb.loss = s.loss_fn(out, mb.target)
+                mb.loss = _scalar(s.loss_fn(out, mb.target), j)
                 self.losses[j] = float(mb.loss.detach())
 
     def _send_forward(self, a: Action, batch: Batch) -> None:
@@ -301,6 +301,25 @@ class Executor:
 
     def _update(self, a: Action, batch: Batch) -> None:
         self.policy.update(a.mb)
+
+
+def _scalar(loss: Any, j: int) -> torch.Tensor:
+    """The loss of micro-batch j, which must be a real scalar tensor.
+
+    Raises:
+        ConfigError: it is not one, naming what it is.
+    """
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss.reshape(())
+    what = (
+        f"a {loss.dtype} tensor of shape {list(loss.shape)}"
+        if isinstance(loss, torch.Tensor)
+        else f"a {type(loss).__name__}"
+    )
+    raise ConfigError(
+        f"loss_fn returned {what} for micro-batch {j}; it must return a real scalar tensor "
+        "(reduce it, e.g. with mean())"
+    )
 
 
 def _grad_or_zeros(x: torch.Tensor) -> torch.Tensor:

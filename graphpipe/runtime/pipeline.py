@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Plan, Schedule, Timeline
@@ -212,6 +212,7 @@ class PipelinedModel:
         }
         if target is None:
             return Batch(first, chunks, None)
+        _check_target(target, flat[0].shape[0] if flat else 0)
         if self._executor is None or not self._executor.stage.io.has_output:
             return Batch(first, chunks, [None] * self._m)  # only the loss's stage needs it
         return Batch(first, chunks, _split(target, self._m, self.device))
@@ -430,6 +431,23 @@ def _orphans(model: nn.Module, modules: Sequence[nn.Module]) -> dict[str, torch.
         for k, v in model.state_dict(keep_vars=True).items()
         if id(v) not in held and not v.is_meta
     }
+
+
+def _check_target(target: Any, batch: int) -> None:
+    """Every tensor in `target` must have the batch on dim 0.
+
+    Raises:
+        ConfigError: naming the shapes that do not.
+    """
+    leaves, _ = tree_flatten(target)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if not tensors:
+        raise ConfigError(f"target must hold tensors (batch on dim 0), got {type(target).__name__}")
+    bad = [list(x.shape) for x in tensors if x.dim() == 0 or x.shape[0] != batch]
+    if bad:
+        raise ConfigError(
+            f"every tensor of the target must have the batch ({batch}) on dim 0, got shapes {bad}"
+        )
 
 
 def _cpu(x: Any) -> Any:
