@@ -124,30 +124,37 @@ def _saved(kind: str, model: nn.Module, root: Path) -> Path:
     return root / "dcp"
 
 
-def _load_worker(checkpoint: str) -> list[float]:
+def _load_worker(checkpoints: list[str]) -> list[list[float]]:
+    """GPT-2 rebuilt on meta and compiled from each checkpoint in turn: two steps each."""
     case = HF_CASES["gpt2"]
-    with torch.device("meta"):
-        model = case.build()
     example, _ = step_data(case, 0)
-    pm = gp_compile(
-        model,
-        {**example, **case.constants},
-        loss_fn=case.loss,
-        optimizer=optimizer,
-        micro_batches=M,
-        replication=False,
-        checkpoint=checkpoint,
-    )
-    return [pm.step(**step_data(case, s)[0], target=step_data(case, s)[1]) for s in range(2)]
+    runs = []
+    for checkpoint in checkpoints:
+        with torch.device("meta"):
+            model = case.build()
+        pm = gp_compile(
+            model,
+            {**example, **case.constants},
+            loss_fn=case.loss,
+            optimizer=optimizer,
+            micro_batches=M,
+            replication=False,
+            checkpoint=checkpoint,
+        )
+        runs.append(
+            [pm.step(**step_data(case, s)[0], target=step_data(case, s)[1]) for s in range(2)]
+        )
+    return runs
 
 
-@pytest.mark.parametrize("kind", ["torch", "safetensors", "dcp"])
-def test_a_meta_model_loads_its_stage_from_a_checkpoint(kind: str, tmp_path: Path) -> None:
+def test_a_meta_model_loads_its_stage_from_a_checkpoint(tmp_path: Path) -> None:
     case = HF_CASES["gpt2"]
-    path = _saved(kind, case.build(), tmp_path)  # the seeded weights the reference starts from
-    losses = launch(_load_worker, 2, args=(str(path),), timeout=TIMEOUT)[0]
+    kinds = ["torch", "safetensors", "dcp"]
+    paths = [str(_saved(kind, case.build(), tmp_path)) for kind in kinds]  # seeded weights
+    runs = launch(_load_worker, 2, args=(paths,), timeout=TIMEOUT)[0]
     expected, _ = reference(case, 2)
-    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+    for kind, losses in zip(kinds, runs, strict=True):
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0, msg=kind)
 
 
 class NoReset(nn.Module):
