@@ -7,7 +7,9 @@ Checks that need only the plan:
 Checks against the op graph (an fx.GraphModule from `graphpipe.trace`, or its networkx view):
     every op is in exactly one stage and the plan names no unknown op; every stage is convex
     (no path leaves it and comes back); every op edge across stages has its stage edge, and
-    that edge lists the tensor.
+    that edge lists the tensor; only single tensors cross stages (no tuple, int, torch.Size
+    or None: the runtime sends tensors), known from the fx graph's `gp_outputs` or the op
+    graph's `tensor` attribute (a networkx graph without it is taken to hold tensors only).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import fx
 
 from graphpipe.errors import PlanError
 from graphpipe.ir import Plan
+from graphpipe.opgraph import value_kind
 
 __all__ = ["validate_plan"]
 
@@ -46,9 +49,10 @@ def _as_op_graph(graph: Any) -> nx.DiGraph:
         return graph
     if isinstance(graph, fx.GraphModule):
         g = nx.DiGraph()
-        for node in graph.graph.nodes:
+        for order, node in enumerate(graph.graph.nodes):
             if node.op not in ("placeholder", "get_attr"):
-                g.add_node(node.name)
+                kind = value_kind(node)
+                g.add_node(node.name, order=order, tensor=kind == "tensor", value=kind)
                 g.add_edges_from(
                     (a.name, node.name)
                     for a in node.all_input_nodes
@@ -127,6 +131,29 @@ def _against_graph(plan: Plan, g: nx.DiGraph) -> list[str]:
         if s != t and a not in carried.get((s, t), set()):
             problems.append(
                 f"op edge {a} -> {b} crosses S{s}->S{t} but no stage edge carries {a!r}"
+            )
+    return problems + _non_tensor_crossings(plan, g)
+
+
+def _non_tensor_crossings(plan: Plan, g: nx.DiGraph) -> list[str]:
+    """A problem per non-tensor value that a stage edge carries or another stage uses."""
+    stage_of = plan.stage_of
+    listed: dict[str, set[int]] = {}
+    for e in plan.edges:
+        for name in e.tensors:
+            listed.setdefault(name, set()).add(e.dst)
+    problems = []
+    for n in sorted(g, key=lambda n: g.nodes[n].get("order", 0)):
+        data = g.nodes[n]
+        if data.get("tensor", True):
+            continue
+        users = {u: stage_of[u] for u in g.successors(n) if stage_of[u] != stage_of[n]}
+        stages = sorted(set(users.values()) | listed.get(n, set()))
+        if stages:
+            problems.append(
+                f"{n!r} ({data.get('value', 'non-tensor')}) crosses from S{stage_of[n]} to "
+                f"{', '.join(f'S{s}' for s in stages)} (users {sorted(users)}); only single "
+                "tensors can cross stages: keep it in the stage of its users"
             )
     return problems
 

@@ -13,9 +13,22 @@ from zoo import TwoBranch
 
 from graphpipe.cost import CostModel, LinkModel, MemoryModel
 from graphpipe.errors import ConfigError, PlanError
-from graphpipe.partition import PlanConfig, partition_op_graph, plan, score
+from graphpipe.opgraph import op_graph, value_kind
+from graphpipe.partition import PlanConfig, cost_model, partition_op_graph, plan, score
+from graphpipe.partition.fold import bound_groups, folded_groups
 from graphpipe.partition.search import search
-from graphpipe.partition.sptree import Leaf, Parallel, Series, coarsen, decompose, linearise
+from graphpipe.partition.sptree import (
+    Leaf,
+    Parallel,
+    Series,
+    coarsen,
+    condense,
+    decompose,
+    linearise,
+    units_of,
+)
+from graphpipe.profile import profile
+from graphpipe.trace import trace
 
 # -- synthetic op graphs -----------------------------------------------------------------------
 
@@ -111,7 +124,7 @@ def shape(node: Leaf | Series | Parallel) -> object:
     return (kind, *[shape(c) for c in node.children])
 
 
-def _equal_ops(edges: list[tuple[str, str]], names: str) -> nx.DiGraph:
+def _equal_ops(edges: list[tuple[str, str]], names: str | list[str]) -> nx.DiGraph:
     return synthetic(edges, dict.fromkeys(names, 1.0), dict.fromkeys(names, 10))
 
 
@@ -316,3 +329,205 @@ def test_bad_pins_are_rejected() -> None:
     with pytest.raises(PlanError, match="cycle|not convex"):
         # the head before branch a: values flow back from stage 1 to stage 0
         plan(model, x, devices=2, pins={"head": 0, "a": 1})
+
+
+# -- only tensors cross stages -----------------------------------------------------------------
+
+
+class SizeLater(nn.Module):
+    """Reads the sizes of an intermediate tensor and uses them in a reshape after the layers."""
+
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, N, C)
+        h = self.embed(x)  # (B, N, C)
+        B, N, C = h.shape  # a torch.Size, then three ints
+        h = h.flatten(0, 1)  # (B*N, C)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h.view(B, N, C).mean(1))  # (B, 4)
+
+
+class SplitBranches(nn.Module):
+    """A stem whose output is split (torch.split) and unbound (unbind) into four branches."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.width = width
+        self.stem = nn.Linear(width, 2 * width)
+        self.branches = nn.ModuleList(
+            nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]) for _ in range(4)
+        )
+        self.head = nn.Linear(4 * width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C)
+        h = self.stem(x)  # (B, 2C)
+        left, right = torch.split(h, self.width, dim=1)  # a tuple: 2 x (B, C)
+        up, down = h.view(-1, 2, self.width).unbind(1)  # a tuple: 2 x (B, C)
+        parts = [b(p) for b, p in zip(self.branches, (left, right, up, down), strict=True)]
+        return self.head(torch.cat(parts, 1))  # (B, 4)
+
+
+def _traced_op_graph(model: nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, nx.DiGraph]:
+    gm = trace(model, x, micro_batch_size=2)
+    return gm, op_graph(gm, profile(gm, (x[:2],), 2))
+
+
+def _crossing_non_tensors(p: object, gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return [
+        (t, value_kind(nodes[t]))
+        for e in p.edges  # type: ignore[attr-defined]
+        for t in e.tensors
+        if value_kind(nodes[t]) != "tensor"
+    ]
+
+
+def test_op_graph_marks_non_tensor_values() -> None:
+    _, g = _traced_op_graph(SizeLater(), torch.randn(8, 5, 16))
+    kinds = {n: g.nodes[n]["value"] for n in g if not g.nodes[n]["tensor"]}
+    assert kinds == {
+        "getattr_1": "torch.Size",
+        "getitem": "int",
+        "getitem_1": "int",
+        "getitem_2": "int",
+    }
+    _, g = _traced_op_graph(SplitBranches(), torch.randn(8, 16))
+    kinds = {n: g.nodes[n]["value"] for n in g if not g.nodes[n]["tensor"]}
+    assert kinds == {"split": "tuple", "unbind": "tuple"}
+
+
+@pytest.mark.parametrize("model_x", ["size_later", "split_branches"])
+@pytest.mark.parametrize("partitioner", ["graph", "sequential"])
+def test_no_plan_cuts_a_non_tensor_value(model_x: str, partitioner: str) -> None:
+    model, x = (
+        (SizeLater(), torch.randn(8, 5, 16))
+        if model_x == "size_later"
+        else (SplitBranches(), torch.randn(8, 16))
+    )
+    gm, g = _traced_op_graph(model, x)
+    for devices in (2, 3, 4, 5):
+        config = PlanConfig(devices=devices, partitioner=partitioner, replication=False)
+        p = partition_op_graph(g, cost_model(config, 2), config, "x")
+        assert len(p.stages) >= 2
+        assert _crossing_non_tensors(p, gm) == [], (devices, [e.tensors for e in p.edges])
+        for n in g:
+            if not g.nodes[n]["tensor"]:
+                assert {p.stage_of[u] for u in g.successors(n)} <= {p.stage_of[n]}, n
+        p.validate(gm)
+
+
+def test_without_the_tensor_flags_the_int_would_be_cut() -> None:
+    # the same graph with every value taken for a tensor is cut right after the size query,
+    # and validating that plan against the traced graph names the ints
+    gm, g = _traced_op_graph(SizeLater(), torch.randn(8, 5, 16))
+    plain = g.copy()
+    nx.set_node_attributes(plain, True, "tensor")
+    config = PlanConfig(devices=3, replication=False)
+    p = partition_op_graph(plain, cost_model(config, 2), config, "x")
+    assert ("getitem_1", "int") in _crossing_non_tensors(p, gm)
+    with pytest.raises(PlanError, match=r"'getitem_1' \(int\) crosses from S"):
+        p.validate(gm)
+
+
+def test_pins_that_split_a_non_tensor_value_are_rejected() -> None:
+    model, x = SizeLater(), torch.randn(8, 5, 16)
+    with pytest.raises(PlanError, match=r"'getitem_1' \(int\).*must share a stage"):
+        plan(model, x, devices=2, pins={"getitem_1": 0, "layers.2": 1, "view": 1})
+    # unpinned, the size query follows its pinned users
+    p = plan(model, x, devices=2, pins={"layers.2": 1})
+    assert p.stage_of["getattr_1"] == p.stage_of["getitem_1"] == p.stage_of["view"] == 1
+
+
+# -- folding dead ends and constants -----------------------------------------------------------
+
+
+def test_bound_groups_close_over_paths_between_members() -> None:
+    # an int read by two ops with a path between them binds the path too
+    edges = [("x", "size"), ("size", "v1"), ("x", "v1"), ("v1", "t"), ("t", "v2"), ("size", "v2")]
+    g = _equal_ops(edges, ["x", "size", "v1", "t", "v2"])
+    g.nodes["size"]["tensor"] = False
+    assert bound_groups(g) == [("x",), ("size", "v1", "t", "v2")]
+
+
+def test_dead_ends_fold_into_their_latest_producer_and_keep_series_cuts() -> None:
+    # a chain a -> b -> c -> output with an assert on a and a check chain on b (and b's
+    # shape: a non-tensor read by the assert), and an input-less log call
+    edges = [
+        ("a", "b"),
+        ("b", "c"),
+        ("c", "output"),
+        ("a", "assert_a"),
+        ("a", "shape_b"),
+        ("b", "shape_b"),
+        ("shape_b", "assert_b"),
+    ]
+    g = _equal_ops(edges, ["log", "a", "assert_a", "b", "shape_b", "assert_b", "c", "output"])
+    g.nodes["shape_b"]["tensor"] = False
+    assert folded_groups(g) == [
+        ("log", "a", "assert_a"),
+        ("b", "shape_b", "assert_b"),
+        ("c",),
+        ("output",),
+    ]
+    assert isinstance(decompose(units_of_graph(g)), Parallel)  # unfolded: log stands apart
+    tree = decompose(coarsen(g, max_time=0.0, groups=folded_groups(g)))
+    assert isinstance(tree, Series)
+    assert [c.unit for c in tree.children if isinstance(c, Leaf)] == folded_groups(g)
+
+
+def test_constants_read_by_the_layers_fold_into_their_first_consumer() -> None:
+    # a table built from nothing (arange -> table), viewed by each layer (view0, view1):
+    # the views join their layers, the table stays free, and layer 0 | layer 1 is a cut
+    edges = [("x", "l0"), ("l0", "l1"), ("arange", "table"), ("table", "view0")]
+    edges += [("table", "view1"), ("view0", "l0"), ("view1", "l1"), ("l1", "output")]
+    names = ["x", "arange", "table", "view0", "view1", "l0", "l1", "output"]
+    g = _equal_ops(edges, names)
+    # unfolded, view1 (before l0 in graph order) leaves layer 0 no series cut: linearised
+    assert shape(decompose(units_of_graph(g))) == (
+        "S",
+        ("S", "x", "arange", "table", "view0", "view1", "l0"),
+        "l1",
+        "output",
+    )
+    nx.set_node_attributes(g, {n: True for n in ("arange", "table", "view0", "view1")}, "constant")
+    groups = folded_groups(g)
+    assert groups == [
+        ("x",),
+        ("arange",),
+        ("table",),
+        ("view0", "l0"),
+        ("view1", "l1"),
+        ("output",),
+    ]
+    assert shape(decompose(coarsen(g, max_time=0.0, groups=groups))) == (
+        "S",
+        ("P", "x", ("S", "arange", "table")),
+        "view0",
+        "view1",
+        "output",
+    )
+
+
+# -- condensing large trees ------------------------------------------------------------------------
+
+
+def test_condense_bounds_the_units_and_keeps_plans_valid() -> None:
+    rng = random.Random(3)
+    g = random_branchy(rng)
+    units = coarsen(g, max_time=0.0)
+    units.graph["tensor_bytes"] = {n: g.nodes[n]["act"] for n in g}
+    tree = decompose(units)
+    small, small_tree = condense(g, units, tree, max_units=6)
+    assert small.number_of_nodes() <= 6
+    assert sorted(n for u in small for n in u) == sorted(g)
+    assert sorted(units_of(small_tree)) == sorted(small)
+    assert condense(g, units, tree, max_units=units.number_of_nodes()) == (units, tree)
+    for partitioner in ("graph", "sequential"):
+        config = PlanConfig(devices=3, max_units=4, partitioner=partitioner)
+        p = partition_op_graph(g, cost(bandwidth=1e9), config, "x")
+        assert p.info["units"] <= max(4, 4 * 3)

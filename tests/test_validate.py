@@ -12,6 +12,7 @@ from zoo import TwoBranch
 from graphpipe.cost import MemoryModel
 from graphpipe.errors import PlanError
 from graphpipe.ir import Plan, StageEdge
+from graphpipe.opgraph import op_graph
 from graphpipe.partition import PlanConfig, partition
 from graphpipe.profile import profile
 from graphpipe.trace import trace
@@ -151,3 +152,83 @@ def test_every_problem_is_reported_at_once(plan: Plan) -> None:
     with pytest.raises(PlanError) as err:
         bad.validate()
     assert len(err.value.problems) == 2
+
+
+# -- only single tensors cross stages ----------------------------------------------------------
+
+
+class SizeLater(torch.nn.Module):
+    """The sizes of an intermediate tensor are read early and used in a late reshape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, N, C)
+        h = self.embed(x)  # (B, N, C)
+        _, n, c = h.shape  # a torch.Size, then two ints
+        return self.layers(h.flatten(0, 1)).view(-1, n, c).sum(1)  # (B, C)
+
+
+@pytest.fixture(scope="module")
+def sized() -> tuple[torch.fx.GraphModule, Plan]:
+    x = torch.randn(8, 5, 8)
+    gm = trace(SizeLater(), x, micro_batch_size=2)
+    p = partition(gm, profile(gm, (x[:2],), 2), PlanConfig(devices=2, replication=False))
+    assert len(p.stages) == 2 and p.stage_of["getitem_1"] == p.stage_of["view"] == 1
+    return gm, p
+
+
+def _move_size_query_to_stage_0(p: Plan) -> Plan:
+    """The size query and its ints in stage 0, their reshape in stage 1: the ints cross."""
+    moved = ("getattr_1", "getitem_1", "getitem_2")
+    bad = _with_stage(p, 1, nodes=tuple(n for n in p.stages[1].nodes if n not in moved))
+    bad = _with_stage(bad, 0, nodes=(*p.stages[0].nodes, *moved))
+    edge = bad.edges[0]
+    return replace(bad, edges=(replace(edge, tensors=(*edge.tensors, "getitem_1", "getitem_2")),))
+
+
+def test_plan_cutting_an_int_is_rejected(sized: tuple[torch.fx.GraphModule, Plan]) -> None:
+    gm, p = sized
+    p.validate(gm)
+    bad = _move_size_query_to_stage_0(p)
+    with pytest.raises(PlanError) as err:
+        bad.validate(gm)
+    assert err.value.problems == (
+        "'getitem_1' (int) crosses from S0 to S1 (users ['view']); only single tensors can "
+        "cross stages: keep it in the stage of its users",
+        "'getitem_2' (int) crosses from S0 to S1 (users ['view']); only single tensors can "
+        "cross stages: keep it in the stage of its users",
+    )
+    # the same from the networkx op graph, and from a plan file edited by hand
+    g = op_graph(gm, profile(gm, (torch.randn(2, 5, 8),), 2))
+    _fails(bad, g, r"'getitem_1' \(int\) crosses from S0 to S1")
+    data = json.loads(p.to_json())
+    data["stages"][0]["nodes"].append("getattr_1")
+    data["stages"][1]["nodes"].remove("getattr_1")
+    _fails(
+        Plan.from_json(json.dumps(data)), gm, r"'getattr_1' \(torch.Size\) crosses from S0 to S1"
+    )
+
+
+def test_plan_cutting_a_tuple_is_rejected() -> None:
+    class Split(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 8)
+            left, right = torch.split(x * 2, 4, dim=1)  # a tuple of 2 x (B, 4)
+            return self.a(left) + self.b(right)
+
+    x = torch.randn(4, 8)
+    gm = trace(Split(), x, micro_batch_size=2)
+    p = partition(gm, profile(gm, (x[:2],), 2), PlanConfig(devices=1))
+    stage = p.stages[0]
+    cut = replace(stage, nodes=("mul", "split"))
+    rest = replace(
+        stage, index=1, devices=(1,), nodes=tuple(n for n in stage.nodes if n not in cut.nodes)
+    )
+    bad = replace(p, stages=(cut, rest), edges=(StageEdge(0, 1, ("split",), 0),), num_devices=2)
+    _fails(bad, gm, r"'split' \(tuple\) crosses from S0 to S1 \(users \['getitem', 'getitem_1'\]\)")

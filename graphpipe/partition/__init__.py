@@ -10,9 +10,18 @@ Partitioners:
     sequential  PipeDream: the same DP over one series of all units in topological order.
     manual      `PlanConfig.pins` place modules or ops on stages (`manual`).
 
-Steps: the op graph (`opgraph.op_graph`) is coarsened into units (`sptree.coarsen`, each at
-most 1/(2N) of the model's time), decomposed (`sptree.decompose`, or `linearise`), searched
-(`search.search`) and assembled into a Plan (`assemble.assemble`), which is then validated.
+Steps: the ops of the op graph (`opgraph.op_graph`) that must share a stage (a non-tensor
+value and its users) or had better (a dead end, such as an assert, and its producer; a
+constant, such as a mask, and its first consumer) are folded into groups
+(`fold.folded_groups`); the groups are coarsened into units (`sptree.coarsen`, merging
+chain links while a unit stays within 1/(2N) of the model's time), decomposed
+(`sptree.decompose`, or `linearise`), merged further along the tree while more than
+`PlanConfig.max_units` units remain (`sptree.condense`), searched (`search.search`) and
+assembled into a Plan (`assemble.assemble`), which is then validated.
+
+Only single tensors cross stages: every partitioner keeps a non-tensor value (a tuple, an
+int from a size query, None) in the stage of all its users; pins that would split one are a
+`PlanError` naming it (`manual`), and `Plan.validate` rejects a plan that cuts one.
 """
 
 from __future__ import annotations
@@ -32,9 +41,10 @@ from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan
 from graphpipe.opgraph import graph_hash, op_graph
 from graphpipe.partition.assemble import assemble
+from graphpipe.partition.fold import folded_groups
 from graphpipe.partition.manual import groups_from_pins
 from graphpipe.partition.search import search
-from graphpipe.partition.sptree import coarsen, decompose, linearise
+from graphpipe.partition.sptree import coarsen, condense, decompose, linearise
 from graphpipe.profile import Profile, ProfileConfig, profile
 from graphpipe.trace import LeafSpec, flat_inputs, trace
 
@@ -66,6 +76,7 @@ class PlanConfig:
     pins: Mapping[str, int] | None = None  # manual: op name or module path -> stage
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # how op times are obtained
     leaf_modules: Sequence[LeafSpec] = ()  # module types/paths traced as single nodes
+    max_units: int = 128  # the most units the DP searches (at least 4N); more are merged
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -80,6 +91,8 @@ class PlanConfig:
             raise ConfigError(
                 f"objective must be 'pipeline' or 'bottleneck', got {self.objective!r}"
             )
+        if self.max_units < 1:
+            raise ConfigError(f"max_units must be >= 1, got {self.max_units}")
         if self.partitioner == "manual" and not self.pins:
             raise ConfigError("partitioner='manual' needs pins: {module path or op: stage}")
 
@@ -117,7 +130,8 @@ def plan(
     Raises:
         ConfigError: an unknown option, or a batch that does not split into micro-batches.
         TraceError: the model cannot be traced.
-        PlanError: no plan meets the constraints.
+        PlanError: no plan meets the constraints, or pins split a value that is not a single
+            tensor from its users.
 
     Example:
         >>> import torch.nn as nn
@@ -156,7 +170,8 @@ def partition(gm: fx.GraphModule, prof: Profile, config: PlanConfig) -> Plan:
         The plan, validated against `gm`.
 
     Raises:
-        PlanError: more devices than ops, or nothing fits the memory budget.
+        PlanError: more devices than ops, nothing fits the memory budget, or pins split a
+            value that is not a single tensor from its users.
     """
     cost = cost_model(config, prof.micro_batch_size, prof.mode, prof.device)
     return partition_op_graph(op_graph(gm, prof), cost, config, graph_hash(gm))
@@ -175,7 +190,8 @@ def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, diges
         The plan, validated against `g`.
 
     Raises:
-        PlanError: more devices than ops, or nothing fits the memory budget.
+        PlanError: more devices than ops, nothing fits the memory budget, or pins split a
+            value that is not a single tensor from its users.
     """
     ops = sum(1 for n in g if n != "output")
     if config.devices > ops:
@@ -212,9 +228,10 @@ def cost_model(
 def _searched(g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, digest: str) -> Plan:
     start = time.perf_counter()
     total = sum(d["forward"] + d["backward"] for _, d in g.nodes(data=True))
-    units = coarsen(g, total / (2 * config.devices))
-    units.graph["tensor_bytes"] = {n: g.nodes[n]["act"] for n in g}
+    units = coarsen(g, total / (2 * config.devices), folded_groups(g))
     tree = decompose(units) if kind == "graph" else linearise(units)
+    units, tree = condense(g, units, tree, max(config.max_units, 4 * config.devices))
+    units.graph["tensor_bytes"] = {n: g.nodes[n]["act"] for n in g}
     limit = config.devices if config.replication else 1
     result = search(
         units,

@@ -52,27 +52,38 @@ default objective, "pipeline", then probes larger taus, where a shallower stage 
 fit, and keeps the least (M + d - 1) * tau: the step time of a flushed pipeline, whose fill
 and drain grow with the depth.
 
+Implementation: piece statistics and stage times are computed once (`pieces`). Per tau, a
+series row G(p, .) takes its merge options for every end q at once, as array operations over
+the stage times (without a memory budget r is the fewest replicas whose stage time meets
+tau); only the value of G is tabulated, and a solution is rebuilt by finding, at each step,
+the first option (in the order the rows consider them) that reaches the tabulated value. The
+tables of the last feasible tau are kept: the binary search ends on it.
+
 Complexity per tau: O(sum over series nodes of n^2 D + L D^2, plus sum over parallel nodes of
 L^2 D), times D with a memory budget; n is a series node's unit count and L a node's child
-count. There are O(log #candidates) values of tau.
+count; the n^2 D part runs as array operations. There are O(log #candidates) values of tau,
+plus the probes of the "pipeline" objective. `sptree.condense` bounds n.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any
 
 import networkx as nx
+import numpy as np
 
 from graphpipe.cost import CostModel
 from graphpipe.errors import PlanError
-from graphpipe.partition.sptree import Leaf, Parallel, Series, SPNode, Unit, units_of
+from graphpipe.partition.pieces import Key, Pieces, Stats
+from graphpipe.partition.sptree import Leaf, Parallel, Series, SPNode, Unit
 
 __all__ = ["Piece", "SearchResult", "search"]
 
 INF = math.inf
-Key = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -102,10 +113,14 @@ class SearchResult:
     iterations: int
 
 
-class _Stats(NamedTuple):
-    time: float  # forward + backward seconds per micro-batch on one device
-    act: float  # activation bytes per micro-batch
-    pbytes: float  # parameter bytes (shared names counted once)
+@dataclass(frozen=True)
+class _SeriesTable:
+    """A series node's DP table for one tau and downstream count k."""
+
+    g: np.ndarray  # [p, x]: G(p, x), the fewest devices for positions p.. (INF: none)
+    cut_ok: list[bool]  # [q]: whether the cut before position q transfers within tau
+    cut_mask: np.ndarray  # cut_ok as an array
+    k: int
 
 
 def search(
@@ -143,17 +158,6 @@ def search(
     return _Search(g, tree, cost, devices, max_replicas or devices, chain).run(objective)
 
 
-@dataclass
-class _SeriesInfo:
-    """A series node laid out as positions: its units in topological order."""
-
-    positions: tuple[Unit, ...]
-    children: dict[
-        int, tuple[Series | Parallel, int]
-    ]  # start position -> (non-leaf child, end position)
-    cut_times: list[float]  # transfer time across the cut before position q (0..n)
-
-
 class _Search:
     def __init__(
         self,
@@ -170,110 +174,17 @@ class _Search:
         self.max_replicas = min(max_replicas, devices)
         self.depth_bound = devices
         self.budgeted = cost.memory.budget is not None
-        self.pieces: dict[Key, tuple[_Stats, tuple[Unit, ...]]] = {}
-        self.series: dict[int, _SeriesInfo] = {}
-        self.sorted_children: dict[int, tuple[SPNode, ...]] = {}
-        self.rank = {
-            u: i
-            for i, u in enumerate(
-                nx.lexicographical_topological_sort(g, key=lambda u: g.nodes[u]["order"])
-            )
-        }
-        self._prepare(self.tree)
+        self.pieces = Pieces(g, self.tree, cost, self.max_replicas)
         self.tau = INF
         self.memo: dict[Key, Any] = {}
         self.r_cache: dict[Key, float] = {}
-
-    # -- preparation: piece statistics and cut times -------------------------------------
-
-    def _register_ranges(self, kind: str, node: SPNode, blocks: list[list[Unit]]) -> None:
-        """Stats of every contiguous run of `blocks`, as pieces (kind, id(node), a, b)."""
-        sizes = self.g.graph["param_bytes"]
-        for a in range(len(blocks)):
-            params: set[str] = set()
-            time = act = pbytes = 0.0
-            units: list[Unit] = []
-            for b in range(a, len(blocks)):
-                for u in blocks[b]:
-                    data = self.g.nodes[u]
-                    time += data["forward"] + data["backward"]
-                    act += data["act"]
-                    new = data["params"] - params
-                    pbytes += sum(sizes.get(p, 0) for p in new)
-                    params |= new
-                units += blocks[b]
-                self.pieces[(kind, id(node), a, b)] = (_Stats(time, act, pbytes), tuple(units))
-
-    def _prepare(self, node: SPNode) -> None:
-        if isinstance(node, Leaf):
-            self._register_ranges("leaf", node, [[node.unit]])
-            return
-        for child in node.children:
-            self._prepare(child)
-        if isinstance(node, Parallel):
-            kids = sorted(node.children, key=lambda c: -self._time(units_of(c)))
-            self.sorted_children[id(node)] = tuple(kids)
-            self._register_ranges("group", node, [units_of(c) for c in kids])
-            return
-        positions = sorted(units_of(node), key=self.rank.__getitem__)
-        self._register_ranges("range", node, [[u] for u in positions])
-        at = {u: i for i, u in enumerate(positions)}
-        children = {}
-        for child in node.children:
-            if not isinstance(child, Leaf):
-                spots = sorted(at[u] for u in units_of(child))
-                assert spots == list(range(spots[0], spots[-1] + 1)), "child not contiguous"
-                children[spots[0]] = (child, spots[-1] + 1)
-        for p, (child, q) in children.items():
-            if isinstance(child, Parallel):
-                ordered = self.sorted_children[id(child)]
-                for a in range(1, len(ordered)):  # the a cheapest branches join the next stage
-                    cheapest = [u for kid in ordered[len(ordered) - a :] for u in units_of(kid)]
-                    for q2 in range(q + 1, len(positions) + 1):
-                        units = cheapest + positions[q:q2]
-                        stats = self._unit_stats(units)
-                        self.pieces[("absorb", id(node), p, a, q2)] = (stats, tuple(units))
-        self.series[id(node)] = _SeriesInfo(tuple(positions), children, self._cuts(at))
-
-    def _unit_stats(self, units: list[Unit]) -> _Stats:
-        params: set[str] = set()
-        time = act = 0.0
-        for u in units:
-            data = self.g.nodes[u]
-            time += data["forward"] + data["backward"]
-            act += data["act"]
-            params |= data["params"]
-        return _Stats(time, act, sum(self.g.graph["param_bytes"].get(p, 0) for p in params))
-
-    def _time(self, units: list[Unit]) -> float:
-        return sum(self.g.nodes[u]["forward"] + self.g.nodes[u]["backward"] for u in units)
-
-    def _cuts(self, at: dict[Unit, int]) -> list[float]:
-        """Transfer time across the cut before each position, for values made inside."""
-        made: dict[str, int] = {}
-        last_use: dict[str, int] = {}
-        for a, b, data in self.g.edges(data=True):
-            if a in at and b in at:
-                for t in data["tensors"]:
-                    made[t] = at[a]
-                    last_use[t] = max(last_use.get(t, -1), at[b])
-        crossing = [0.0] * (len(at) + 1)
-        sizes = self.g.graph["tensor_bytes"]
-        for t, start in made.items():
-            for q in range(start + 1, last_use[t] + 1):
-                crossing[q] += sizes[t]
-        return [self.cost.link.transfer(x) for x in crossing]
+        # the last feasible tau, with its d and tables: the binary search ends on it
+        self.solved: tuple[float, int, dict[Key, Any], dict[Key, float]] | None = None
 
     def candidates(self) -> list[float]:
         """Every value the optimal bottleneck can take, from the perfect-balance bound up."""
-        floor = self._time(list(self.g.nodes)) / self.n * (1 - 1e-9)  # rounding margin
-        values = {t for info in self.series.values() for t in info.cut_times if t >= floor}
-        for stats, _ in self.pieces.values():
-            for r in range(1, self.max_replicas + 1):
-                t = self.cost.stage_time(stats.time, stats.pbytes, r)
-                if t >= floor:
-                    values.add(t)
-        return sorted(values)
+        total = sum(d["forward"] + d["backward"] for _, d in self.g.nodes(data=True))
+        return self.pieces.candidates(total / self.n * (1 - 1e-9))  # rounding margin
 
     # -- the DP for one tau ---------------------------------------------------------------
 
@@ -281,10 +192,10 @@ class _Search:
         """r(P, i): the fewest replicas letting piece `key` meet tau and memory, or INF."""
         cache_key = (key, in_flight if self.budgeted else 0)
         if cache_key not in self.r_cache:
-            self.r_cache[cache_key] = self._replicas(self.pieces[key][0], in_flight)
+            self.r_cache[cache_key] = self._replicas(self.pieces.stats[key], in_flight)
         return self.r_cache[cache_key]
 
-    def _replicas(self, stats: _Stats, in_flight: int) -> float:
+    def _replicas(self, stats: Stats, in_flight: int) -> float:
         limit = self.tau * (1 + 1e-12)
         for r in range(1, self.max_replicas + 1):
             if self.cost.stage_time(stats.time, stats.pbytes, r) > limit:
@@ -293,6 +204,22 @@ class _Search:
             if self.cost.memory.fits(memory):
                 return r
         return INF
+
+    def _replica_rows(
+        self, key_of: Callable[[int], Key], ends: np.ndarray, stage: np.ndarray, k: int
+    ) -> np.ndarray:
+        """[j, y]: r(key_of(ends[j]), y + 1) for k <= y < D (INF elsewhere); `stage` holds the
+        pieces' stage times on 1..R replicas, so without a memory budget r is read off it."""
+        rows = np.full((len(ends), self.depth_bound + 1), INF)
+        if not self.budgeted:  # r does not depend on the in-flight count
+            ok = stage <= self.tau * (1 + 1e-12)
+            first = np.where(ok.any(axis=1), ok.argmax(axis=1) + 1, INF)
+            rows[:, k : self.depth_bound] = first[:, None]
+            return rows
+        for j, q in enumerate(ends.tolist()):
+            for y in range(k, self.depth_bound):
+                rows[j, y] = self.replicas(key_of(q), y + 1)
+        return rows
 
     def f(self, node: SPNode, k: int, d: int) -> float:
         """F(node, k, d): fewest devices (INF when impossible)."""
@@ -317,98 +244,90 @@ class _Search:
         r = self.replicas(("leaf", id(node), 0, 0), k + 1)
         return [r if d >= k + 1 else INF for d in range(self.depth_bound + 1)], None
 
-    def _series_table(self, node: Series, k: int) -> tuple[list[float], Any]:
-        info, top, limit = self.series[id(node)], self.depth_bound, self.tau * (1 + 1e-12)
+    def _series_table(self, node: Series, k: int) -> tuple[list[float], _SeriesTable]:
+        """G(p, x) for every position p, from the last one back (see the module docstring);
+        which option reaches each value is found again when a solution is built."""
+        info, limit = self.pieces.series[id(node)], self.tau * (1 + 1e-12)
         n = len(info.positions)
         cut_ok = [q == n or t <= limit for q, t in enumerate(info.cut_times)]
-        g_tab = [[INF] * (top + 1) for _ in range(n + 1)]
-        choice: list[list[Any]] = [[None] * (top + 1) for _ in range(n + 1)]
-        g_tab[n] = [0 if x >= k else INF for x in range(top + 1)]
+        g_tab = np.full((n + 1, self.depth_bound + 1), INF)
+        g_tab[n, k:] = 0.0
+        table = _SeriesTable(g_tab, cut_ok, np.array(cut_ok), k)
         for p in reversed(range(n)):
-            merged: dict[int, tuple[float, Any]] = {
-                q: (INF, None) for q in self._reachable(node, p, n) if cut_ok[q]
-            }
-            child, end = info.children.get(p, (None, 0))
-            absorb = self._absorb_ends(node, p, child, end, cut_ok)
-            parallel = child if isinstance(child, Parallel) else None
-            for x in range(top + 1):
-                best, pick = INF, cast(Any, None)
-                if child is not None and cut_ok[end]:
-                    for y in range(k, x):
-                        c = self.f(child, y, x) + g_tab[end][y]
-                        if c < best:
-                            best, pick = c, ("child", end, y)
-                    if parallel is not None:
-                        c, absorbed = self._absorbing(node, parallel, p, absorb, k, x, g_tab)
-                        if c < best:
-                            best, pick = c, absorbed
-                y = x - 1
-                for q, (held, held_pick) in merged.items():
-                    if y >= k:
-                        c = self.replicas(("range", id(node), p, q - 1), y + 1) + g_tab[q][y]
-                        if c < held:
-                            held, held_pick = c, ("merge", q, y)
-                            merged[q] = (held, held_pick)
-                    if held < best:
-                        best, pick = held, held_pick
-                g_tab[p][x], choice[p][x] = best, pick
-        return g_tab[0], choice
+            g_tab[p] = np.minimum(self._child_row(node, p, table), self._merge_row(node, p, table))
+        return g_tab[0].tolist(), table
 
-    def _absorbing(
-        self,
-        node: Series,
-        parallel: Parallel,
-        p: int,
-        options: list[tuple[int, int]],
-        k: int,
-        x: int,
-        g_tab: list[list[float]],
-    ) -> tuple[float, Any]:
-        """The best way for the parallel child at p to hand branches to the next stage."""
-        best, pick = INF, cast(Any, None)
-        for a, q2 in options:
-            for y in range(k, x - 1):
-                c = (
-                    self._prefix(parallel, y + 1, x, len(parallel.children) - a)
-                    + self.replicas(("absorb", id(node), p, a, q2), y + 1)
-                    + g_tab[q2][y]
+    def _merge_row(self, node: Series, p: int, t: _SeriesTable) -> np.ndarray:
+        """Per x: the least r(p..q-1, y + 1) + G(q, y) over ends q and k <= y < x."""
+        row = np.full(self.depth_bound + 1, INF)
+        reach = self._reachable(node, p)
+        ends = np.arange(reach.start, reach.stop)[t.cut_mask[reach.start : reach.stop]]
+        if not len(ends) or t.k >= self.depth_bound:
+            return row
+        stage = self.pieces.series[id(node)].stage[p, ends]
+        rows = self._replica_rows(lambda q: ("range", id(node), p, q - 1), ends, stage, t.k)
+        best = (rows + t.g[ends]).min(axis=0)  # per y
+        row[t.k + 1 :] = np.minimum.accumulate(best[t.k : self.depth_bound])
+        return row
+
+    def _child_row(self, node: Series, p: int, t: _SeriesTable) -> np.ndarray:
+        """Per x: the best way to realise the non-leaf child starting at p, if any."""
+        row = np.full(self.depth_bound + 1, INF)
+        child, end = self.pieces.series[id(node)].children.get(p, (None, 0))
+        if child is None or not t.cut_ok[end]:
+            return row
+        after = t.g[end].tolist()
+        for x in range(t.k + 1, self.depth_bound + 1):
+            row[x] = min(self.f(child, y, x) + after[y] for y in range(t.k, x))
+        if isinstance(child, Parallel):
+            row = np.minimum(row, self._absorb_row(node, child, p, t))
+        return row
+
+    def _absorb_row(self, node: Series, parallel: Parallel, p: int, t: _SeriesTable) -> np.ndarray:
+        """Per x: the best way for the parallel child at p to hand its a cheapest branches
+        to the stage that follows it (ending at q2): Fpre + r(absorb, y + 1) + G(q2, y)."""
+        row = np.full(self.depth_bound + 1, INF)
+        count = len(parallel.children)
+        for a, ends in self._absorb_ends(node, p, t.cut_ok):
+            stage = self.pieces.series[id(node)].absorb[(p, a)][1][ends]
+            key_of = _absorb_key(node, p, a)
+            rows = self._replica_rows(key_of, np.array(ends), stage, t.k)
+            best = (rows + t.g[ends]).min(axis=0).tolist()
+            for x in range(t.k + 2, self.depth_bound + 1):
+                c = min(
+                    self._prefix(parallel, y + 1, x, count - a) + best[y] for y in range(t.k, x - 1)
                 )
-                if c < best:
-                    best, pick = c, ("absorb", q2, y, a)
-        return best, pick
+                row[x] = min(row[x], c)
+        return row
 
-    def _absorb_ends(
-        self, node: Series, p: int, child: SPNode | None, end: int, cut_ok: list[bool]
-    ) -> list[tuple[int, int]]:
-        """(a, q2): merge a parallel child's a cheapest branches with positions end..q2-1."""
-        if not isinstance(child, Parallel):
-            return []
+    def _absorb_ends(self, node: Series, p: int, cut_ok: list[bool]) -> list[tuple[int, list[int]]]:
+        """Per a: the ends q2 of absorbing pieces whose compute could meet tau."""
+        info = self.pieces.series[id(node)]
+        child, end = info.children[p]
         options = []
         for a in range(1, len(child.children)):
-            for q2 in range(end + 1, len(cut_ok)):
-                stats = self.pieces[("absorb", id(node), p, a, q2)][0]
-                if stats.time / self.max_replicas > self.tau * (1 + 1e-12):
-                    break
-                if cut_ok[q2]:
-                    options.append((a, q2))
+            times = info.absorb[(p, a)][0]
+            ends = [q2 for q2 in self._within_reach(times, end + 1) if cut_ok[q2]]
+            if ends:
+                options.append((a, ends))
         return options
 
-    def _reachable(self, node: Series, p: int, n: int) -> list[int]:
+    def _reachable(self, node: Series, p: int) -> range:
         """Ends q of the ranges p..q-1 whose compute could meet tau on the most replicas."""
-        ends = []
-        for q in range(p + 1, n + 1):
-            stats = self.pieces[("range", id(node), p, q - 1)][0]
-            if stats.time / self.max_replicas > self.tau * (1 + 1e-12):
-                break
-            ends.append(q)
-        return ends
+        return self._within_reach(self.pieces.series[id(node)].time[p], p + 1)
+
+    def _within_reach(self, times: np.ndarray, first: int) -> range:
+        """first..q-1, q the first index from `first` on whose time needs more than R
+        replicas to meet tau."""
+        over = np.flatnonzero(times[first:] / self.max_replicas > self.tau * (1 + 1e-12))
+        return range(first, first + int(over[0]) if len(over) else len(times))
 
     def _parallel_table(self, node: Parallel, k: int) -> tuple[list[float], Any]:
         """Per d: fewest devices for the sorted children, and for every prefix of them.
 
         h[e] covers children 0..e-1; the last group of that cover starts at start[e].
         """
-        kids = self.sorted_children[id(node)]
+        kids = self.pieces.sorted_children[id(node)]
         size, top = len(kids), self.depth_bound
         table: list[float] = [INF] * (top + 1)
         choices: list[tuple[list[float], list[int]]] = []
@@ -450,14 +369,14 @@ class _Search:
         return self._build_series(node, d, self._table(node, k)[1])
 
     def _piece(self, key: Key, in_flight: int) -> Piece:
-        return Piece(self.pieces[key][1], int(self.replicas(key, in_flight)))
+        return Piece(self.pieces.units(key), int(self.replicas(key, in_flight)))
 
-    def _build_series(self, node: Series, d: int, choice: Any) -> list[Piece]:
-        info = self.series[id(node)]
+    def _build_series(self, node: Series, d: int, table: _SeriesTable) -> list[Piece]:
+        info = self.pieces.series[id(node)]
         pieces: list[Piece] = []
-        p, x = 0, d
+        p, x, rows = 0, d, table.g.tolist()
         while p < len(info.positions):
-            kind, q, y, *absorbed = choice[p][x]
+            kind, q, y, *absorbed = self._series_choice(node, p, x, table, rows)
             child = info.children[p][0] if kind != "merge" else None
             if kind == "child":
                 pieces += self.build(info.children[p][0], y, x)
@@ -470,9 +389,34 @@ class _Search:
             p, x = q, y
         return pieces
 
+    def _series_choice(
+        self, node: Series, p: int, x: int, t: _SeriesTable, g: list[list[float]]
+    ) -> tuple[Any, ...]:
+        """The option reaching G(p, x) (`g` is the table as lists): the first in the order
+        the table's rows consider them (child by y; absorbing by a, q2, y; merge by q, y)."""
+        target, k = g[p][x], t.k
+        child, end = self.pieces.series[id(node)].children.get(p, (None, 0))
+        if child is not None and t.cut_ok[end]:
+            for y in range(k, x):
+                if self.f(child, y, x) + g[end][y] == target:
+                    return ("child", end, y)
+            if isinstance(child, Parallel):
+                count = len(child.children)
+                for a, ends in self._absorb_ends(node, p, t.cut_ok):
+                    for q2, y in itertools.product(ends, range(k, x - 1)):
+                        r = self.replicas(("absorb", id(node), p, a, q2), y + 1)
+                        if self._prefix(child, y + 1, x, count - a) + r + g[q2][y] == target:
+                            return ("absorb", q2, y, a)
+        for q in self._reachable(node, p):
+            for y in range(k, x):
+                r = self.replicas(("range", id(node), p, q - 1), y + 1)
+                if t.cut_ok[q] and r + g[q][y] == target:
+                    return ("merge", q, y)
+        raise AssertionError(f"no option reaches G({p}, {x}) = {target}")
+
     def _build_parallel(self, node: Parallel, k: int, d: int, count: int) -> list[Piece]:
         """The pieces covering the `count` most expensive children of `node` (k, d normalised)."""
-        kids = self.sorted_children[id(node)]
+        kids = self.pieces.sorted_children[id(node)]
         _, start = self._table(node, k)[1][d]
         pieces: list[Piece] = []
         e = count
@@ -493,11 +437,17 @@ class _Search:
     # -- the outer loop -------------------------------------------------------------------
 
     def feasible(self, tau: float) -> int | None:
-        """The smallest source in-flight d with F(root, 0, d) <= N at `tau`, or None."""
+        """The smallest source in-flight d with F(root, 0, d) <= N at `tau`, or None.
+
+        The tables of the last tau found feasible are kept, to build its solution from."""
+        if self.solved is not None and self.solved[0] == tau:
+            self.tau, found, self.memo, self.r_cache = self.solved
+            return found
         self.tau, self.memo, self.r_cache = tau, {}, {}
         self.iterations += 1
         for d in range(1, self.depth_bound + 1):
             if self.f(self.tree, 0, d) <= self.n:
+                self.solved = (tau, d, self.memo, self.r_cache)
                 return d
         return None
 
@@ -559,12 +509,13 @@ class _Search:
         return best
 
 
+def _absorb_key(node: Series, p: int, a: int) -> Callable[[int], Key]:
+    return lambda q2: ("absorb", id(node), p, a, q2)
+
+
 def _infeasible_message(s: _Search) -> str:
     budget = s.cost.memory.budget
-    smallest = min(
-        (s.cost.stage_memory(stats.pbytes, stats.act, 1, 1) for stats, _ in s.pieces.values()),
-        default=0.0,
-    )
+    smallest = s.pieces.smallest_memory()
     return (
         f"no stage graph on {s.n} devices fits the memory budget of {budget:.4g} bytes per "
         f"device (the smallest op unit alone, one micro-batch in flight, needs {smallest:.4g}). "
