@@ -77,6 +77,7 @@ def op_graph(gm: fx.GraphModule, prof: Profile) -> nx.DiGraph:
             order=order,
             module=node.meta.get("gp_module", ""),
             float=has_float_output(node),
+            stateful=bool(node.meta.get("gp_mutates")),
             constant=node in constant and node.op != "output",
             **_value_attributes(node),
         )

@@ -531,3 +531,19 @@ def test_condense_bounds_the_units_and_keeps_plans_valid() -> None:
         config = PlanConfig(devices=3, max_units=4, partitioner=partitioner)
         p = partition_op_graph(g, cost(bandwidth=1e9), config, "x")
         assert p.info["units"] <= max(4, 4 * 3)
+
+
+def _normed(norm: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    conv = [nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1)]
+    return nn.Sequential(conv[0], norm, nn.ReLU(), conv[1])  # heavy compute, few parameters
+
+
+def test_a_stage_that_updates_buffers_is_never_replicated() -> None:
+    """Replicas of a BatchNorm would each see only their own micro-batches, and their running
+    statistics would differ from one device's; a GroupNorm holds no such state."""
+    x = torch.randn(16, 3, 32, 32)
+    free = plan(_normed(nn.GroupNorm(4, 16)), x, devices=2, micro_batches=4)
+    assert [s.replicas for s in free.stages] == [2]  # data parallel over both devices
+    bound = plan(_normed(nn.BatchNorm2d(16)), x, devices=2, micro_batches=4)
+    assert all(s.replicas == 1 for s in bound.stages)

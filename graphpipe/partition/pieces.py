@@ -38,6 +38,7 @@ class Stats(NamedTuple):
     time: float  # forward + backward seconds per micro-batch on one device
     act: float  # activation bytes per micro-batch
     pbytes: float  # parameter bytes (shared names counted once)
+    stateful: bool = False  # it updates buffers in place (BatchNorm): never replicated
 
 
 @dataclass
@@ -101,7 +102,14 @@ class Pieces:
     def stage_times(self, stats: Stats) -> np.ndarray:
         """The stage time of a piece on 1..R replicas."""
         r_range = range(1, self.max_replicas + 1)
-        return np.array([self.cost.stage_time(stats.time, stats.pbytes, r) for r in r_range])
+        return np.array(
+            [
+                self.cost.stage_time(stats.time, stats.pbytes, r)
+                if r == 1 or not stats.stateful
+                else np.inf
+                for r in r_range
+            ]
+        )
 
     def candidates(self, floor: float) -> list[float]:
         """Every stage time of every piece and replica count, and every cut time, >= floor."""
@@ -226,14 +234,16 @@ class _Accumulator:
         self.g, self.sizes = g, g.graph["param_bytes"]
         self.params: set[str] = set()
         self.time = self.act = self.pbytes = 0.0
+        self.stateful = False
 
     def add(self, u: Unit) -> None:
         data = self.g.nodes[u]
         self.time += data["forward"] + data["backward"]
         self.act += data["act"]
+        self.stateful = self.stateful or data.get("stateful", False)
         new = data["params"] - self.params
         self.pbytes += sum(self.sizes.get(p, 0) for p in new)
         self.params |= new
 
     def stats(self) -> Stats:
-        return Stats(self.time, self.act, self.pbytes)
+        return Stats(self.time, self.act, self.pbytes, self.stateful)

@@ -197,7 +197,7 @@ class _Search:
 
     def _replicas(self, stats: Stats, in_flight: int) -> float:
         limit = self.tau * (1 + 1e-12)
-        for r in range(1, self.max_replicas + 1):
+        for r in range(1, 2 if stats.stateful else self.max_replicas + 1):
             if self.cost.stage_time(stats.time, stats.pbytes, r) > limit:
                 continue
             memory = self.cost.stage_memory(stats.pbytes, stats.act, in_flight, r)

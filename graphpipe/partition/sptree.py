@@ -130,6 +130,7 @@ def _quotient(g: nx.DiGraph, units: Iterable[Unit]) -> nx.DiGraph:
             backward=sum(g.nodes[n]["backward"] for n in u),
             act=sum(g.nodes[n]["act"] for n in u),
             params=frozenset().union(*(g.nodes[n]["params"] for n in u)),
+            stateful=any(g.nodes[n].get("stateful", False) for n in u),
             order=g.nodes[u[0]]["order"],
         )
     crossing: dict[tuple[Unit, Unit], set[str]] = {}
