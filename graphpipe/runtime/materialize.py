@@ -232,7 +232,12 @@ def _load_file(
     file: Path, names: list[str], aliases: dict[str, list[str]]
 ) -> dict[str, torch.Tensor]:
     if file.suffix == ".safetensors":
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError as exc:
+            raise ConfigError(
+                f"reading {str(file)!r} needs the safetensors package: pip install safetensors"
+            ) from exc
 
         with safe_open(str(file), framework="pt") as f:
             keys = set(f.keys())
