@@ -37,7 +37,7 @@ from torch import nn
 
 from graphpipe.errors import ConfigError
 
-__all__ = ["InitFn", "is_meta", "load_slice", "materialize", "rebind"]
+__all__ = ["InitFn", "is_meta", "load_slice", "materialize", "names_by_id", "rebind"]
 
 InitFn = Callable[[nn.Module], None]
 
@@ -105,12 +105,12 @@ def materialize(
 
 def _meta_names(model: nn.Module, stage: nn.Module) -> list[str]:
     """Canonical names (in `model`) of the meta tensors `stage` holds."""
-    canonical = {i: names[0] for i, names in _names_by_id(model).items()}
+    canonical = {i: names[0] for i, names in names_by_id(model).items()}
     held = {id(t) for _, t in [*stage.named_parameters(), *stage.named_buffers()] if t.is_meta}
     return sorted(canonical[i] for i in held if i in canonical)
 
 
-def _names_by_id(model: nn.Module) -> dict[int, list[str]]:
+def names_by_id(model: nn.Module) -> dict[int, list[str]]:
     """Every name of each parameter and buffer (non-persistent ones too), by identity."""
     by_id: dict[int, list[str]] = {}
     named = [
@@ -124,7 +124,7 @@ def _names_by_id(model: nn.Module) -> dict[int, list[str]]:
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:
     """Every name of each tensor, under its canonical (first) name."""
-    return {names[0]: names for names in _names_by_id(model).values()}
+    return {names[0]: names for names in names_by_id(model).values()}
 
 
 def _allocate(model: nn.Module, names: list[str], device: torch.device) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Plan, Schedule, Timeline
 from graphpipe.runtime.comm import FailureBoard, Transport
 from graphpipe.runtime.executor import Batch, Executor, StageRuntime
-from graphpipe.runtime.materialize import InitFn, materialize
+from graphpipe.runtime.materialize import InitFn, materialize, names_by_id
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
 from graphpipe.runtime.weights import PolicyOptions, WeightPolicy, make_policy
@@ -100,14 +100,14 @@ class PipelinedModel:
         self._model_inputs: tuple[str, ...] = ()
         modules = {s.index: build_stage(gm, plan, s.index) for s in plan.stages}
         self._orphans = _orphans(model, [m for m, _ in modules.values()])
-        canon = _canonical_by_name(model)
+        canon = {n: names[0] for names in names_by_id(model).values() for n in names}
         specs = micro_shapes(gm, example_inputs, plan.micro_batch_size) if stage is not None else {}
         materialized = (
             materialize(model, modules[stage.index][0], self.device, init_weights, checkpoint)
             if stage is not None
             else []
         )
-        self._aliases = _aliases(model)
+        self._aliases = names_by_id(model)  # every name of each tensor, tied ones too
         groups = self._groups(canon, modules)
         if materialized:
             groups.sync.broadcast()  # tied copies and replicas start equal on every holder
@@ -402,24 +402,6 @@ def runtime_device(runtime: RuntimeConfig) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
-
-
-def _canonical_by_name(model: nn.Module) -> dict[str, str]:
-    """Every name of each parameter -> its canonical (first) name."""
-    first: dict[int, str] = {}
-    canon: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        canon[name] = first.setdefault(id(p), name)
-    return canon
-
-
-def _aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
-    """Every name of each parameter and buffer of `model`, by tensor identity (a tied weight
-    has several: GPT-2's `transformer.wte.weight` and `lm_head.weight`)."""
-    names: dict[int, list[str]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(t), []).append(name)
-    return {k: tuple(v) for k, v in names.items()}
 
 
 def _orphans(model: nn.Module, modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
