@@ -5,8 +5,9 @@
   process groups and allocator slack), far from the whole model, and two steps from an init
   callback give the losses of the same model built for real with the same init.
 - GPT-2 (a Hugging Face model with a tied embedding and head) saved as a state_dict file, a
-  safetensors file and a DCP directory, rebuilt on meta and compiled from each: the pipelined
-  losses equal the plain model's.
+  safetensors file and a DCP directory, rebuilt on meta and compiled from each, and Llama
+  (whose rotary table is in no checkpoint) from a file with its own init_weights: the
+  pipelined losses equal the plain model's.
 - What cannot be materialised is refused, naming it.
 """
 
@@ -124,12 +125,20 @@ def _saved(kind: str, model: nn.Module, root: Path) -> Path:
     return root / "dcp"
 
 
-def _load_worker(checkpoints: list[str]) -> list[list[float]]:
-    """GPT-2 rebuilt on meta and compiled from each checkpoint in turn: two steps each."""
-    case = HF_CASES["gpt2"]
-    example, _ = step_data(case, 0)
-    runs = []
-    for checkpoint in checkpoints:
+def _hf_init(model: nn.Module) -> None:
+    model.init_weights()  # type: ignore[operator]  # Hugging Face's: recomputes rotary tables
+
+
+def _load_worker(runs: list[tuple[str, str]]) -> list[list[float]]:
+    """Each (model, checkpoint): rebuilt on meta, compiled from the checkpoint, two steps.
+
+    Llama's rotary table is a non-persistent buffer, in no checkpoint: its `init_weights`
+    (Hugging Face's own) computes it, and the checkpoint then overrides the parameters.
+    """
+    losses = []
+    for name, checkpoint in runs:
+        case = HF_CASES[name]
+        example, _ = step_data(case, 0)
         with torch.device("meta"):
             model = case.build()
         pm = gp_compile(
@@ -140,21 +149,24 @@ def _load_worker(checkpoints: list[str]) -> list[list[float]]:
             micro_batches=M,
             replication=False,
             checkpoint=checkpoint,
+            init_weights=_hf_init if name == "llama" else None,
         )
-        runs.append(
+        losses.append(
             [pm.step(**step_data(case, s)[0], target=step_data(case, s)[1]) for s in range(2)]
         )
-    return runs
+    return losses
 
 
 def test_a_meta_model_loads_its_stage_from_a_checkpoint(tmp_path: Path) -> None:
-    case = HF_CASES["gpt2"]
+    gpt2, llama = HF_CASES["gpt2"], HF_CASES["llama"]
     kinds = ["torch", "safetensors", "dcp"]
-    paths = [str(_saved(kind, case.build(), tmp_path)) for kind in kinds]  # seeded weights
-    runs = launch(_load_worker, 2, args=(paths,), timeout=TIMEOUT)[0]
-    expected, _ = reference(case, 2)
-    for kind, losses in zip(kinds, runs, strict=True):
-        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0, msg=kind)
+    runs = [("gpt2", str(_saved(kind, gpt2.build(), tmp_path))) for kind in kinds]
+    (tmp_path / "llama").mkdir()
+    runs.append(("llama", str(_saved("torch", llama.build(), tmp_path / "llama"))))
+    results = launch(_load_worker, 2, args=(runs,), timeout=TIMEOUT)[0]
+    expected = {"gpt2": reference(gpt2, 2)[0], "llama": reference(llama, 2)[0]}
+    for (name, path), losses in zip(runs, results, strict=True):
+        torch.testing.assert_close(losses, expected[name], rtol=1e-5, atol=0, msg=path)
 
 
 class NoReset(nn.Module):

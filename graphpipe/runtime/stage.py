@@ -130,18 +130,24 @@ def retarget(module: fx.GraphModule, device: torch.device) -> None:
 
     torch.export records the device of every tensor a model creates (`arange(...,
     device=meta)` for a causal mask): the device it was traced on. A stage runs on its rank's
-    device, so every device constant in its graph becomes that one.
+    device, so every device constant in its graph becomes that one, in the subgraphs of
+    higher-order ops too (an autocast region).
     """
+    for sub in module.modules():
+        if isinstance(sub, fx.GraphModule) and _retarget_graph(sub.graph, device):
+            sub.recompile()
+
+
+def _retarget_graph(graph: fx.Graph, device: torch.device) -> bool:
     changed = False
-    for node in module.graph.nodes:
+    for node in graph.nodes:
         args, kwargs = fx.node.map_aggregate(
             (node.args, node.kwargs),
             lambda a: device if isinstance(a, torch.device) and a != device else a,
         )
         if (args, kwargs) != (node.args, node.kwargs):
             node.args, node.kwargs, changed = args, kwargs, True
-    if changed:
-        module.recompile()
+    return changed
 
 
 def micro_shapes(
