@@ -42,7 +42,7 @@ from graphpipe.simulate import SimResult, simulate
 from graphpipe.timeline import chrome_trace, timeline_svg
 from graphpipe.trace import trace
 from graphpipe.train import TrainConfig, train
-from graphpipe.workload import Workload, load_workload
+from graphpipe.workload import Workload, find_workload, load_workload
 
 __all__ = ["main"]
 
@@ -159,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    find_workload(args.model)  # a bad MODEL is one line here, not one per rank
     train(
         TrainConfig(
             model=args.model,

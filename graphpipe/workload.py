@@ -33,7 +33,7 @@ from torch import nn
 from graphpipe.errors import ConfigError
 from graphpipe.trace import LeafSpec
 
-__all__ = ["Workload", "load_workload"]
+__all__ = ["Workload", "find_workload", "load_workload"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 BatchFn = Callable[[torch.Generator], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
@@ -74,6 +74,15 @@ def load_workload(spec: str, preset: str = "tiny", **options: Any) -> Workload:
     if not isinstance(result, Workload):
         raise ConfigError(f"{spec} returned {type(result).__name__}, expected a Workload")
     return result
+
+
+def find_workload(spec: str) -> Callable[..., Any]:
+    """The factory `spec` names, imported but not called: a cheap check of a model argument.
+
+    Raises:
+        ConfigError: the module, file or function does not exist.
+    """
+    return _factory(spec)
 
 
 def _factory(spec: str) -> Callable[..., Any]:

@@ -76,6 +76,7 @@ def test_a_model_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     ("argv", "message"),
     [
         (["plan", "models.nothing", "--devices", "2"], "cannot import 'models.nothing'"),
+        (["run", "no.such.module", "--devices", "2"], "cannot import 'no.such.module'"),
         (["plan", "models.mmt", "--preset", "huge", "--devices", "2"], "'huge'"),
         (
             ["plan", "models.mmt", "--preset", "tiny", "--devices", "2", "-m", "3"],
@@ -94,7 +95,8 @@ def test_errors_are_one_clear_line_and_status_2(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "graphpipe: error:" in err and message in err
-    assert "Traceback" not in err
+    said = [line for line in err.splitlines() if not line.startswith("[graphpipe]")]  # progress
+    assert "Traceback" not in err and said == [said[0]] and said[0].startswith("graphpipe: error")
 
 
 def test_model_options() -> None:
