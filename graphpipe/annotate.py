@@ -22,7 +22,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from graphpipe.errors import TraceError
 
-__all__ = ["TensorSpec", "annotate", "has_float_output", "param_bytes", "restore", "snapshot"]
+__all__ = [
+    "TensorSpec",
+    "annotate",
+    "has_float_output",
+    "is_meta",
+    "param_bytes",
+    "restore",
+    "snapshot",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,11 @@ def _untouched(model: nn.Module) -> Iterator[None]:
             yield
         finally:
             restore(model, saved)
+
+
+def is_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of `model` lives on the meta device."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from graphpipe.annotate import is_meta
 from graphpipe.bind import batch_of, normalise
 from graphpipe.dryrun import check_schedule
 from graphpipe.errors import ConfigError, GraphPipeError, PlanError
@@ -267,7 +268,7 @@ def _profile_config(gm: fx.GraphModule, config: ProfileConfig | None) -> Profile
     """The profile settings; a model on the meta device cannot be measured, so it is
     estimated from FLOPs instead, with a notice."""
     config = config or ProfileConfig()
-    if config.mode == "measure" and any(t.is_meta for t in gm.parameters()):
+    if config.mode == "measure" and is_meta(gm):
         log.warning(
             "graphpipe: the model is on the meta device, so op times are estimated from "
             "FLOPs (ProfileConfig.device_flops=%.3g), not measured",

@@ -77,6 +77,7 @@ from graphpipe.annotate import (
     TensorSpec,
     annotate,
     has_float_output,
+    is_meta,
     param_bytes,
     restore,
     snapshot,
@@ -124,11 +125,6 @@ class TraceInfo:
     constants: dict[str, str] = field(default_factory=dict)
     out_spec: TreeSpec | None = None
 
-    @property
-    def keywords(self) -> bool:
-        """Whether the inputs are keyword inputs (a dict at trace time)."""
-        return any(isinstance(s, str) for s in self.sources)
-
 
 def trace(
     model: nn.Module,
@@ -168,8 +164,7 @@ def trace(
     batch = bind.batch_of(args, kwargs)
     b = batch if micro_batch_size is None else _checked_micro(batch, micro_batch_size)
     full = (args, kwargs)
-    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    args, kwargs = bind.rows(args, kwargs, b, "meta" if on_meta else None)
+    args, kwargs = bind.rows(args, kwargs, b, "meta" if is_meta(model) else None)
     leaf_types, leaf_paths = _split_leaves(model, leaf_modules)
     concrete = bind.concrete_args(model, args, kwargs)
     fx_error = None
@@ -372,22 +367,18 @@ def _is_concrete(target: str, names: set[str]) -> bool:
 
 def _erase_dead_users(node: fx.Node) -> None:
     """Erase the nodes that only check `node` (no path from them to the output)."""
-    below: list[fx.Node] = []
+    below: set[fx.Node] = set()
     stack = list(node.users)
     while stack:
         user = stack.pop()
         if user not in below:
-            below.append(user)
+            below.add(user)
             stack.extend(user.users)
     if any(u.op == "output" for u in below):
         return
-    for user in sorted(below, key=lambda n: -_position(n)):
-        if not user.users:
-            user.graph.erase_node(user)
-
-
-def _position(node: fx.Node) -> int:
-    return next(i for i, n in enumerate(node.graph.nodes) if n is node)
+    for user in reversed(list(node.graph.nodes)):  # users before what they read
+        if user in below and not user.users:
+            node.graph.erase_node(user)
 
 
 def _fx_sources(

@@ -28,28 +28,19 @@ Afterwards the stage module reads the new tensors: `rebind` points its attribute
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from graphpipe.annotate import is_meta
 from graphpipe.errors import ConfigError
 
 __all__ = ["InitFn", "is_meta", "load_slice", "materialize", "names_by_id", "rebind"]
 
 InitFn = Callable[[nn.Module], None]
-
-
-def is_meta(model: nn.Module) -> bool:
-    """Whether any parameter or buffer of `model` lives on the meta device."""
-    return any(t.is_meta for t in _tensors(model))
-
-
-def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
-    yield from model.parameters()
-    yield from model.buffers()
 
 
 def materialize(

@@ -25,6 +25,7 @@ import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from graphpipe.annotate import is_meta
 from graphpipe.bind import model_output
 from graphpipe.errors import PlanError
 from graphpipe.ir import Plan
@@ -175,7 +176,7 @@ def micro_shapes(
         def forward(self, *inputs: torch.Tensor) -> Any:
             return _Recorder(self.gm).run(*inputs)
 
-    on_meta = any(t.is_meta for t in [*gm.parameters(), *gm.buffers()])
+    on_meta = is_meta(gm)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
         fakes = [
             mode.from_tensor(resize_batch(x.to("meta") if on_meta else x, micro_batch_size))
