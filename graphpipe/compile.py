@@ -35,7 +35,7 @@ from torch import fx, nn
 
 from graphpipe.annotate import is_meta
 from graphpipe.bind import batch_of, normalise
-from graphpipe.dryrun import check_schedule
+from graphpipe.dryrun import check_run
 from graphpipe.errors import ConfigError, GraphPipeError, PlanError
 from graphpipe.ir import Plan
 from graphpipe.opgraph import graph_hash
@@ -151,8 +151,7 @@ def compile(
             f"has {world} ranks; launch {the_plan.num_devices} processes"
         )
     sched = make_schedule(the_plan, schedule, m)
-    if schedule not in ASYNC:
-        check_schedule(the_plan, sched)
+    check_run(the_plan, schedule, m)
     return PipelinedModel(
         model,
         gm,

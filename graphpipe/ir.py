@@ -139,12 +139,16 @@ class Plan:
         return {name: s.index for s in self.stages for name in s.nodes}
 
     def stage_on(self, rank: int) -> Stage | None:
-        """The stage a rank holds a replica of, or None for an idle rank."""
+        """The first stage a rank holds a replica of, or None for an idle rank."""
         return next((s for s in self.stages if rank in s.devices), None)
+
+    def stages_on(self, rank: int) -> tuple[Stage, ...]:
+        """Every stage a rank holds (several under an interleaved placement)."""
+        return tuple(s for s in self.stages if rank in s.devices)
 
     def devices_used(self) -> int:
         """Devices that hold a stage."""
-        return sum(s.replicas for s in self.stages)
+        return len({d for s in self.stages for d in s.devices})
 
     def validate(self, graph: Any = None) -> None:
         """Check the plan; see `graphpipe.validate.validate_plan`."""

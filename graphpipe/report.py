@@ -84,11 +84,11 @@ def schedule_table(plan: Plan, result: SimResult) -> str:
     """One row per device: its stage, idle share, in-flight peak and memory peak."""
     rows = []
     for rank in range(plan.num_devices):
-        stage = plan.stage_on(rank)
+        held = plan.stages_on(rank)
         rows.append(
             [
                 rank,
-                "-" if stage is None else f"S{stage.index}",
+                ",".join(f"S{s.index}" for s in held) or "-",
                 f"{result.bubble[rank]:.1%}",
                 result.peak_in_flight[rank],
                 format_bytes(result.peak_memory[rank]),

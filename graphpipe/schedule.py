@@ -23,14 +23,27 @@ Generators:
     2bw     like async, with one update after the last backward of every mini-batch
             (PipeDream-2BW); needs M >= depth.
     forward every forward, no backward and no update: inference.
+    interleaved
+            Megatron's interleaved 1F1B on a chain folded "loop" onto the devices (v stages
+            per device, `PlanConfig(virtual_stages=v)`): forwards go through the device's
+            stages in rounds of N micro-batches, backwards through them in reverse; the
+            warm-up on device d is 2(N-1-d) + (v-1)N forwards. Needs M a multiple of N.
+            The bubble shrinks by v against 1F1B.
+    zbv     ZB-V (Qi et al., arXiv 2401.10241) on a chain of 2N stages folded "v" onto the
+            devices (device d holds stages d and 2N-1-d): the backward split into I and W,
+            built by a greedy run of the plan's costs in which each device does a ready I
+            first, then a ready F (the deeper stage first) while it holds fewer than 2N
+            activation units (and fewer than 2(N-d)-1 micro-batches of its first stage
+            between their F and I), and W passes whenever nothing else is ready.
 
 Communication is inserted around compute: before F(j) a receive from every in-edge and after
 it a send on every out-edge; before B/I(j) a receive of gradients from every out-edge that
 carries them back, and after it a send on every such in-edge.
 
-A stage replicated on r devices runs micro-batch j on devices[j % r]; each replica's list is
-the stage order restricted to its own micro-batches, and its update all-reduces gradients
-with the other replicas. Asynchronous schedules need unreplicated stages.
+Devices holding several stages (interleaved, zbv) get one update `U` for all of them, after
+their last backward. A stage replicated on r devices runs micro-batch j on devices[j % r];
+each replica's list is the stage order restricted to its own micro-batches, and its update
+all-reduces gradients with the other replicas. Asynchronous schedules need unreplicated stages.
 """
 
 from __future__ import annotations
@@ -39,12 +52,14 @@ from collections.abc import Callable
 
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Action, Plan, Schedule, Stage, edges_to_sink
+from graphpipe.partition.place import device_of
 from graphpipe.simulate import compute_time, freed, transfer_time
 
-__all__ = ["ASYNC", "SCHEDULES", "drain_schedule", "make_schedule", "warmups"]
+__all__ = ["ASYNC", "PLACED", "SCHEDULES", "drain_schedule", "make_schedule", "warmups"]
 
 Order = list[tuple[str, int]]  # a stage's compute actions: (kind, micro-batch)
 ASYNC = frozenset({"async", "2bw"})
+PLACED = {"interleaved": "loop", "zbv": "v"}  # schedules for several stages per device
 ALIASES = {"graph1f1b": "1f1b"}
 
 
@@ -110,6 +125,15 @@ def _check(plan: Plan, name: str, m: int) -> str:
         raise ConfigError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}")
     if m < 1:
         raise ConfigError(f"micro_batches must be >= 1, got {m}")
+    if name in PLACED:
+        _check_placed(plan, name, m)
+    else:
+        shared = [r for r in range(plan.num_devices) if len(plan.stages_on(r)) > 1]
+        if shared and name != "forward":
+            raise ScheduleError(
+                f"schedule {name!r} runs one stage per device, but devices {shared} hold "
+                f"several; use one of {sorted(PLACED)}"
+            )
     if name in ASYNC:
         replicated = [s.index for s in plan.stages if s.replicas > 1]
         if replicated:
@@ -120,6 +144,27 @@ def _check(plan: Plan, name: str, m: int) -> str:
     if name == "2bw" and m < plan.depth:
         raise ScheduleError(f"2bw needs micro_batches >= depth, got M={m} < depth {plan.depth}")
     return name
+
+
+def _check_placed(plan: Plan, name: str, m: int) -> None:
+    placement = PLACED[name]
+    n = plan.num_devices
+    wrong = [
+        s.index
+        for s in plan.stages
+        if s.devices != (device_of(s.index, n, placement),)
+        or any(e.dst != e.src + 1 for e in plan.edges)
+    ]
+    if wrong or len(plan.edges) != len(plan.stages) - 1:
+        raise ScheduleError(
+            f"schedule {name!r} needs a chain of stages placed {placement!r} "
+            f"(PlanConfig(virtual_stages=..., placement={placement!r})); stages {wrong} are "
+            "not placed so"
+        )
+    if name == "interleaved" and m % n:
+        raise ScheduleError(f"interleaved needs micro_batches a multiple of {n} devices, got {m}")
+    if name == "zbv" and len(plan.stages) != 2 * n:
+        raise ScheduleError(f"zbv needs 2 stages per device, got {len(plan.stages)} on {n}")
 
 
 def make_schedule(
@@ -151,7 +196,11 @@ def make_schedule(
     name = _check(plan, name, m)
     per_rank: list[list[Action]] = [[] for _ in range(plan.num_devices)]
     for call in range(first_call, first_call + calls):
-        for rank, actions in enumerate(_rank_lists(plan, _per_stage_orders(plan, name, call, m))):
+        if name in PLACED:
+            lists = _placed_lists(plan, name, m)
+        else:
+            lists = _rank_lists(plan, _per_stage_orders(plan, name, call, m))
+        for rank, actions in enumerate(lists):
             per_rank[rank] += actions
     return Schedule(name, m, tuple(tuple(a) for a in per_rank), calls)
 
@@ -213,6 +262,138 @@ def _with_comm(plan: Plan, s: int, kind: str, j: int) -> list[Action]:
             + [Action(s, "SB", j, e.src) for e in ins if e.backward_message]
         )
     return [Action(s, kind, j)]
+
+
+# -- several stages per device -----------------------------------------------------------------
+
+RankOrder = list[tuple[int, str, int]]  # a device's compute actions: (stage, kind, mb)
+
+
+def _placed_lists(plan: Plan, name: str, m: int) -> list[list[Action]]:
+    orders = _interleaved(plan, m) if name == "interleaved" else _zbv(plan, list(range(m)))
+    lists: list[list[Action]] = []
+    for rank, order in enumerate(orders):
+        actions = [a for stage, kind, j in order for a in _with_comm(plan, stage, kind, j)]
+        first = min(s.index for s in plan.stages_on(rank))
+        lists.append([*actions, Action(first, "U")])
+    return lists
+
+
+def _interleaved(plan: Plan, m: int) -> list[RankOrder]:
+    """Megatron's interleaved 1F1B on a "loop" placement (see the module docstring)."""
+    n = plan.num_devices
+    v = len(plan.stages) // n
+    total = m * v
+
+    def nth(rank: int, k: int, kind: str) -> tuple[int, str, int]:
+        """The k-th forward (or backward) of `rank`: (stage, kind, micro-batch)."""
+        chunk = (k // n) % v
+        if kind == "B":
+            chunk = v - 1 - chunk
+        return chunk * n + rank, kind, (k // (n * v)) * n + k % n
+
+    orders = []
+    for rank in range(n):
+        warmup = min(2 * (n - 1 - rank) + (v - 1) * n, total)
+        order = [nth(rank, k, "F") for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [nth(rank, warmup + k, "F"), nth(rank, k, "B")]
+        order += [nth(rank, k, "B") for k in range(total - warmup, total)]
+        orders.append(order)
+    return orders
+
+
+def _zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
+    """ZB-V on a "v" placement: a greedy run of the plan's costs (see the module docstring)."""
+    n = plan.num_devices
+    ranks = [_VRank(plan, r, mbs, cap=2 * n) for r in range(n)]
+    arrivals: Arrivals = {}
+    while any(r.busy() for r in ranks):
+        rank = min((r for r in ranks if r.busy()), key=lambda r: r.next_start(arrivals))
+        start = rank.next_start(arrivals)
+        if start == float("inf"):
+            raise ScheduleError("ZB-V construction stalled: no device can run")
+        stage, kind, j = rank.pop(arrivals)
+        rank.clock = start + compute_time(plan.stages[stage], kind)
+        _post(plan, stage, kind, j, rank.clock, arrivals)
+    return [r.done for r in ranks]
+
+
+class _VRank:
+    """One device's state while ZB-V is built: its two stages' forwards and input halves in
+    micro-batch order, its pending weight halves, and the activation units it holds."""
+
+    def __init__(self, plan: Plan, rank: int, mbs: list[int], cap: int) -> None:
+        self.plan, self.cap = plan, cap
+        n = plan.num_devices
+        self.stages = (2 * n - 1 - rank, rank)  # the deeper one first
+        # forwards of the shallow stage before its first input half: micro-batch 0 comes back
+        # after 2(N-1-d) more stages, so more would fill the memory the deep stage needs
+        self.shallow_limit = 2 * (n - rank) - 1
+        self.in_flight = dict.fromkeys(self.stages, 0)
+        self.todo = {(s, k): list(mbs) for s in self.stages for k in ("F", "I")}
+        self.pending_w: list[tuple[int, int]] = []
+        self.forwarded: set[tuple[int, int]] = set()
+        self.held = 0.0
+        self.clock = 0.0
+        self.done: RankOrder = []
+
+    def busy(self) -> bool:
+        return bool(self.pending_w) or any(self.todo.values())
+
+    def _ready(self, stage: int, kind: str, arrivals: Arrivals) -> float:
+        queue = self.todo[(stage, kind)]
+        if not queue:
+            return float("inf")
+        j = queue[0]
+        if kind == "I" and (stage, j) not in self.forwarded:
+            return float("inf")
+        if kind == "F" and self.held + 1 > self.cap + 1e-9:
+            return float("inf")
+        if kind == "F" and stage == self.stages[1] and self.in_flight[stage] >= self.shallow_limit:
+            return float("inf")
+        keys = [(d, a, b, j) for d, a, b in _inputs(self.plan, stage, kind)]
+        return max((arrivals.get(k, float("inf")) for k in keys), default=0.0)
+
+    def _choice(self, arrivals: Arrivals) -> tuple[float, tuple[int, str, int] | None]:
+        """When the next action can start, and which: a ready I, then a ready F, then a W."""
+        options = [
+            (max(self.clock, self._ready(s, k, arrivals)), 0 if k == "I" else 1, i, s, k)
+            for k in ("I", "F")
+            for i, s in enumerate(self.stages)
+        ]
+        now = [o for o in options if o[0] <= self.clock]
+        if now:
+            _, _, _, s, k = min(now)
+            return self.clock, (s, k, self.todo[(s, k)][0])
+        if self.pending_w:
+            s, j = self.pending_w[0]
+            return self.clock, (s, "W", j)
+        best = min(options)
+        if best[0] == float("inf"):
+            return best[0], None
+        return best[0], (best[3], best[4], self.todo[(best[3], best[4])][0])
+
+    def next_start(self, arrivals: Arrivals) -> float:
+        return self._choice(arrivals)[0]
+
+    def pop(self, arrivals: Arrivals) -> tuple[int, str, int]:
+        _, action = self._choice(arrivals)
+        assert action is not None
+        stage, kind, j = action
+        if kind == "W":
+            self.pending_w.pop(0)
+        else:
+            self.todo[(stage, kind)].pop(0)
+        if kind == "F":
+            self.forwarded.add((stage, j))
+            self.in_flight[stage] += 1
+        if kind == "I":
+            self.pending_w.append((stage, j))
+            self.in_flight[stage] -= 1
+        self.held -= freed(self.plan.stages[stage], kind)
+        self.done.append(action)
+        return action
 
 
 # -- zero bubble -------------------------------------------------------------------------------
@@ -311,4 +492,4 @@ def _post(plan: Plan, s: int, kind: str, j: int, end: float, arrivals: Arrivals)
                 arrivals[("B", s, e.src, j)] = end + transfer_time(plan.cost_model, e, "B")
 
 
-SCHEDULES = frozenset({"gpipe", "1f1b", "zb", "async", "2bw"})
+SCHEDULES = frozenset({"gpipe", "1f1b", "zb", "async", "2bw", "interleaved", "zbv"})

@@ -14,9 +14,10 @@ Every rank runs its actions in order. Costs (seconds):
     U             replicas of a stage meet, then all-reduce (link.allreduce(param_bytes, r))
                   and step the optimizer (the stage's update_time)
 
-Memory per rank: weights (`MemoryModel.weights`) + activation_bytes x the most activation
-units held at once. A forward adds one unit; a full backward frees it; an I frees all but the
-weight share, which its W frees (the weight gradient still needs the layer inputs).
+Memory per rank: the weights of its stages (`MemoryModel.weights`) + the most activation
+bytes held at once (a stage's activation_bytes per unit). A forward adds one unit; a full
+backward frees it; an I frees all but the weight share, which its W frees (the weight
+gradient still needs the layer inputs).
 
 The same engine, with unit costs, is the validator's dry run (`graphpipe.dryrun`).
 """
@@ -148,17 +149,20 @@ def steady_run(plan: Plan, name: str, calls: int = ASYNC_CALLS) -> Schedule:
     return Schedule(name, run.micro_batches, ranks, calls)
 
 
-def _peak_memory(plan: Plan, rank: int, held: float, policy: str | None) -> int:
-    stage = plan.stage_on(rank)
-    if stage is None:
+def _peak_memory(plan: Plan, rank: int, held_bytes: float, policy: str | None) -> int:
+    """The rank's weights (every stage it holds) and the most activation bytes it held."""
+    stages = plan.stages_on(rank)
+    if not stages:
         return 0
-    copies = None
-    if policy is not None:
-        from graphpipe.schedule import warmups
+    total = held_bytes
+    for stage in stages:
+        copies = None
+        if policy is not None:
+            from graphpipe.schedule import warmups
 
-        copies = weight_copies(policy, warmups(plan)[stage.index])
-    weights = plan.cost_model.memory.weights(stage.param_bytes, copies)
-    return int(weights + stage.activation_bytes * held)
+            copies = weight_copies(policy, warmups(plan)[stage.index])
+        total += plan.cost_model.memory.weights(stage.param_bytes, copies)
+    return int(total)
 
 
 def _durations(plan: Plan) -> Callable[[Action], float]:
@@ -236,6 +240,7 @@ class Engine:
         self.held = [0.0] * len(self.lists)
         self.peak_held = [0.0] * len(self.lists)
         self.spans: list[Span] = []
+        self.send_times: dict[tuple[int, int], float] = {}  # (rank, list index) -> send start
 
     def run(self) -> list[Span]:
         """Execute to the end.
@@ -265,6 +270,7 @@ class Engine:
                 max(self.clock[rank], self.link_free[rank]) if self.contention else self.clock[rank]
             )
             arrive = start + self.transfer(a)
+            self.send_times[(rank, self.pc[rank])] = start
             if self.contention:
                 self.link_free[rank] = arrive
             self.messages[channel(a)].append(arrive)
@@ -284,7 +290,8 @@ class Engine:
         start = self.clock[rank]
         self.clock[rank] = start + self.duration(a)
         self.spans.append(Span(rank, str(a), start, self.clock[rank]))
-        self.held[rank] -= freed(self.plan.stages[a.stage], a.kind)
+        stage = self.plan.stages[a.stage]  # held in bytes: stages of one rank differ
+        self.held[rank] -= freed(stage, a.kind) * stage.activation_bytes
         self.peak_held[rank] = max(self.peak_held[rank], self.held[rank])
         if a.kind == "F":
             self.in_flight[rank] += 1

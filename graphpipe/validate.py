@@ -2,7 +2,8 @@
 
 Checks that need only the plan:
     stage indices are 0..S-1 in order; every stage has ops and devices; devices lie in
-    [0, num_devices) and no device holds two stages; edges join existing, different stages;
+    [0, num_devices); a device holding several stages holds
+    unreplicated ones that fit the budget together; edges join existing, different stages;
     the stage graph is acyclic; every stage fits the memory budget.
 Checks against the op graph (an fx.GraphModule from `graphpipe.trace`, or its networkx view):
     every op is in exactly one stage and the plan names no unknown op; every stage is convex
@@ -83,13 +84,7 @@ def _structure(plan: Plan) -> list[str]:
                 f"stage {s.index} needs {s.memory_bytes} bytes per device, over the budget "
                 f"of {budget:.0f}"
             )
-    owners = Counter(d for s in plan.stages for d in s.devices)
-    for device, n in sorted(owners.items()):
-        if n > 1:
-            holders = [s.index for s in plan.stages if device in s.devices]
-            problems.append(
-                f"device {device} is given to stages {holders}; device groups must be disjoint"
-            )
+    problems += _shared_devices(plan)
     for e in plan.edges:
         if not (0 <= e.src < count and 0 <= e.dst < count):
             problems.append(f"edge S{e.src}->S{e.dst} names a stage outside 0..{count - 1}")
@@ -99,6 +94,32 @@ def _structure(plan: Plan) -> list[str]:
         cycle = nx.find_cycle(plan.stage_graph)
         path = " -> ".join(f"S{a}" for a, _ in cycle) + f" -> S{cycle[0][0]}"
         problems.append(f"the stage graph has a cycle: {path}")
+    return problems
+
+
+def _shared_devices(plan: Plan) -> list[str]:
+    """A device may hold several stages (interleaved placements) only if none of them is
+    replicated, and their memory together must fit the budget."""
+    problems = []
+    owners = Counter(d for s in plan.stages for d in s.devices)
+    budget = plan.cost_model.memory.budget
+    for device, n in sorted(owners.items()):
+        if n < 2:
+            continue
+        held = plan.stages_on(device)
+        replicated = [s.index for s in held if s.replicas > 1]
+        if replicated:
+            problems.append(
+                f"device {device} holds stages {[s.index for s in held]}, of which "
+                f"{replicated} are replicated; a device holding several stages needs them "
+                "unreplicated"
+            )
+        total = sum(s.memory_bytes for s in held)
+        if budget is not None and total > budget:
+            problems.append(
+                f"device {device} holds stages {[s.index for s in held]} needing {total} bytes "
+                f"together, over the budget of {budget:.0f}"
+            )
     return problems
 
 

@@ -99,10 +99,17 @@ def _train(pm: Any, name: str, kind: str = "sgd") -> dict[str, Any]:
     return {"losses": losses, "state": pm.state_dict(), "output": pm(*batch(name, 0)[0])}
 
 
-def _pipeline(name: str, schedule: str = "1f1b", kind: str = "sgd", timeout: float = 60) -> Any:
+def _pipeline(
+    name: str,
+    schedule: str = "1f1b",
+    kind: str = "sgd",
+    timeout: float = 60,
+    prefetch: bool | None = None,
+    m: int = M,
+) -> Any:
     """`name` compiled over three ranks, cut by its pins."""
     model, inputs = ZOO[name]()
-    the_plan = plan(model, inputs, devices=3, micro_batches=M, pins=PINS[name])
+    the_plan = plan(model, inputs, devices=3, micro_batches=m, pins=PINS[name])
     return gp_compile(
         model,
         inputs,
@@ -110,7 +117,7 @@ def _pipeline(name: str, schedule: str = "1f1b", kind: str = "sgd", timeout: flo
         optimizer=_optimizer(kind),
         schedule=schedule,
         plan=the_plan,
-        runtime=RuntimeConfig(timeout=timeout),
+        runtime=RuntimeConfig(timeout=timeout, prefetch=prefetch),
     )
 
 
@@ -155,6 +162,63 @@ def test_any_optimizer_with_an_lr_scheduler_on_pm_optimizer(
     grid: dict[tuple[str, str, str], Any],
 ) -> None:
     _assert_matches(grid[("tied", "1f1b", "adam")], "tied", "adam")
+
+
+def _nccl_form_worker(cases: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    return {
+        (name, schedule): _train(_pipeline(name, schedule, prefetch=False), name)
+        for name, schedule in cases
+    }
+
+
+def test_the_program_made_for_nccl_trains_the_same_on_gloo() -> None:
+    """Receives posted where NCCL's lowering puts them, not all first as gloo allows."""
+    cases = [("two_branch", "1f1b"), ("skip_across", "zb"), ("tied", "gpipe")]
+    results = launch(_nccl_form_worker, 3, args=(cases,), timeout=TIMEOUT)[0]
+    for (name, _), result in results.items():
+        _assert_matches(result, name)
+
+
+SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+def _count_host_syncs(pm: Any, name: str) -> int:
+    """Device-to-host reads (`Tensor.item` and friends) during one step()."""
+    count = 0
+    originals = {m: getattr(torch.Tensor, m) for m in SYNCS}
+
+    def counting(method: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            nonlocal count
+            count += 1
+            return method(*args, **kwargs)
+
+        return wrapper
+
+    inputs, target = batch(name, 0)
+    try:
+        for m, method in originals.items():
+            setattr(torch.Tensor, m, counting(method))
+        pm.step(*inputs, target=target)
+    finally:
+        for m, method in originals.items():
+            setattr(torch.Tensor, m, method)
+    return count
+
+
+def _sync_worker() -> dict[int, int]:
+    counts = {}
+    for m in (2, 8):
+        pm = _pipeline("two_branch", "zb", m=m)
+        pm.step(*batch("two_branch", 1)[0], target=batch("two_branch", 1)[1])  # warm up
+        counts[m] = _count_host_syncs(pm, "two_branch")
+    return counts
+
+
+def test_no_host_sync_per_micro_batch() -> None:
+    """The loss is read once per step, whatever M: nothing in the micro-batch loop syncs."""
+    for counts in launch(_sync_worker, 3, timeout=TIMEOUT):
+        assert counts[2] == counts[8] <= 2, counts
 
 
 def _replicated_worker() -> dict[str, Any]:

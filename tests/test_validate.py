@@ -90,8 +90,13 @@ def test_device_out_of_range(plan: Plan) -> None:
     _fails(_with_stage(plan, 0, devices=(9,)), None, r"devices \[9\] outside 0..2")
 
 
-def test_device_given_to_two_stages(plan: Plan) -> None:
-    _fails(_with_stage(plan, 1, devices=(0,)), None, r"device 0 is given to stages \[0, 1\]")
+def test_a_device_may_hold_two_unreplicated_stages(plan: Plan) -> None:
+    _with_stage(plan, 1, devices=(0,)).validate()
+
+
+def test_a_device_holding_a_replicated_stage_holds_no_other(plan: Plan) -> None:
+    shared = _with_stage(_with_stage(plan, 0, devices=(0, 2)), 1, devices=(0,))
+    _fails(shared, None, r"device 0 holds stages \[0, 1\], of which \[0\] are replicated")
 
 
 def test_edge_to_unknown_stage(plan: Plan) -> None:

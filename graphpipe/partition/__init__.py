@@ -43,6 +43,7 @@ from graphpipe.opgraph import graph_hash, op_graph
 from graphpipe.partition.assemble import assemble
 from graphpipe.partition.fold import folded_groups
 from graphpipe.partition.manual import groups_from_pins
+from graphpipe.partition.place import PLACEMENTS, place_stages
 from graphpipe.partition.search import search
 from graphpipe.partition.sptree import coarsen, condense, decompose, linearise
 from graphpipe.profile import Profile, ProfileConfig, profile
@@ -77,6 +78,8 @@ class PlanConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # how op times are obtained
     leaf_modules: Sequence[LeafSpec] = ()  # module types/paths traced as single nodes
     max_units: int = 128  # the most units the DP searches (at least 4N); more are merged
+    virtual_stages: int = 1  # stages per device (a chain of N*v stages, folded by placement)
+    placement: str = "loop"  # with virtual_stages > 1: "loop" (interleaved) or "v" (ZB-V)
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -93,6 +96,16 @@ class PlanConfig:
             )
         if self.max_units < 1:
             raise ConfigError(f"max_units must be >= 1, got {self.max_units}")
+        if self.virtual_stages < 1 or self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"virtual_stages must be >= 1 and placement one of {PLACEMENTS}, got "
+                f"{self.virtual_stages} and {self.placement!r}"
+            )
+        if self.virtual_stages > 1 and self.partitioner == "graph":
+            raise ConfigError(
+                "virtual_stages > 1 folds a chain of stages onto the devices: use "
+                "partitioner='sequential' or 'manual'"
+            )
         if self.partitioner == "manual" and not self.pins:
             raise ConfigError("partitioner='manual' needs pins: {module path or op: stage}")
 
@@ -193,6 +206,18 @@ def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, diges
         PlanError: more devices than ops, nothing fits the memory budget, or pins split a
             value that is not a single tensor from its users.
     """
+    if config.virtual_stages > 1:
+        chain = replace(
+            config,
+            devices=config.devices * config.virtual_stages,
+            virtual_stages=1,
+            replication=False,
+        )
+        result = place_stages(
+            partition_op_graph(g, cost, chain, digest), config.devices, config.placement
+        )
+        result.validate(g)
+        return result
     ops = sum(1 for n in g if n != "output")
     if config.devices > ops:
         raise PlanError(

@@ -1,17 +1,21 @@
 """Communication: one message per stage edge and micro-batch, with timeouts that name the peer.
 
 A message packs every tensor an edge carries for one micro-batch (activations forward,
-gradients backward) into one byte buffer, each tensor 8-byte aligned, and travels as one
-`isend`/`irecv` (through `batch_isend_irecv`). The receiver knows the shapes and dtypes in
-advance (`stage.micro_shapes`), so it allocates the buffer before the data arrives. An edge
-that carries nothing (a sequential chain's dependency) sends a one-byte token.
+gradients backward) into one byte buffer, each tensor 8-byte aligned. The messages of one
+communication group of the program (`graphpipe.program`) are issued together, as one
+`batch_isend_irecv`. The receiver knows the shapes and dtypes in advance
+(`stage.micro_shapes`), so it allocates the buffer before the data arrives. An edge that
+carries nothing (a sequential chain's dependency) sends a one-byte token.
 
 Tags keep channels apart on transports that match by tag (gloo): bits 20 and up name the edge
-and direction, the low 20 bits the micro-batch. Every channel is used in the same order on
-both ends (the schedule validator checks it), which is what NCCL needs.
+and direction, the low 20 bits the micro-batch. NCCL ignores tags and matches the k-th send
+from a rank to a peer with the peer's k-th receive from it; the program issues every message
+in one global order on all ranks, so the two agree.
 
-Every wait has a timeout. A timeout, or a peer that closed its connection (it died), raises
-`PipelineError` naming this rank, the peer rank and the schedule action. Before it raises, a
+On the CPU every wait has a timeout. On CUDA a wait makes the compute stream wait for the
+message and returns at once; the process group's timeout and watchdog bound it. A timeout,
+or a peer that closed its connection (it died), raises `PipelineError` naming this rank, the
+peer rank and the schedule action. Before it raises, a
 rank posts why on the process group's key-value store (`FailureBoard`); a rank that then loses
 its own peer reads the earliest post, so its error also names the rank that failed first,
 not only the neighbour that went down with it.
@@ -31,7 +35,17 @@ import torch.distributed as dist
 
 from graphpipe.errors import PipelineError
 
-__all__ = ["FailureBoard", "Spec", "Transport", "pack", "tag_for", "unpack"]
+__all__ = [
+    "FailureBoard",
+    "Incoming",
+    "Outgoing",
+    "Pending",
+    "Spec",
+    "Transport",
+    "pack",
+    "tag_for",
+    "unpack",
+]
 
 Spec = tuple[tuple[int, ...], torch.dtype]  # shape, dtype
 ALIGN = 8
@@ -86,12 +100,32 @@ def empty_like_packed(specs: Sequence[Spec], device: torch.device) -> torch.Tens
 
 @dataclass
 class Pending:
-    """A posted receive: its buffer, work handle and what it is for."""
+    """A posted receive: its buffer, the work handles that complete it, and what it is for."""
 
     buffer: torch.Tensor
-    work: dist.Work
+    works: list[dist.Work]
     specs: list[Spec]
     peer: int
+    what: str
+
+
+@dataclass
+class Outgoing:
+    """A message to send: its tensors, the peer rank, its tag and the action it is for."""
+
+    tensors: Sequence[torch.Tensor]
+    peer: int
+    tag: int
+    what: str
+
+
+@dataclass
+class Incoming:
+    """A message to receive: its shapes and dtypes, the peer rank, its tag and action."""
+
+    specs: Sequence[Spec]
+    peer: int
+    tag: int
     what: str
 
 
@@ -147,54 +181,62 @@ class Transport:
         self, rank: int, timeout: float, device: torch.device, board: FailureBoard | None = None
     ) -> None:
         self.rank, self.timeout, self.device, self.board = rank, timeout, device, board
-        self._sends: list[tuple[dist.Work, int, str, torch.Tensor]] = []
-        # gloo matches messages by tag, so receives may be posted early; NCCL runs them in
-        # order on one stream, where an early receive would hold up later sends
-        self.prefetch = dist.get_backend() == "gloo"
+        self._sends: list[tuple[list[dist.Work], int, str, torch.Tensor]] = []
 
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, tag: int, what: str) -> None:
-        """Post the message; it completes in the background (see `finish_sends`)."""
-        buffer = pack(tensors, self.device)
-        op = dist.P2POp(dist.isend, buffer, peer, tag=tag)
-        for work in self._posted([op], peer, what):
-            self._sends.append((work, peer, what, buffer))
+    def exchange(self, sends: Sequence[Outgoing], receives: Sequence[Incoming]) -> list[Pending]:
+        """Issue one communication group: every message in one `batch_isend_irecv`.
 
-    def recv(self, specs: Sequence[Spec], peer: int, tag: int, what: str) -> Pending:
-        """Post a receive; `wait` returns its tensors."""
-        buffer = empty_like_packed(specs, self.device)
-        op = dist.P2POp(dist.irecv, buffer, peer, tag=tag)
-        (work,) = self._posted([op], peer, what)
-        return Pending(buffer, work, list(specs), peer, what)
+        Returns:
+            The receives, in order; `wait` returns their tensors. The sends complete in the
+            background (see `finish_sends`).
+        """
+        if not sends and not receives:
+            return []
+        ops, buffers = [], []
+        for m in sends:
+            buffers.append(pack(m.tensors, self.device))
+            ops.append(dist.P2POp(dist.isend, buffers[-1], m.peer, tag=m.tag))
+        for r in receives:
+            buffers.append(empty_like_packed(r.specs, self.device))
+            ops.append(dist.P2POp(dist.irecv, buffers[-1], r.peer, tag=r.tag))
+        what = ", ".join(m.what for m in [*sends, *receives])
+        works = self._posted(ops, [m.peer for m in [*sends, *receives]], what)
+        # gloo answers one work per operation; NCCL one for the whole coalesced group
+        per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
+        for m, buffer, w in zip(sends, buffers, per_op, strict=False):
+            self._sends.append((w, m.peer, m.what, buffer))
+        received = zip(receives, buffers[len(sends) :], per_op[len(sends) :], strict=True)
+        return [Pending(b, w, list(r.specs), r.peer, r.what) for r, b, w in received]
 
     def wait(self, pending: Pending) -> list[torch.Tensor]:
-        """The received tensors, once they arrive."""
-        self._wait(pending.work, pending.peer, pending.what)
+        """The received tensors, once they arrive (on CUDA: once the compute stream has been
+        made to wait for them; the host does not block)."""
+        self._wait(pending.works, pending.peer, pending.what)
         return unpack(pending.buffer, pending.specs)
 
-    def finish_sends(self, block: bool = True) -> None:
-        """Wait for every posted send (they hold their buffers until then), or, without
-        `block`, only forget those already done: a send whose receiver posts its receive
-        later (an asynchronous pipeline's next call) must stay pending."""
-        if not block:
-            self._sends = [s for s in self._sends if not s[0].is_completed()]
-            return
+    def finish_sends(self) -> None:
+        """Wait for every posted send; they hold their buffers until then."""
         sends, self._sends = self._sends, []
-        for work, peer, what, _ in sends:
-            self._wait(work, peer, what)
+        for works, peer, what, _ in sends:
+            self._wait(works, peer, what)
 
-    def _posted(self, ops: list[dist.P2POp], peer: int, what: str) -> list[dist.Work]:
+    def _posted(self, ops: list[dist.P2POp], peers: list[int], what: str) -> list[dist.Work]:
         try:
             return list(dist.batch_isend_irecv(ops))
         except RuntimeError as exc:
-            raise self._error(peer, what, exc) from exc
+            raise self._error(peers[0] if len(set(peers)) == 1 else peers, what, exc) from exc
 
-    def _wait(self, work: dist.Work, peer: int, what: str) -> None:
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as exc:
-            raise self._error(peer, what, exc) from exc
+    def _wait(self, works: list[dist.Work], peer: int, what: str) -> None:
+        for work in works:
+            try:
+                if self.device.type == "cuda":  # a stream dependency; the process group's own
+                    work.wait()  # timeout and watchdog bound it
+                else:
+                    work.wait(datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as exc:
+                raise self._error(peer, what, exc) from exc
 
-    def _error(self, peer: int, what: str, exc: Exception) -> PipelineError:
+    def _error(self, peer: int | list[int], what: str, exc: Exception) -> PipelineError:
         text = str(exc)
         message = f"rank {self.rank}, action {what}, peer rank {peer}: "
         if "closed" in text.lower() or "reset" in text.lower():

@@ -1,13 +1,16 @@
-"""Executor: run one rank's schedule actions for one step() call.
+"""Executor: run one rank's program (`graphpipe.program`) for one step() call.
 
-For every action (see `graphpipe.ir.KINDS`):
-    RF/RB  post a receive of the edge's message for micro-batch j
+For every operation (see `graphpipe.ir.KINDS`):
+    [...]  a communication group: post its receives and sends (activations forward, the
+           gradients of what was received backward) as one batch
     F      wait for its inputs, run the stage module (through the weight policy); on the
            stage with the model output, compute the loss of micro-batch j
-    SF/SB  send the edge's activations / the gradients of what it received
     B      backward from the loss (scaled by the policy) and the received gradients
     I, W   the two halves of that backward (zero bubble; `graphpipe.runtime.backward`)
     U      the policy's update (sum gradients over replicas and tied copies, step)
+
+A rank may hold several stages (interleaved schedules); their state is kept per (stage,
+micro-batch). Losses stay on the device until the step reads their sum once.
 
 Values received with a floating dtype become leaves that require grad, so their gradients are
 what SB sends back; integer and boolean values cross stages without gradients. A value sent to
@@ -28,10 +31,12 @@ from torch import fx, nn
 
 from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Action, Plan, Span
+from graphpipe.program import Comm, Op
 from graphpipe.runtime import backward
-from graphpipe.runtime.comm import Pending, Spec, Transport, tag_for
+from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
 from graphpipe.runtime.weights import WeightPolicy
+from graphpipe.simulate import channel
 
 __all__ = ["Batch", "Executor", "StageRuntime"]
 
@@ -53,11 +58,11 @@ class Batch:
 
 @dataclass
 class StageRuntime:
-    """Everything one rank needs to run its stage."""
+    """Everything one rank needs to run one of its stages."""
 
     rank: int
     plan: Plan
-    index: int  # the stage this rank holds
+    index: int  # the stage
     module: fx.GraphModule
     io: StageIO
     specs: dict[str, Spec]  # value name -> micro-batch shape and dtype
@@ -81,67 +86,66 @@ class _MicroBatch:
 
 
 class Executor:
-    """Runs action lists for one rank, keeping in-flight micro-batches between calls.
+    """Runs programs for one rank, keeping in-flight micro-batches between calls.
 
     Args:
-        stage: The rank's stage.
-        policy: Its weight policy.
+        stages: The rank's stages, by stage index.
+        policy: Its weight policy (one for all its stages).
         transport: Its point-to-point messages.
     """
 
-    def __init__(self, stage: StageRuntime, policy: WeightPolicy, transport: Transport) -> None:
-        self.stage, self.policy, self.transport = stage, policy, transport
-        self.edges = list(stage.plan.edges)
-        self.state: dict[int, _MicroBatch] = {}
-        self.losses: dict[int, float] = {}
+    def __init__(
+        self, stages: dict[int, StageRuntime], policy: WeightPolicy, transport: Transport
+    ) -> None:
+        self.stages, self.policy, self.transport = stages, policy, transport
+        first = next(iter(stages.values()))
+        self.rank, self.plan = first.rank, first.plan
+        self.edges = list(self.plan.edges)
+        self.state: dict[tuple[int, int], _MicroBatch] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self._mailbox: dict[tuple[str, int, int, int], list[torch.Tensor]] = {}
         self.spans: list[Span] = []
         self.record = False
         self.training = True
         self._handlers: dict[str, Callable[[Action, Batch], None]] = {
-            "RF": self._recv_forward,
             "F": self._forward,
-            "SF": self._send_forward,
-            "RB": self._recv_backward,
             "B": self._backward,
             "I": self._input_half,
             "W": self._weight_half,
-            "SB": self._send_backward,
             "U": self._update,
         }
 
-    def run(self, actions: Sequence[Action], batch: Batch, wait_sends: bool = True) -> None:
-        """Execute `actions` in order, then wait for the sends to complete (with
-        `wait_sends`; an asynchronous pipeline's next call receives some of them).
+    @property
+    def stage(self) -> StageRuntime:
+        """The rank's first stage (the only one, unless the schedule interleaves)."""
+        return next(iter(self.stages.values()))
 
-        With a transport that matches messages by tag (gloo), every receive of the call is
-        posted first, so data flows as soon as its sender is ready instead of when this rank
-        reaches the receive.
-        """
-        if self.transport.prefetch:
-            for a in actions:
-                if a.kind in ("RF", "RB"):
-                    self._handlers[a.kind](a, batch)
-            actions = [a for a in actions if a.kind not in ("RF", "RB")]
-        for a in actions:
+    def run(self, ops: Sequence[Op], batch: Batch) -> None:
+        """Execute `ops` in order, then wait for the sends to complete."""
+        for op in ops:
             try:
-                if a.mb is not None and a.kind in ("F", "B", "I"):
-                    self._await(a)  # waiting for peers is not part of the action's time
+                if isinstance(op, Comm):
+                    self._issue(op, batch)
+                    continue
+                if op.mb is not None and op.kind in ("F", "B", "I"):
+                    self._await(op)  # waiting for peers is not part of the action's time
                 start = time.perf_counter()
-                self._handlers[a.kind](a, batch)
+                with torch.profiler.record_function(f"graphpipe::{op}"):
+                    self._handlers[op.kind](op, batch)
             except (PipelineError, ConfigError):
                 raise
             except Exception as exc:
                 raise PipelineError(
-                    f"rank {self.stage.rank} failed at action {a}: {type(exc).__name__}: {exc}"
+                    f"rank {self.rank} failed at {op}: {type(exc).__name__}: {exc}"
                 ) from exc
-            if self.record and (a.is_compute or a.kind == "U"):
-                self.spans.append(Span(self.stage.rank, str(a), start, time.perf_counter()))
-        self.transport.finish_sends(block=wait_sends)
+            if self.record:
+                self.spans.append(Span(self.rank, str(op), start, time.perf_counter()))
+        self.transport.finish_sends()
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _mb(self, j: int) -> _MicroBatch:
-        return self.state.setdefault(j, _MicroBatch())
+    def _mb(self, stage: int, j: int) -> _MicroBatch:
+        return self.state.setdefault((stage, j), _MicroBatch())
 
     def _edge(self, src: int, dst: int) -> tuple[int, Any]:
         for i, e in enumerate(self.edges):
@@ -150,33 +154,85 @@ class Executor:
         raise PipelineError(f"no stage edge S{src}->S{dst} in the plan")
 
     def _peer(self, stage: int, j: int) -> int:
-        return self.stage.plan.stages[stage].device_for(j)
+        return self.plan.stages[stage].device_for(j)
 
-    def _specs(self, names: Sequence[str]) -> list[Spec]:
-        return [self.stage.specs[n] for n in names] if names else TOKEN
+    def _specs(self, stage: int, names: Sequence[str]) -> list[Spec]:
+        return [self.stages[stage].specs[n] for n in names] if names else TOKEN
 
     def _await(self, a: Action) -> None:
         """Wait for the messages the compute action `a` reads."""
         assert a.mb is not None
-        mb = self._mb(a.mb)
+        mb = self._mb(a.stage, a.mb)
         pending = mb.forward_recvs if a.kind == "F" else mb.backward_recvs
         mb.arrived.extend((i, self.transport.wait(p)) for i, p in pending)
         pending.clear()
 
-    # -- forward ------------------------------------------------------------------------------
+    # -- communication ------------------------------------------------------------------------
 
-    def _recv_forward(self, a: Action, batch: Batch) -> None:
+    def _issue(self, group: Comm, batch: Batch) -> None:
+        """Post every send and receive of `group` as one batch. A message between two stages
+        of this rank is a local copy, made before the batch's receives are read."""
+        local = [a for a in group.actions if self._peer(a.peer, a.mb) == self.rank]  # type: ignore[arg-type]
+        for a in local:
+            if a.kind[0] == "S":
+                out = self._outgoing(a)
+                self._mailbox[channel(a)] = [t.detach().clone() for t in out.tensors]
+        remote = [a for a in group.actions if a not in local]
+        sends = [self._outgoing(a) for a in remote if a.kind[0] == "S"]
+        receives = [a for a in remote if a.kind[0] == "R"]
+        pending = self.transport.exchange(sends, [self._incoming(a) for a in receives])
+        for a, p in zip(receives, pending, strict=True):
+            mb = self._mb(a.stage, a.mb)  # type: ignore[arg-type]
+            (mb.forward_recvs if a.kind == "RF" else mb.backward_recvs).append(
+                (self._edge_of(a), p)
+            )
+        for a in local:
+            if a.kind[0] == "R":
+                mb = self._mb(a.stage, a.mb)  # type: ignore[arg-type]
+                mb.arrived.append((self._edge_of(a), self._mailbox.pop(channel(a))))
+        for a in group.actions:
+            if a.kind == "SB":
+                assert a.mb is not None
+                self.state[(a.stage, a.mb)].sent_back += 1
+                self._forget_when_done(a.stage, a.mb)
+
+    def _edge_of(self, a: Action) -> int:
+        """The index of the stage edge a receive is on."""
+        assert a.peer is not None
+        return self._edge(a.peer, a.stage)[0] if a.kind == "RF" else self._edge(a.stage, a.peer)[0]
+
+    def _incoming(self, a: Action) -> Incoming:
         assert a.mb is not None and a.peer is not None
-        i, edge = self._edge(a.peer, a.stage)
-        pending = self.transport.recv(
-            self._specs(edge.tensors), self._peer(a.peer, a.mb), tag_for(i, False, a.mb), str(a)
+        if a.kind == "RF":
+            i, edge = self._edge(a.peer, a.stage)
+            specs = self._specs(a.stage, edge.tensors)
+        else:
+            i, edge = self._edge(a.stage, a.peer)
+            specs = self._specs(a.stage, edge.grads)
+        return Incoming(specs, self._peer(a.peer, a.mb), tag_for(i, a.kind == "RB", a.mb), str(a))
+
+    def _outgoing(self, a: Action) -> Outgoing:
+        assert a.mb is not None and a.peer is not None
+        mb = self.state[(a.stage, a.mb)]
+        if a.kind == "SF":
+            i, edge = self._edge(a.stage, a.peer)
+            tensors = [mb.outputs[n].detach() for n in edge.tensors]
+        else:
+            i, edge = self._edge(a.peer, a.stage)
+            tensors = [_grad_or_zeros(mb.inputs[n]) for n in edge.grads]
+        return Outgoing(
+            tensors or [torch.zeros(1, dtype=torch.uint8)],
+            self._peer(a.peer, a.mb),
+            tag_for(i, a.kind == "SB", a.mb),
+            str(a),
         )
-        self._mb(a.mb).forward_recvs.append((i, pending))
+
+    # -- forward ------------------------------------------------------------------------------
 
     def _forward(self, a: Action, batch: Batch) -> None:
         assert a.mb is not None
-        j, s = a.mb, self.stage
-        mb = self._mb(j)
+        j, s = a.mb, self.stages[a.stage]
+        mb = self._mb(a.stage, j)
         for i, values in mb.arrived:
             for name, value in zip(self.edges[i].tensors, values, strict=False):
                 if value.is_floating_point() and self.training:
@@ -195,28 +251,13 @@ class Executor:
                     return
                 mb.target = batch.targets[j - batch.first]
                 mb.loss = _scalar(s.loss_fn(out, mb.target), j)
-                self.losses[j] = float(mb.loss.detach())
-
-    def _send_forward(self, a: Action, batch: Batch) -> None:
-        assert a.mb is not None and a.peer is not None
-        i, edge = self._edge(a.stage, a.peer)
-        outputs = self.state[a.mb].outputs
-        tensors = [outputs[n].detach() for n in edge.tensors] or [torch.zeros(1, dtype=torch.uint8)]
-        self.transport.send(tensors, self._peer(a.peer, a.mb), tag_for(i, False, a.mb), str(a))
+                self.losses[j] = mb.loss.detach()
 
     # -- backward -----------------------------------------------------------------------------
 
-    def _recv_backward(self, a: Action, batch: Batch) -> None:
-        assert a.mb is not None and a.peer is not None
-        i, edge = self._edge(a.stage, a.peer)
-        pending = self.transport.recv(
-            self._specs(edge.grads), self._peer(a.peer, a.mb), tag_for(i, True, a.mb), str(a)
-        )
-        self._mb(a.mb).backward_recvs.append((i, pending))
-
-    def _roots(self, j: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def _roots(self, stage: int, j: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """What the backward of micro-batch j starts from: the loss and received gradients."""
-        mb = self.state[j]
+        mb = self.state[(stage, j)]
         grads: dict[str, torch.Tensor] = {}
         for i, values in mb.arrived:
             for name, g in zip(self.edges[i].grads, values, strict=False):
@@ -234,13 +275,13 @@ class Executor:
                 seeds.append(g)
         return roots, seeds
 
-    def _grad_inputs(self, j: int) -> list[torch.Tensor]:
-        mb = self.state[j]
-        return [v for n, v in mb.inputs.items() if n in self.stage.io.received and v.requires_grad]
+    def _grad_inputs(self, stage: int, j: int) -> list[torch.Tensor]:
+        mb, io = self.state[(stage, j)], self.stages[stage].io
+        return [v for n, v in mb.inputs.items() if n in io.received and v.requires_grad]
 
-    def _recompute(self, j: int) -> None:
+    def _recompute(self, stage: int, j: int) -> None:
         """Run micro-batch j's forward again, with the weights the policy picks for backward."""
-        mb, s = self.state[j], self.stage
+        mb, s = self.state[(stage, j)], self.stages[stage]
         args = [mb.inputs[name] for name in s.io.inputs]
         with torch.enable_grad():
             mb.outputs = self.policy.recompute(j, lambda w: _call(s.module, w, args))
@@ -250,54 +291,41 @@ class Executor:
     def _backward(self, a: Action, batch: Batch) -> None:
         assert a.mb is not None
         if self.policy.recomputes:
-            self._recompute(a.mb)
-        roots, seeds = self._roots(a.mb)
+            self._recompute(a.stage, a.mb)
+        roots, seeds = self._roots(a.stage, a.mb)
         self.policy.backward(a.mb, lambda: backward.full(roots, seeds))
-        self._finish_backward(a.mb)
+        self._finish_backward(a.stage, a.mb)
 
     def _input_half(self, a: Action, batch: Batch) -> None:
         assert a.mb is not None
         j = a.mb
-        roots, seeds = self._roots(j)
-        params = list(self.stage.module.parameters())
-        mb = self.state[j]
+        roots, seeds = self._roots(a.stage, j)
+        params = list(self.stages[a.stage].module.parameters())
+        mb = self.state[(a.stage, j)]
 
         def run() -> None:
-            _, mb.weight_half = backward.input_half(roots, seeds, self._grad_inputs(j), params)
+            inputs = self._grad_inputs(a.stage, j)
+            _, mb.weight_half = backward.input_half(roots, seeds, inputs, params)
 
         self.policy.backward(a.mb, run)
 
     def _weight_half(self, a: Action, batch: Batch) -> None:
         assert a.mb is not None
-        half = self.state[a.mb].weight_half
+        half = self.state[(a.stage, a.mb)].weight_half
         if half is not None:
             backward.weight_half(half)
-        self._finish_backward(a.mb)
+        self._finish_backward(a.stage, a.mb)
 
-    def _send_backward(self, a: Action, batch: Batch) -> None:
-        assert a.mb is not None and a.peer is not None
-        i, edge = self._edge(a.peer, a.stage)
-        mb = self.state[a.mb]
-        tensors = [_grad_or_zeros(mb.inputs[n]) for n in edge.grads]
-        self.transport.send(
-            tensors or [torch.zeros(1, dtype=torch.uint8)],
-            self._peer(a.peer, a.mb),
-            tag_for(i, True, a.mb),
-            str(a),
-        )
-        mb.sent_back += 1
-        self._forget_when_done(a.mb)
+    def _finish_backward(self, stage: int, j: int) -> None:
+        self.state[(stage, j)].backward_done = True
+        self._forget_when_done(stage, j)
 
-    def _finish_backward(self, j: int) -> None:
-        self.state[j].backward_done = True
-        self._forget_when_done(j)
-
-    def _forget_when_done(self, j: int) -> None:
+    def _forget_when_done(self, stage: int, j: int) -> None:
         """Drop micro-batch j once its backward ran and its gradients were sent back."""
-        mb = self.state[j]
-        owed = sum(1 for e in self.edges if e.dst == self.stage.index and e.backward_message)
+        mb = self.state[(stage, j)]
+        owed = sum(1 for e in self.edges if e.dst == stage and e.backward_message)
         if mb.backward_done and mb.sent_back >= owed:
-            del self.state[j]
+            del self.state[(stage, j)]
 
     def _update(self, a: Action, batch: Batch) -> None:
         self.policy.update(a.mb)

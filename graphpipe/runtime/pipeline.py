@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Plan, Schedule, Timeline
+from graphpipe.program import Comm, Op, Program, lower
 from graphpipe.runtime.comm import FailureBoard, Transport
 from graphpipe.runtime.executor import Batch, Executor, StageRuntime
 from graphpipe.runtime.materialize import InitFn, materialize, names_by_id
@@ -43,6 +44,7 @@ class RuntimeConfig:
     device: str | None = None  # None: cuda:LOCAL_RANK with nccl, else cpu
     record: bool = False  # time every action (see PipelinedModel.timeline)
     plan_timeout: float = 1800.0  # seconds ranks wait for rank 0's plan (profiling included)
+    prefetch: bool | None = None  # post every receive of a call first; None: on gloo only
 
     def __post_init__(self) -> None:
         if self.timeout <= 0 or self.plan_timeout <= 0:
@@ -95,34 +97,45 @@ class PipelinedModel:
         self._input_names = list(trace_info(gm).input_names)
         self._m = schedule.micro_batches
         self._calls = 0
-        stage = plan.stage_on(self.rank)
-        self._stage_index = None if stage is None else stage.index
-        self._model_inputs: tuple[str, ...] = ()
+        stages = plan.stages_on(self.rank)
+        self._stage_indices = tuple(s.index for s in stages)
         modules = {s.index: build_stage(gm, plan, s.index) for s in plan.stages}
+        self._model_inputs = tuple(
+            sorted({n for s in stages for n in modules[s.index][1].model_inputs})
+        )
         self._orphans = _orphans(model, [m for m, _ in modules.values()])
         canon = {n: names[0] for names in names_by_id(model).values() for n in names}
-        specs = micro_shapes(gm, example_inputs, plan.micro_batch_size) if stage is not None else {}
-        materialized = (
-            materialize(model, modules[stage.index][0], self.device, init_weights, checkpoint)
-            if stage is not None
-            else []
-        )
+        specs = micro_shapes(gm, example_inputs, plan.micro_batch_size) if stages else {}
+        materialized = [
+            t
+            for s in stages
+            for t in materialize(model, modules[s.index][0], self.device, init_weights, checkpoint)
+        ]
         self._aliases = names_by_id(model)  # every name of each tensor, tied ones too
         groups = self._groups(canon, modules)
         if materialized:
             groups.sync.broadcast()  # tied copies and replicas start equal on every holder
         self.module: nn.Module | None = None
         self._executor: Executor | None = None
-        params: list[nn.Parameter] = []
-        if stage is not None:
-            module, io = modules[stage.index]
-            self._model_inputs = io.model_inputs
-            retarget(module, self.device)
-            self.module = module.to(self.device)
+        self._prefetch = (
+            dist.get_backend() == "gloo" if runtime.prefetch is None else runtime.prefetch
+        )
+        self.program = lower(plan, schedule, prefetch=self._prefetch)
+        self._programs: dict[Any, Program] = {}
+        if self.device.type == "cuda":  # the first batched send must not be the first use of
+            dist.all_reduce(torch.zeros(1, device=self.device))  # NCCL's communicator
+        if stages:
+            runtime_stages = {}
+            for s in stages:
+                module, io = modules[s.index]
+                retarget(module, self.device)
+                module.to(self.device)
+                runtime_stages[s.index] = StageRuntime(
+                    self.rank, plan, s.index, module, io, specs, gm, loss_fn, self.device
+                )
+            held = [r.module for r in runtime_stages.values()]
+            self.module = held[0] if len(held) == 1 else nn.ModuleList(held)
             params = list(self.module.parameters())
-            runtime_stage = StageRuntime(
-                self.rank, plan, stage.index, self.module, io, specs, gm, loss_fn, self.device
-            )
             self.optimizer = optimizer(params or [nn.Parameter(torch.zeros(0))])
             self.policy: WeightPolicy = make_policy(
                 weights,
@@ -130,12 +143,12 @@ class PipelinedModel:
                 self.optimizer,
                 groups.sync,
                 self._m,
-                warmups(plan)[stage.index],
+                warmups(plan)[stages[0].index],
                 weight_options,
             )
             board = FailureBoard(dist.get_world_size())
             transport = Transport(self.rank, runtime.timeout, self.device, board)
-            self._executor = Executor(runtime_stage, self.policy, transport)
+            self._executor = Executor(runtime_stages, self.policy, transport)
             self._executor.record = runtime.record
         else:
             self.optimizer = optimizer([nn.Parameter(torch.zeros(0))])
@@ -164,11 +177,11 @@ class PipelinedModel:
             raise ConfigError("step() needs target=...: the loss is computed on the last stage")
         first = self._calls * self._m if self._async else 0
         batch = self._batch(inputs, kw_inputs, target, first=first)
-        actions = self._actions(self._calls)
+        ops = self._program(self._calls)
         if self._executor is not None:
             self._executor.losses.clear()
             self._executor.training = True
-            self._executor.run(actions, batch, wait_sends=not self._async)
+            self._executor.run(ops, batch)
         self._calls += 1
         return self._mean_loss()
 
@@ -176,16 +189,31 @@ class PipelinedModel:
     def _async(self) -> bool:
         return self.schedule.name in ASYNC
 
-    def _actions(self, call: int) -> Sequence[Any]:
+    def _program(self, call: int) -> Sequence[Op]:
+        """This rank's operations for step() call `call`."""
         if not self._async:
-            return self.schedule.ranks[self.rank]
-        return make_schedule(self.plan, self.schedule.name, self._m, first_call=call).ranks[
-            self.rank
-        ]
+            return self.program.ranks[self.rank]
+        schedule = make_schedule(self.plan, self.schedule.name, self._m, first_call=call)
+        return self._lowered(schedule, call * self._m)
+
+    def _lowered(self, schedule: Schedule, shift: int) -> Sequence[Op]:
+        """This rank's part of `schedule` lowered; asynchronous calls repeat one shape with
+        micro-batch ids moved on, so the lowering is cached by that shape."""
+        shape = tuple(tuple(_moved(a, -shift) for a in actions) for actions in schedule.ranks)
+        key = (schedule.name, shape)
+        if key not in self._programs:
+            base = Schedule(schedule.name, schedule.micro_batches, shape, schedule.calls)
+            self._programs[key] = lower(self.plan, base, prefetch=self._prefetch)
+        return [_moved(op, shift) for op in self._programs[key].ranks[self.rank]]
 
     def _mean_loss(self) -> float:
-        losses = self._executor.losses if self._executor is not None else {}
-        total = torch.tensor([sum(losses.values())], dtype=torch.float64, device=self.device)
+        """The call's mean loss on every rank: one device-to-host copy per step."""
+        losses = list(self._executor.losses.values()) if self._executor is not None else []
+        total = (
+            torch.stack(losses).sum().to(torch.float64).reshape(1)
+            if losses
+            else torch.zeros(1, dtype=torch.float64, device=self.device)
+        )
         self._all_reduce(total, "the loss")
         return float(total.item()) / self._m
 
@@ -205,15 +233,18 @@ class PipelinedModel:
                     f"input {name} is {x.dtype}{list(x.shape)}, the pipeline was compiled "
                     f"for {dtype}{list(shape)}"
                 )
-        chunks = {  # only the inputs this rank's stage reads are copied to its device
-            name: list(x.to(self.device).chunk(self._m))
+        chunks = {  # only the inputs this rank's stages read are copied to its device
+            name: list(_to_device(x, self.device).chunk(self._m))
             for name, x in zip(self._input_names, flat, strict=True)
             if name in self._model_inputs
         }
         if target is None:
             return Batch(first, chunks, None)
         _check_target(target, flat[0].shape[0] if flat else 0)
-        if self._executor is None or not self._executor.stage.io.has_output:
+        has_output = self._executor is not None and any(
+            r.io.has_output for r in self._executor.stages.values()
+        )
+        if not has_output:
             return Batch(first, chunks, [None] * self._m)  # only the loss's stage needs it
         return Batch(first, chunks, _split(target, self._m, self.device))
 
@@ -224,11 +255,13 @@ class PipelinedModel:
         batch = self._batch(inputs, kw_inputs, None, first=0)
         outputs: dict[int, Any] = {}
         if self._executor is not None:
-            inference = Executor(self._executor.stage, self.policy, self._executor.transport)
+            inference = Executor(self._executor.stages, self.policy, self._executor.transport)
             inference.training = False
-            inference.run(make_schedule(self.plan, "forward", self._m).ranks[self.rank], batch)
+            inference.run(self._lowered(make_schedule(self.plan, "forward", self._m), 0), batch)
             outputs = {
-                j: mb.outputs[OUTPUT] for j, mb in inference.state.items() if OUTPUT in mb.outputs
+                j: mb.outputs[OUTPUT]
+                for (_, j), mb in inference.state.items()
+                if OUTPUT in mb.outputs
             }
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, tree_map(_cpu, outputs))
@@ -245,7 +278,8 @@ class PipelinedModel:
             return
         actions = drain_schedule(self.plan, self.schedule.name, self._calls, self._m)
         if self._executor is not None:
-            self._executor.run(actions.ranks[self.rank], Batch(self._calls * self._m, {}, None))
+            end = self._calls * self._m
+            self._executor.run(self._lowered(actions, end), Batch(end, {}, None))
             self._executor.state.clear()
         self._calls = 0
 
@@ -323,7 +357,9 @@ class PipelinedModel:
             else:
                 missing.append(key)
         if missing:
-            raise ConfigError(f"state dict lacks {missing} (needed by stage {self._stage_index})")
+            raise ConfigError(
+                f"state dict lacks {missing} (needed by stages {list(self._stage_indices)})"
+            )
         self.module.load_state_dict(found)
 
     @property
@@ -366,17 +402,17 @@ class PipelinedModel:
         shared = {n: tuple(sorted(s)) for n, s in sorted(holders.items()) if len(s) > 1}
         stages = self.plan.stages
         replicas = [(s.devices, f"stage {s.index} replicas") for s in stages if s.replicas > 1]
-        tied = [
-            (tuple(sorted(d for t in held for d in stages[t].devices)), f"tied {name}")
+        tied = [  # copies held by one rank's stages are one tensor there: nothing to sum
+            (ranks, f"tied {name}")
             for name, held in shared.items()
+            if len(ranks := tuple(sorted({d for t in held for d in stages[t].devices}))) > 1
         ]
         groups = make_groups(replicas + tied, self.rank, self.runtime.timeout)
-        mine = self.plan.stage_on(self.rank)
-        local = (
-            {}
-            if mine is None
-            else {canon.get(n, n): p for n, p in modules[mine.index][0].named_parameters()}
-        )
+        local = {
+            canon.get(n, n): p
+            for index in self._stage_indices
+            for n, p in modules[index][0].named_parameters()
+        }
         plan: list[SyncGroup] = []
         for (ranks, label), group in zip(replicas + tied, groups, strict=True):
             if label.startswith("tied "):
@@ -430,6 +466,20 @@ def _check_target(target: Any, batch: int) -> None:
         raise ConfigError(
             f"every tensor of the target must have the batch ({batch}) on dim 0, got shapes {bad}"
         )
+
+
+def _moved(op: Any, shift: int) -> Any:
+    """An action or communication group with its micro-batch ids moved by `shift`."""
+    if isinstance(op, Comm):
+        return Comm(tuple(_moved(a, shift) for a in op.actions))
+    return op if op.mb is None or shift == 0 else replace(op, mb=op.mb + shift)
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`x` on `device`; from the CPU to CUDA through pinned memory, without blocking."""
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def _cpu(x: Any) -> Any:

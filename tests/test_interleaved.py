@@ -1,0 +1,132 @@
+"""Several stages per rank: interleaved 1F1B and ZB-V, trained on two ranks, equal to one
+process with gradient accumulation; their literal programs on a 2-rank chain."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_program import placed_plan
+from test_runtime import TIMEOUT, M, _assert_matches, _optimizer, _train
+from zoo import ZOO, dict_loss
+
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import ScheduleError
+from graphpipe.launch import launch
+from graphpipe.partition import plan
+from graphpipe.program import lower
+from graphpipe.schedule import make_schedule
+
+CHAINS = {  # four chain stages each, so two ranks hold two stages
+    # under "v" embed (stage 0) and out (stage 3) share rank 0: a tied weight on one rank
+    "tied": {"embed": 0, "body.0": 1, "body.1": 2, "body.2": 3, "out": 3},
+    # under "loop" the late input is read by stage 2, on rank 0 with stage 0
+    "late_input": {"layers.0": 0, "layers.1": 1, "layers.2": 2, "head": 3},
+}
+CASES = [(name, s) for name in sorted(CHAINS) for s in ("interleaved", "zbv")]
+PLACEMENT = {"interleaved": "loop", "zbv": "v"}
+
+
+def _pipeline(name: str, schedule: str) -> Any:
+    model, inputs = ZOO[name]()
+    the_plan = plan(
+        model,
+        inputs,
+        devices=2,
+        micro_batches=M,
+        pins=CHAINS[name],
+        virtual_stages=2,
+        placement=PLACEMENT[schedule],
+    )
+    return gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        schedule=schedule,
+        plan=the_plan,
+        runtime=RuntimeConfig(timeout=60),
+    )
+
+
+def _worker(cases: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    out = {}
+    for name, schedule in cases:
+        pm = _pipeline(name, schedule)
+        out[(name, schedule)] = {**_train(pm, name), "held": len(pm._stage_indices)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[tuple[str, str], Any]:
+    return launch(_worker, 2, args=(CASES,), timeout=TIMEOUT)[0]
+
+
+@pytest.mark.parametrize(("name", "schedule"), CASES)
+def test_several_stages_per_rank_train_like_one_process(
+    results: dict[tuple[str, str], Any], name: str, schedule: str
+) -> None:
+    assert results[(name, schedule)]["held"] == 2
+    _assert_matches(results[(name, schedule)], name)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "async", "2bw"])
+def test_one_stage_schedules_refuse_several_stages_per_rank(name: str) -> None:
+    """Only interleaved and zbv place several stages per rank, both flushed: the weight
+    policies for asynchronous schedules never meet such a plan."""
+    p = placed_plan(2, 2, 4, "loop")
+    with pytest.raises(ScheduleError, match=r"devices \[0, 1\] hold several"):
+        make_schedule(p, name)
+
+
+INTERLEAVED_2x4 = [
+    "0F0 [0SF0>1] 0F1 [0SF1>1] 2F0 [2SF0>3] 2F1 [2SF1>3] 0F2 [0SF2>1] 2B0 [2SB0>1] 0F3 [0SF3>1] "
+    "2B1 [2SB1>1] 2F2 [2SF2>3] 0B0 2F3 [2SF3>3] 0B1 2B2 [2SB2>1] 2B3 [2SB3>1] 0B2 0B3 0U",
+    "1F0 [1SF0>2] 1F1 [1SF1>2] 3F0 3B0 [3SB0>2] 3F1 3B1 [3SB1>2] 1F2 [1SF2>2] 1B0 [1SB0>0] "
+    "1F3 [1SF3>2] 1B1 [1SB1>0] 3F2 3B2 [3SB2>2] 3F3 3B3 [3SB3>2] 1B2 [1SB2>0] 1B3 [1SB3>0] 1U",
+]
+
+
+def _text(program: Any, rank: int) -> str:
+    """A rank's program without its receives (the literal shape: compute and sends)."""
+    parts = []
+    for op in program.ranks[rank]:
+        text = str(op)
+        if text.startswith("["):
+            sends = [t for t in text.strip("[]").split() if "S" in t[1:3]]
+            if sends:
+                parts.append("[" + " ".join(sends) + "]")
+        else:
+            parts.append(text)
+    return " ".join(parts)
+
+
+def test_interleaved_program_on_a_two_rank_chain() -> None:
+    p = placed_plan(2, 2, 4, "loop")
+    program = lower(p, make_schedule(p, "interleaved"))
+    assert [_text(program, r) for r in range(2)] == INTERLEAVED_2x4
+
+
+ZBV_2x4 = [
+    "0F0 0F1 0F2 3F0 3I0 3W0 0I0 0F3 0W0 3F1 3I1 3W1 0I1 0W1 3F2 3I2 3W2 0I2 0W2 3F3 3I3 3W3 "
+    "0I3 0W3 0U",
+    "1F0 2F0 2I0 2W0 1I0 1F1 1W0 2F1 2I1 2W1 1I1 1F2 1W1 2F2 2I2 2W2 1I2 1F3 1W2 2F3 2I3 2W3 "
+    "1I3 1W3 1U",
+]
+
+
+def test_zbv_order_on_a_two_rank_chain() -> None:
+    """Device 0 holds the first and the last stage; W passes fill the waits."""
+    p = placed_plan(2, 2, 4, "v")
+    assert [" ".join(r) for r in make_schedule(p, "zbv").compute_only()] == ZBV_2x4
+
+
+def test_interleaved_needs_m_a_multiple_of_the_devices() -> None:
+    p = placed_plan(2, 2, 3, "loop")
+    with pytest.raises(Exception, match="multiple of 2 devices"):
+        make_schedule(p, "interleaved")
+
+
+torch.set_num_threads(1)
