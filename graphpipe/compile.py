@@ -49,7 +49,7 @@ from graphpipe.runtime.pipeline import (
     runtime_device,
 )
 from graphpipe.runtime.weights import POLICIES, PolicyOptions
-from graphpipe.schedule import ASYNC, make_schedule
+from graphpipe.schedule import ASYNC, PLACED, make_schedule
 from graphpipe.trace import LeafSpec, flat_inputs, trace, trace_info
 
 __all__ = ["PipelinedModel", "RuntimeConfig", "compile"]
@@ -92,8 +92,10 @@ def compile(
         optimizer: Builds the optimizer from a list of parameters, e.g.
             `functools.partial(torch.optim.SGD, lr=0.1)`.
         micro_batches: M, micro-batches per mini-batch (default: the plan's, or 4).
-        schedule: "1f1b", "gpipe" or "zb" for flush; "async" for stash and pipemare; "2bw"
-            for 2bw. Default: 1f1b, or the one the weight policy needs.
+        schedule: "1f1b", "gpipe" or "zb" for flush, or "interleaved" / "zbv" with several
+            stages per rank (the plan is a chain of 2 stages per device, folded "loop" or
+            "v"; pin the stages, or pass virtual_stages and placement); "async" for stash
+            and pipemare; "2bw" for 2bw. Default: 1f1b, or the one the weight policy needs.
         weights: The weight policy: "flush", "stash", "2bw" or "pipemare" (see
             `graphpipe.runtime.weights`).
         weight_options: PipeMare's fixes.
@@ -132,6 +134,9 @@ def compile(
     if weights != "flush":
         options.setdefault("replication", False)
         options.setdefault("weight_versions", 2)
+    if schedule in PLACED:  # a chain of stages folded onto the devices, as it needs
+        options.setdefault("placement", PLACED[schedule])
+        options.setdefault("virtual_stages", 2)
     given = None if plan is None else _load_plan(plan)
     m = _micro_batches(micro_batches, given)
     b = micro_batch_size(batch_of(args, kwargs), m)
