@@ -115,11 +115,6 @@ class Executor:
             "U": self._update,
         }
 
-    @property
-    def stage(self) -> StageRuntime:
-        """The rank's first stage (the only one, unless the schedule interleaves)."""
-        return next(iter(self.stages.values()))
-
     def run(self, ops: Sequence[Op], batch: Batch) -> None:
         """Execute `ops` in order, then wait for the sends to complete."""
         for op in ops:
