@@ -2,7 +2,7 @@
 
     full(roots, grads)                                  parameter and input gradients at once
     grads, half = input_half(roots, grads, inputs, params)   input gradients now (I) ...
-    weight_half(half)                                   ... parameter gradients later (W)
+    weight_half(half, on_grad)                          ... parameter gradients later (W)
 
 The split works on the autograd graph, at any granularity. Its nodes fall in two regions:
 
@@ -36,7 +36,7 @@ direct calls above. Analysing the graph is linear in its size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,8 +237,14 @@ def _fit(grad: torch.Tensor | None, meta: Any) -> torch.Tensor | None:
     return grad.sum_to_size(meta.shape)
 
 
-def weight_half(half: WeightHalf) -> None:
-    """Parameter gradients from the deferred roots and boundary edges, added into `.grad`."""
+def weight_half(half: WeightHalf, on_grad: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Parameter gradients from the deferred roots and boundary edges, added into `.grad`.
+
+    Args:
+        half: What `input_half` deferred.
+        on_grad: Called with each parameter right after its gradient was added (the
+            by-hand counterpart of a post-accumulate-grad hook).
+    """
     totals: dict[tuple[int, int], tuple[GradientEdge, torch.Tensor]] = {}
     for b in half.boundaries:
         for (_, (c, nr)), share in zip(b.slots, _shares(b), strict=True):
@@ -255,3 +261,5 @@ def weight_half(half: WeightHalf) -> None:
     for p, g in zip(half.params, results, strict=True):
         if g is not None:
             p.grad = g if p.grad is None else p.grad + g
+            if on_grad is not None:
+                on_grad(p)

@@ -6,14 +6,38 @@ Two kinds of group, both made once at compile time, identically on every rank:
 - holders of a shared parameter: stages that each hold a copy of a tied weight (its canonical
   name is the same); the copies' gradients are summed, so the copies stay identical.
 
-Gradients are flattened into one buffer per group and summed with one all-reduce.
+A group's parameters are cut into buckets, in reverse registration order (the order a
+backward produces their gradients), each at most `bucket_bytes` and of one dtype and device.
+During a stage's last backward before an update the weight policy reports each parameter
+whose gradient is final (`ready`; `FinalGrads` picks them and hooks them): from an autograd
+hook as the gradient is accumulated, and the rest when the backward returns. A bucket whose
+parameters are all ready is flattened and summed with an asynchronous all-reduce at once, so
+the communication overlaps the rest of the backward (as DistributedDataParallel does):
+
+    policy.backward(j, run, final)   hooks on `final` -> sync.ready(p, holder) -> launch
+    policy.update(j) -> sync()       wait for the launched buckets, reduce the others now
+
+`final_backwards(ops)` finds, in a rank's program, the backwards that get `final`. A
+parameter that gets no gradient in that backward holds back its bucket, and the group's later
+ones, until the backward returns.
+
+Buckets of one group are launched strictly in order (bucket k after 0..k-1), so every member
+issues the group's collectives in the same order; groups are separate process groups. A
+bucket not launched by the update (a parameter that got no gradient, a step without `final`)
+is reduced then, so the result never depends on what was overlapped: each `.grad` ends as
+the sum over the group, None counting as zeros. A gradient that changes after its bucket was
+launched (a parameter reported final too early) is refused at the update.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +45,9 @@ from torch import nn
 
 from graphpipe.errors import PipelineError
 
-__all__ = ["GradSync", "SyncGroup", "make_groups"]
+__all__ = ["BUCKET_BYTES", "FinalGrads", "GradSync", "SyncGroup", "final_backwards", "make_groups"]
+
+BUCKET_BYTES = 25 * 2**20  # the largest bucket (one parameter may exceed it alone)
 
 
 @dataclass
@@ -45,11 +71,97 @@ def make_groups(
     return groups
 
 
-class GradSync:
-    """Sums gradients within every group this rank belongs to, in a fixed order."""
+def final_backwards(ops: Sequence[Any]) -> frozenset[int]:
+    """Positions in a rank's operations of each stage's last backward (B or W) before each
+    update (U): after these a stage's gradients are final, so they get `final`.
 
-    def __init__(self, groups: Sequence[SyncGroup]) -> None:
+    A backward whose update falls in a later list (the next call's) is not found: its
+    gradients are then summed at the update, later but the same.
+
+    Args:
+        ops: A rank's program (Actions and communication groups, which have no `kind`).
+
+    Returns:
+        The positions, for `policy.backward(..., final=...)` and `policy.accumulate`.
+
+    Example:
+        >>> from graphpipe.ir import Action
+        >>> ops = [Action.parse(t) for t in ("0F0", "0B0", "0F1", "0B1", "0U")]
+        >>> sorted(final_backwards(ops))
+        [3]
+    """
+    found: set[int] = set()
+    last: dict[int, int] = {}  # stage -> position of its latest backward since the update
+    for i, op in enumerate(ops):
+        kind = getattr(op, "kind", None)
+        if kind in ("B", "W"):
+            last[op.stage] = i
+        elif kind == "U":
+            found.update(last.values())
+            last.clear()
+    return frozenset(found)
+
+
+@dataclass
+class _Bucket:
+    """Parameters summed by one all-reduce, and its state in the current step."""
+
+    params: list[nn.Parameter]
+    holders: dict[int, torch.Tensor] = field(default_factory=dict)  # id(p) -> ready grad's owner
+    flat: torch.Tensor | None = None  # the gradients, flattened, once launched
+    work: Any = None  # the all-reduce in flight (dist.Work)
+    seen: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)  # grad, version
+    error: RuntimeError | None = None  # the launch failed
+
+    def complete(self) -> bool:
+        return len(self.holders) == len(self.params)
+
+    def launched(self) -> bool:
+        return self.flat is not None
+
+    def reset(self) -> None:
+        self.holders, self.flat, self.work, self.seen, self.error = {}, None, None, [], None
+
+
+def _buckets(params: Sequence[nn.Parameter], cap: int) -> list[_Bucket]:
+    """`params` reversed, cut before `cap` bytes or where the dtype or device changes."""
+    out: list[_Bucket] = []
+    size = 0
+    for p in reversed(params):
+        bytes_ = p.numel() * p.element_size()
+        last = out[-1].params[-1] if out else None
+        if last is None or size + bytes_ > cap or (last.dtype, last.device) != (p.dtype, p.device):
+            out.append(_Bucket([]))
+            size = 0
+        out[-1].params.append(p)
+        size += bytes_
+    return out
+
+
+class GradSync:
+    """Sums gradients within every group this rank belongs to, bucket by bucket.
+
+    Args:
+        groups: Every group (those this rank is not in, or holds nothing of, are ignored).
+        bucket_bytes: The size at which a group's parameters are cut into buckets.
+
+    Example (on every member of the groups; a process group is needed)::
+
+        sync = GradSync(groups)
+        sync.ready(p, p)  # p.grad is final: launches p's bucket once the bucket is complete
+        sync()  # every .grad of the groups now holds the group's sum
+    """
+
+    def __init__(self, groups: Sequence[SyncGroup], bucket_bytes: int = BUCKET_BYTES) -> None:
         self.groups = [g for g in groups if g.group is not None and g.params]
+        self.buckets = [_buckets(g.params, bucket_bytes) for g in self.groups]
+        self._where: dict[int, list[tuple[int, int]]] = {}  # id(p) -> [(group, bucket)]
+        for gi, buckets in enumerate(self.buckets):
+            for bi, bucket in enumerate(buckets):
+                for p in bucket.params:
+                    self._where.setdefault(id(p), []).append((gi, bi))
+        self._next = [0] * len(self.groups)  # per group: buckets launched this step
+        self._lock = threading.Lock()  # hooks may run on autograd's device threads
 
     def broadcast(self) -> None:
         """Make every copy equal to its group's first rank's: tied copies and replicas that
@@ -59,19 +171,156 @@ class GradSync:
                 for p in g.params:
                     dist.broadcast(p, src=g.ranks[0], group=g.group)
 
+    def tracks(self, p: torch.Tensor) -> bool:
+        """Whether `p` is summed by a group of this rank."""
+        return id(p) in self._where
+
+    def launched(self) -> int:
+        """Buckets launched early in this step (the update waits for them)."""
+        return sum(self._next)
+
+    def ready(self, p: torch.Tensor, holder: torch.Tensor) -> None:
+        """Mark p's gradient final for this step and launch the buckets that are complete.
+
+        Args:
+            p: A parameter of a group (others are ignored).
+            holder: The tensor whose `.grad` holds p's gradient: p itself, or the version
+                of p the backward ran on (moved into p.grad before the update).
+        """
+        with self._lock:
+            for gi, bi in self._where.get(id(p), ()):
+                bucket = self.buckets[gi][bi]
+                if not bucket.launched():
+                    bucket.holders[id(p)] = holder
+                self._launch_complete(gi)
+
+    def _launch_complete(self, gi: int) -> None:
+        """Launch group gi's next buckets, in order, while they are complete."""
+        buckets = self.buckets[gi]
+        while self._next[gi] < len(buckets) and buckets[self._next[gi]].complete():
+            self._launch(gi, buckets[self._next[gi]])
+            self._next[gi] += 1
+
+    def _launch(self, gi: int, bucket: _Bucket) -> None:
+        """Flatten the bucket's gradients and start their all-reduce."""
+        owners = [bucket.holders.get(id(p), p) for p in bucket.params]
+        grads = [h.grad for h in owners]
+        bucket.seen = [(g, -1 if g is None else g._version) for g in grads]
+        parts = [
+            (g if g is not None else torch.zeros_like(p)).reshape(-1)
+            for g, p in zip(grads, bucket.params, strict=True)
+        ]
+        bucket.flat = torch.cat(parts)
+        try:
+            bucket.work = dist.all_reduce(bucket.flat, group=self.groups[gi].group, async_op=True)
+        except RuntimeError as exc:  # raised at the update, not inside autograd
+            bucket.error = exc
+
     def __call__(self) -> None:
-        for g in self.groups:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params]
-            flat = torch.cat([t.reshape(-1) for t in grads])
-            try:
-                dist.all_reduce(flat, group=g.group)
-            except RuntimeError as exc:
-                raise PipelineError(
-                    f"all-reduce of {g.label} over ranks {list(g.ranks)} failed: "
-                    f"{str(exc).splitlines()[0]}"
-                ) from exc
-            at = 0
-            for p in g.params:
-                n = p.numel()
-                p.grad = flat[at : at + n].view_as(p).clone()
-                at += n
+        """Finish the step's reduction: every `.grad` of a group becomes the group's sum.
+
+        Raises:
+            PipelineError: an all-reduce failed or timed out, or a gradient changed after
+                its bucket was launched; naming the group and its ranks.
+        """
+        try:
+            for gi in range(len(self.groups)):
+                for bucket in self.buckets[gi]:
+                    if not bucket.launched():
+                        bucket.holders = {}  # the gradients now live in p.grad
+                        self._launch(gi, bucket)
+                    self._finish(self.groups[gi], bucket)
+        finally:
+            for buckets in self.buckets:
+                for bucket in buckets:
+                    bucket.reset()
+            self._next = [0] * len(self.groups)
+
+    def _finish(self, g: SyncGroup, bucket: _Bucket) -> None:
+        """Wait for the bucket's all-reduce and write the sums into `.grad`."""
+        try:
+            if bucket.error is not None:
+                raise bucket.error
+            bucket.work.wait()
+        except RuntimeError as exc:
+            raise PipelineError(
+                f"all-reduce of {g.label} over ranks {list(g.ranks)} failed: "
+                f"{str(exc).splitlines()[0]}"
+            ) from exc
+        position = {id(p): i for i, p in enumerate(g.params)}
+        changed = [
+            position[id(p)]
+            for p, (grad, version) in zip(bucket.params, bucket.seen, strict=True)
+            if p.grad is not grad or (grad is not None and grad._version != version)
+        ]
+        if changed:
+            raise PipelineError(
+                f"gradients of {g.label} over ranks {list(g.ranks)} changed after their "
+                f"all-reduce was launched: its parameters {sorted(changed)} (by position) "
+                "were reported final before their last backward"
+            )
+        assert bucket.flat is not None
+        at = 0
+        for p in bucket.params:
+            n = p.numel()
+            p.grad = bucket.flat[at : at + n].view_as(p).clone()
+            at += n
+
+
+Picked = list[tuple[nn.Parameter, torch.Tensor]]  # (parameter, the tensor its .grad is in)
+
+
+class FinalGrads:
+    """Reports to a GradSync the gradients that a stage's last backward makes final.
+
+    A parameter held by several of the rank's stages (a tied weight) is named in the `final`
+    of each stage's last backward; it is reported only in the last of those calls, after
+    every stage holding it has added its gradient.
+
+    Args:
+        sync: The rank's GradSync.
+        parts: The rank's stage modules.
+    """
+
+    def __init__(self, sync: GradSync, parts: Sequence[nn.Module]) -> None:
+        self.sync = sync
+        self._holders = Counter(id(p) for part in parts for p in part.parameters())
+        self._named: Counter[int] = Counter()  # `final` calls naming each param since clear()
+
+    def pick(
+        self, final: Sequence[nn.Parameter], owner: Callable[[nn.Parameter], torch.Tensor]
+    ) -> Picked:
+        """The parameters of `final` that are summed and in their last `final` call, each
+        with `owner(p)`, the tensor whose `.grad` holds its gradient."""
+        out = []
+        for p in {id(p): p for p in final}.values():
+            self._named[id(p)] += 1
+            if self._named[id(p)] >= self._holders.get(id(p), 1) and self.sync.tracks(p):
+                out.append((p, owner(p)))
+        return out
+
+    @contextmanager
+    def hooked(self, picked: Picked) -> Iterator[None]:
+        """Report each picked parameter when its owner's gradient is accumulated (a
+        post-accumulate-grad hook), and every one once the block ends: a gradient that did
+        not come is final too."""
+        handles = [
+            owner.register_post_accumulate_grad_hook(lambda t, p=p: self.sync.ready(p, t))
+            for p, owner in picked
+            if owner.requires_grad
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        self.report(picked)
+
+    def report(self, picked: Picked) -> None:
+        """Report the picked parameters final (a repeat is harmless)."""
+        for p, owner in picked:
+            self.sync.ready(p, owner)
+
+    def clear(self) -> None:
+        """A new step: no `final` call seen."""
+        self._named.clear()

@@ -5,8 +5,24 @@ every update action (`U`) of the schedule:
 
     policy.forward(j, run)       run(weights) for micro-batch j; weights None = the live ones
     policy.recompute(j, run)     (PipeMare) the forward again, with the backward's weights
-    policy.backward(j, run)      run() the backward of micro-batch j
+    policy.backward(j, run, final)   run() the backward of micro-batch j
+    policy.accumulate(run, final)    run(on_grad): the zero-bubble weight half, by hand
     policy.update(j)             the schedule's update action (j is None when flushed)
+
+`final` names the parameters whose gradients are complete for the coming update once `run`
+returns: the executor passes a stage's parameters on that stage's last backward (B, or the
+last W) before the update, () otherwise (`sync.final_backwards` finds them). Under flush and
+2bw, while that backward runs, each such parameter that is summed over replicas or tied
+copies is reported to the `GradSync` (`FinalGrads`, `sync.ready`) as its gradient is accumulated: an
+autograd post-accumulate-grad hook for a backward, the `on_grad` callback for the weight
+half, which adds gradients by hand; those not accumulated are reported when `run` returns.
+Complete buckets start their all-reduce at once, overlapping the rest of the backward; the
+update waits for them and reduces whatever was not launched, so the sums are the same either
+way. A parameter held by several of the rank's stages (a tied weight; `module` is then an
+nn.ModuleList of the stage modules) is reported only in the last of its `final` calls, when
+every stage holding it has finished. stash and pipemare update after every micro-batch, on
+unreplicated stages (only tied copies are summed): they ignore `final` and reduce at the
+update, synchronously.
 
 Letters: j a micro-batch, M micro-batches per step() call, w the stage's warm-up (forwards
 before its first backward; `graphpipe.schedule.warmups`), k the updates applied so far.
@@ -46,7 +62,7 @@ state_dict()) finish the backwards still in flight; the next step() starts a new
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,13 +70,14 @@ import torch
 from torch import nn
 
 from graphpipe.errors import ConfigError
-from graphpipe.runtime.sync import GradSync
+from graphpipe.runtime.sync import FinalGrads, GradSync
 
 __all__ = ["POLICIES", "Flush", "PipeMare", "PolicyOptions", "Stash", "TwoBW", "make_policy"]
 
 T = TypeVar("T")
 LOG = 4096  # micro-batches whose weight versions `log` keeps
 Weights = dict[str, torch.Tensor] | None
+OnGrad = Callable[[torch.Tensor], None]  # called with a tensor once its .grad was added to
 
 
 @dataclass(frozen=True)
@@ -77,7 +94,7 @@ class WeightPolicy:
     """Base class: the live parameters for everything, one step per update action.
 
     Args:
-        module: The stage module.
+        module: The stage module, or an nn.ModuleList of the rank's stage modules.
         optimizer: Its optimizer.
         sync: Sums gradients over replicas and tied copies.
         micro_batches: M.
@@ -87,6 +104,7 @@ class WeightPolicy:
 
     name = "base"
     recomputes = False  # whether the backward re-runs the forward (PipeMare)
+    overlaps = False  # whether gradient sums start during the last backward (flush, 2bw)
 
     def __init__(
         self,
@@ -104,6 +122,9 @@ class WeightPolicy:
         self.log: deque[tuple[str, int, int]] = deque(maxlen=2 * LOG)
         self.version = 0  # k: optimizer steps taken
         self.peak_copies = 1  # the most copies held at once so far
+        self._names = {id(p): n for n, p in self.params.items()}  # kept by swap_tensors
+        parts = list(module) if isinstance(module, nn.ModuleList) else [module]
+        self.finals = FinalGrads(sync, parts)
 
     def loss_scale(self) -> float:
         """What each micro-batch's loss is multiplied by before its backward."""
@@ -118,11 +139,50 @@ class WeightPolicy:
         """Run micro-batch j's forward again, for its backward (PipeMare only)."""
         raise NotImplementedError(f"the {self.name} policy keeps the forward's graph")
 
-    def backward(self, j: int, run: Callable[[], None]) -> None:
+    def backward(self, j: int, run: Callable[[], None], final: Sequence[nn.Parameter] = ()) -> None:
         """Run micro-batch j's backward (its autograd graph already holds the weights, those
-        of its forward: no update comes between a flushed step's forward and backward)."""
+        of its forward: no update comes between a flushed step's forward and backward).
+
+        Args:
+            j: The micro-batch.
+            run: The backward; it accumulates into `.grad`.
+            final: The parameters whose gradients are complete once `run` returns.
+        """
         self.log.append(("B", j, self.version))
-        run()
+        with self.finals.hooked(self._pick(final, j)):
+            run()
+
+    def accumulate(self, run: Callable[[OnGrad], None], final: Sequence[nn.Parameter] = ()) -> None:
+        """Run a weight half (`backward.weight_half`), which adds gradients by hand.
+
+        Args:
+            run: Called with `on_grad`, which it calls with each tensor after adding to its
+                `.grad`.
+            final: The parameters whose gradients are complete once `run` returns.
+        """
+        picked = self._pick(final, None)
+        armed = {id(owner): p for p, owner in picked}
+
+        def on_grad(t: torch.Tensor) -> None:
+            if id(t) in armed:
+                self.sync.ready(armed[id(t)], t)
+
+        run(on_grad)
+        self.finals.report(picked)
+
+    def _pick(
+        self, final: Sequence[nn.Parameter], j: int | None
+    ) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """The parameters of `final` to report now, with the tensors their gradients are in."""
+        if not self.overlaps or not final:
+            return []
+        owners = self._grad_owners(j)
+        mine = [p for p in final if id(p) in self._names]
+        return self.finals.pick(mine, lambda p: owners[self._names[id(p)]])
+
+    def _grad_owners(self, j: int | None) -> Mapping[str, torch.Tensor]:
+        """By name, the tensors whose `.grad` micro-batch j's backward accumulates into."""
+        return self.params
 
     def update(self, j: int | None) -> None:
         """The schedule's update action: sum gradients, step, clear them."""
@@ -130,6 +190,7 @@ class WeightPolicy:
 
     def _step(self) -> None:
         self.note_copies()
+        self.finals.clear()
         self.sync()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -156,6 +217,7 @@ class Flush(WeightPolicy):
     """One version, gradient accumulation over the mini-batch, one step per mini-batch."""
 
     name = "flush"
+    overlaps = True
 
 
 class _Versioned(WeightPolicy):
@@ -186,9 +248,13 @@ class _Versioned(WeightPolicy):
         self.log.append(("F", j, k))
         return run(alias)
 
-    def backward(self, j: int, run: Callable[[], None]) -> None:
+    def backward(self, j: int, run: Callable[[], None], final: Sequence[nn.Parameter] = ()) -> None:
         self.log.append(("B", j, self.versions[self.of_mb[j]][0]))
-        run()
+        with self.finals.hooked(self._pick(final, j)):
+            run()
+
+    def _grad_owners(self, j: int | None) -> Mapping[str, torch.Tensor]:
+        return self.params if j is None else self.versions[self.of_mb[j]][1]  # its aliases
 
     def _take_grads(self, vid: int) -> dict[str, torch.Tensor | None]:
         """The gradients gathered on version `vid`, which then starts from none again."""
@@ -241,6 +307,7 @@ class TwoBW(_Versioned):
     """PipeDream-2BW: one version per mini-batch, one update per mini-batch, two copies."""
 
     name = "2bw"
+    overlaps = True
 
     def _version_id(self, j: int) -> int:
         return j // self.m  # the mini-batch: its first forward publishes the live weights
@@ -288,9 +355,9 @@ class PipeMare(WeightPolicy):
         self.note_copies()
         return run(estimate)
 
-    def backward(self, j: int, run: Callable[[], None]) -> None:
+    def backward(self, j: int, run: Callable[[], None], final: Sequence[nn.Parameter] = ()) -> None:
         self.log.append(("B", j, self.version))
-        run()
+        run()  # one update per micro-batch: gradients are summed at the update
 
     def lr_factor(self) -> float:
         """1 / tau^(1 - min(k/K, 1)) with tau = max(w, 1); 1 when rescheduling is off."""
