@@ -4,11 +4,10 @@ gloo's semantics."""
 from __future__ import annotations
 
 import itertools
-import random
 
 import pytest
-from test_partition import cost, random_branchy, random_dag, synthetic
-from test_schedule import chain_plan
+from test_partition import synthetic
+from test_schedule import chain_plan, random_plan
 
 from graphpipe.cost import CostModel, LinkModel
 from graphpipe.dryrun import check_program, check_run
@@ -107,17 +106,7 @@ def test_an_async_call_receives_what_it_sends_itself() -> None:
 def _zoo_plans() -> list[tuple[str, Plan]]:
     """Chains, random stage DAGs (fan-out, fan-in, skips) and replicated stages."""
     plans = [("chain4", chain_plan(4, 8)), ("chain2", chain_plan(2, 1))]
-    for seed in range(24):
-        rng = random.Random(seed)
-        g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(6, 14))
-        m = rng.choice([1, 2, 4, 8])
-        config = PlanConfig(
-            devices=rng.randint(2, min(8, g.number_of_nodes())),
-            micro_batches=m,
-            replication=seed % 3 == 0,
-        )
-        plans.append((f"seed{seed}", partition_op_graph(g, cost(m, bandwidth=1e9), config, "x")))
-    return plans
+    return plans + [(f"seed{seed}", random_plan(seed)) for seed in range(24)]
 
 
 def test_the_zoo_has_the_hard_shapes() -> None:

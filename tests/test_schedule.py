@@ -109,8 +109,9 @@ def test_2bw_updates_once_per_mini_batch() -> None:
 # -- validity on random stage DAGs -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_every_generator_passes_the_validator_on_random_stage_dags(seed: int) -> None:
+def random_plan(seed: int) -> Plan:
+    """A plan of a random stage DAG (branchy on odd seeds; replicated stages allowed on
+    seeds divisible by 3), with a random M and device count."""
     rng = random.Random(seed)
     g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(6, 14))
     m = rng.choice([1, 2, 4, 8])
@@ -119,7 +120,13 @@ def test_every_generator_passes_the_validator_on_random_stage_dags(seed: int) ->
         micro_batches=m,
         replication=seed % 3 == 0,
     )
-    plan = partition_op_graph(g, cost(micro_batches=m, bandwidth=1e9), config, "x")
+    return partition_op_graph(g, cost(micro_batches=m, bandwidth=1e9), config, "x")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_every_generator_passes_the_validator_on_random_stage_dags(seed: int) -> None:
+    plan = random_plan(seed)
+    m = plan.micro_batches
     replicated = any(s.replicas > 1 for s in plan.stages)
     for name in sorted(SCHEDULES):
         if name in PLACED:  # they need a chain folded onto the devices (test_program.py)
