@@ -8,6 +8,7 @@ runs inside one launch, to pay the process start-up once.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import sys
 import time
@@ -22,12 +23,14 @@ from zoo import ZOO, dict_loss
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, PipelineError
+from graphpipe.ir import Action
 from graphpipe.launch import launch
 from graphpipe.opgraph import graph_hash, op_graph
 from graphpipe.partition import PlanConfig, cost_model, plan
 from graphpipe.partition.assemble import assemble
 from graphpipe.partition.manual import groups_from_pins
 from graphpipe.profile import profile
+from graphpipe.runtime.sync import GradSync
 from graphpipe.trace import trace
 
 M, STEPS, LR = 4, 3, 0.1
@@ -106,6 +109,7 @@ def _pipeline(
     timeout: float = 60,
     prefetch: bool | None = None,
     m: int = M,
+    timer: str | None = None,
 ) -> Any:
     """`name` compiled over three ranks, cut by its pins."""
     model, inputs = ZOO[name]()
@@ -117,7 +121,7 @@ def _pipeline(
         optimizer=_optimizer(kind),
         schedule=schedule,
         plan=the_plan,
-        runtime=RuntimeConfig(timeout=timeout, prefetch=prefetch),
+        runtime=RuntimeConfig(timeout=timeout, prefetch=prefetch, timer=timer),
     )
 
 
@@ -221,6 +225,28 @@ def test_no_host_sync_per_micro_batch() -> None:
         assert counts[2] == counts[8] <= 2, counts
 
 
+def _profiled_worker() -> dict[str, Any]:
+    pm = _pipeline("two_branch", "zb", timer="profiler")
+    pm.recording = True
+    inputs, target = batch("two_branch", 0)
+    before = time.time()
+    pm.step(*inputs, target=target)
+    after = time.time()
+    program = [str(op) for op in pm.program.ranks[pm.rank] if isinstance(op, Action)]
+    spans = [s for s in pm.timeline().spans if s.rank == pm.rank]
+    return {"program": program, "spans": spans, "before": before, "after": after}
+
+
+def test_the_profiler_timer_records_every_action_of_the_program() -> None:
+    """With timer="profiler" (CUDA's default) the timeline comes from torch.profiler ranges:
+    one span per compute and update action, in program order, on the Unix-epoch clock."""
+    for result in launch(_profiled_worker, 3, timeout=TIMEOUT):
+        spans = result["spans"]
+        assert [s.action for s in spans] == result["program"]
+        assert all(result["before"] <= s.start <= s.end <= result["after"] for s in spans)
+        assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(spans))
+
+
 def _replicated_worker() -> dict[str, Any]:
     """two_branch with stage 0 (both branches) on ranks 0 and 1, the head on rank 2."""
     model, inputs = ZOO["two_branch"]()
@@ -232,12 +258,23 @@ def _replicated_worker() -> dict[str, Any]:
         g, [(branches, 2), (head, 1)], cost_model(config, 2), 3, "manual", graph_hash(gm)
     )
     pm = gp_compile(model, inputs, loss_fn=dict_loss, optimizer=_optimizer(), plan=the_plan)
-    return _train(pm, "two_branch")
+    early: list[int] = []  # buckets already in flight when each update began
+    finish = GradSync.__call__
+
+    def recording(sync: GradSync) -> None:
+        early.append(sync.launched())
+        finish(sync)
+
+    GradSync.__call__ = recording  # type: ignore[method-assign]
+    return {**_train(pm, "two_branch"), "early": early}
 
 
 def test_data_parallel_stage_reduces_gradients_within_its_group() -> None:
-    for result in launch(_replicated_worker, 3, timeout=TIMEOUT):
+    """The replicas' sums equal one process, and they start during the last backward."""
+    for rank, result in enumerate(launch(_replicated_worker, 3, timeout=TIMEOUT)):
         _assert_matches(result, "two_branch")
+        if rank < 2:  # the replicas: every bucket was launched before the update
+            assert len(result["early"]) == STEPS and min(result["early"]) > 0, result["early"]
 
 
 def _auto_plan_worker() -> dict[str, Any]:

@@ -35,6 +35,7 @@ from graphpipe.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
+from graphpipe.runtime.sync import final_backwards
 from graphpipe.runtime.weights import WeightPolicy
 from graphpipe.simulate import channel
 
@@ -106,6 +107,7 @@ class Executor:
         self._mailbox: dict[tuple[str, int, int, int], list[torch.Tensor]] = {}
         self.spans: list[Span] = []
         self.record = False
+        self._is_final = False
         self.training = True
         self._handlers: dict[str, Callable[[Action, Batch], None]] = {
             "F": self._forward,
@@ -117,7 +119,9 @@ class Executor:
 
     def run(self, ops: Sequence[Op], batch: Batch) -> None:
         """Execute `ops` in order, then wait for the sends to complete."""
-        for op in ops:
+        finals = final_backwards(ops)
+        for i, op in enumerate(ops):
+            self._is_final = i in finals
             try:
                 if isinstance(op, Comm):
                     self._issue(op, batch)
@@ -288,7 +292,7 @@ class Executor:
         if self.policy.recomputes:
             self._recompute(a.stage, a.mb)
         roots, seeds = self._roots(a.stage, a.mb)
-        self.policy.backward(a.mb, lambda: backward.full(roots, seeds))
+        self.policy.backward(a.mb, lambda: backward.full(roots, seeds), self._final(a.stage))
         self._finish_backward(a.stage, a.mb)
 
     def _input_half(self, a: Action, batch: Batch) -> None:
@@ -307,9 +311,15 @@ class Executor:
     def _weight_half(self, a: Action, batch: Batch) -> None:
         assert a.mb is not None
         half = self.state[(a.stage, a.mb)].weight_half
-        if half is not None:
-            backward.weight_half(half)
+        self.policy.accumulate(
+            lambda on_grad: None if half is None else backward.weight_half(half, on_grad),
+            self._final(a.stage),
+        )
         self._finish_backward(a.stage, a.mb)
+
+    def _final(self, stage: int) -> list[nn.Parameter]:
+        """The stage's parameters on its last backward before an update, else none."""
+        return list(self.stages[stage].module.parameters()) if self._is_final else []
 
     def _finish_backward(self, stage: int, j: int) -> None:
         self.state[(stage, j)].backward_done = True

@@ -7,8 +7,9 @@ data between ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Plan, Schedule, Timeline
+from graphpipe.profiling import profile_actions, spans_from_profiler
 from graphpipe.program import Comm, Op, Program, lower
 from graphpipe.runtime.comm import FailureBoard, Transport
 from graphpipe.runtime.executor import Batch, Executor, StageRuntime
@@ -43,6 +45,7 @@ class RuntimeConfig:
     backend: str | None = None  # None: "nccl" when CUDA is available, else "gloo"
     device: str | None = None  # None: cuda:LOCAL_RANK with nccl, else cpu
     record: bool = False  # time every action (see PipelinedModel.timeline)
+    timer: str | None = None  # how: "host" ranges or "profiler"; None: profiler on CUDA only
     plan_timeout: float = 1800.0  # seconds ranks wait for rank 0's plan (profiling included)
     prefetch: bool | None = None  # post every receive of a call first; None: on gloo only
 
@@ -52,6 +55,8 @@ class RuntimeConfig:
                 f"timeouts must be positive, got timeout={self.timeout}, "
                 f"plan_timeout={self.plan_timeout}"
             )
+        if self.timer not in (None, "host", "profiler"):
+            raise ConfigError(f"timer must be 'host' or 'profiler', got {self.timer!r}")
 
 
 @dataclass
@@ -149,10 +154,11 @@ class PipelinedModel:
             board = FailureBoard(dist.get_world_size())
             transport = Transport(self.rank, runtime.timeout, self.device, board)
             self._executor = Executor(runtime_stages, self.policy, transport)
-            self._executor.record = runtime.record
         else:
             self.optimizer = optimizer([nn.Parameter(torch.zeros(0))])
         self._weights = weights
+        self._timer = runtime.timer or ("profiler" if self.device.type == "cuda" else "host")
+        self.recording = runtime.record
 
     # -- training -------------------------------------------------------------------------------
 
@@ -181,7 +187,8 @@ class PipelinedModel:
         if self._executor is not None:
             self._executor.losses.clear()
             self._executor.training = True
-            self._executor.run(ops, batch)
+            with self._timed(self._executor):
+                self._executor.run(ops, batch)
         self._calls += 1
         return self._mean_loss()
 
@@ -365,15 +372,35 @@ class PipelinedModel:
     @property
     def recording(self) -> bool:
         """Whether every action's start and end are being recorded (see `timeline`)."""
-        return self._executor is not None and self._executor.record
+        return self._recording
 
     @recording.setter
     def recording(self, on: bool) -> None:
-        if self._executor is not None:
-            self._executor.record = on
+        self._recording = on
+        if self._executor is not None:  # the executor's own host ranges
+            self._executor.record = on and self._timer == "host"
+
+    @contextlib.contextmanager
+    def _timed(self, executor: Executor) -> Iterator[None]:
+        """Record the block's actions with torch.profiler when that is the timer.
+
+        On CUDA an action's span is then the device range of the work it launched, not its
+        host enqueue time (see `graphpipe.profiling`).
+        """
+        if not (self._recording and self._timer == "profiler"):
+            yield
+            return
+        with profile_actions(self.device) as prof:
+            yield
+        executor.spans.extend(spans_from_profiler(prof, self.rank))
 
     def timeline(self, clear: bool = True) -> Timeline:
         """The actions every rank recorded (a collective: call it on every rank).
+
+        With `RuntimeConfig.timer` "host" (CPU's default) a span is the action's host range
+        on `time.perf_counter`'s clock; with "profiler" (CUDA's default) it comes from
+        torch.profiler: the device range of the work the action launched, on the Unix-epoch
+        clock (`graphpipe.profiling`).
 
         Args:
             clear: Forget the recorded actions afterwards.
