@@ -199,8 +199,9 @@ class Transport:
         for r in receives:
             buffers.append(empty_like_packed(r.specs, self.device))
             ops.append(dist.P2POp(dist.irecv, buffers[-1], r.peer, tag=r.tag))
-        what = ", ".join(m.what for m in [*sends, *receives])
-        works = self._posted(ops, [m.peer for m in [*sends, *receives]], what)
+        messages: list[Outgoing | Incoming] = [*sends, *receives]
+        what = ", ".join(m.what for m in messages)
+        works = self._posted(ops, [m.peer for m in messages], what)
         # gloo answers one work per operation; NCCL one for the whole coalesced group
         per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
         for m, buffer, w in zip(sends, buffers, per_op, strict=False):

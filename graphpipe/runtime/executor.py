@@ -16,7 +16,8 @@ Values received with a floating dtype become leaves that require grad, so their 
 what SB sends back; integer and boolean values cross stages without gradients. A value sent to
 several stages gets the sum of their gradients. A micro-batch's state is dropped once its
 backward is done. With `record`, every compute and update action is timed
-(`time.perf_counter`, the same clock for all processes of a machine).
+(`time.perf_counter`, the same clock for all processes of a machine), and `clock` sums the
+seconds spent waiting for messages and posting them.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class Executor:
         self._mailbox: dict[tuple[str, int, int, int], list[torch.Tensor]] = {}
         self.spans: list[Span] = []
         self.record = False
+        self.clock = {"wait": 0.0, "post": 0.0}  # with record: seconds waited, and posting
         self._is_final = False
         self.training = True
         self._handlers: dict[str, Callable[[Action, Batch], None]] = {
@@ -124,10 +126,14 @@ class Executor:
             self._is_final = i in finals
             try:
                 if isinstance(op, Comm):
+                    start = time.perf_counter()
                     self._issue(op, batch)
+                    self._tick("post", start)
                     continue
                 if op.mb is not None and op.kind in ("F", "B", "I"):
+                    start = time.perf_counter()
                     self._await(op)  # waiting for peers is not part of the action's time
+                    self._tick("wait", start)
                 start = time.perf_counter()
                 with torch.profiler.record_function(f"graphpipe::{op}"):
                     self._handlers[op.kind](op, batch)
@@ -139,7 +145,14 @@ class Executor:
                 ) from exc
             if self.record:
                 self.spans.append(Span(self.rank, str(op), start, time.perf_counter()))
+        start = time.perf_counter()
         self.transport.finish_sends()
+        self._tick("wait", start)
+
+    def _tick(self, kind: str, start: float) -> None:
+        """With record, add the time since `start` to `clock[kind]`."""
+        if self.record:
+            self.clock[kind] += time.perf_counter() - start
 
     # -- helpers ------------------------------------------------------------------------------
 

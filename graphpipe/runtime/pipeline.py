@@ -380,6 +380,13 @@ class PipelinedModel:
         if self._executor is not None:  # the executor's own host ranges
             self._executor.record = on and self._timer == "host"
 
+    @property
+    def comm_seconds(self) -> dict[str, float]:
+        """While recording (host timer), this rank's seconds outside compute actions since
+        the last cleared `timeline()`: "wait" for messages to arrive or sends to finish,
+        "post" to issue them (local copies included)."""
+        return {} if self._executor is None else dict(self._executor.clock)
+
     @contextlib.contextmanager
     def _timed(self, executor: Executor) -> Iterator[None]:
         """Record the block's actions with torch.profiler when that is the timer.
@@ -410,6 +417,7 @@ class PipelinedModel:
         dist.all_gather_object(gathered, spans)
         if clear and self._executor is not None:
             self._executor.spans = []
+            self._executor.clock = dict.fromkeys(self._executor.clock, 0.0)
         every = sorted((s for part in gathered for s in part), key=lambda s: s.start)
         return Timeline(tuple(every), self.plan.num_devices, "measured", self.schedule.name)
 
