@@ -327,10 +327,11 @@ class _VRank:
         self.plan, self.cap = plan, cap
         n = plan.num_devices
         self.stages = (2 * n - 1 - rank, rank)  # the deeper one first
-        # forwards of the shallow stage before its first input half: micro-batch 0 comes back
-        # after 2(N-1-d) more stages, so more would fill the memory the deep stage needs
+        # how far the shallow stage's forwards may run ahead of the deep stage's: micro-batch
+        # j reaches the deep stage 2(N-1-d) stages after the shallow one, so the warm-up has
+        # 2(N-d)-1 shallow forwards; more would fill the memory the deep stage needs
         self.shallow_limit = 2 * (n - rank) - 1
-        self.in_flight = dict.fromkeys(self.stages, 0)
+        self.ahead = 0  # shallow forwards done less deep forwards done
         self.todo = {(s, k): list(mbs) for s in self.stages for k in ("F", "I")}
         self.pending_w: list[tuple[int, int]] = []
         self.forwarded: set[tuple[int, int]] = set()
@@ -350,7 +351,7 @@ class _VRank:
             return float("inf")
         if kind == "F" and self.held + 1 > self.cap + 1e-9:
             return float("inf")
-        if kind == "F" and stage == self.stages[1] and self.in_flight[stage] >= self.shallow_limit:
+        if kind == "F" and stage == self.stages[1] and self.ahead >= self.shallow_limit:
             return float("inf")
         keys = [(d, a, b, j) for d, a, b in _inputs(self.plan, stage, kind)]
         return max((arrivals.get(k, float("inf")) for k in keys), default=0.0)
@@ -387,10 +388,9 @@ class _VRank:
             self.todo[(stage, kind)].pop(0)
         if kind == "F":
             self.forwarded.add((stage, j))
-            self.in_flight[stage] += 1
+            self.ahead += 1 if stage == self.stages[1] else -1
         if kind == "I":
             self.pending_w.append((stage, j))
-            self.in_flight[stage] -= 1
         self.held -= freed(self.plan.stages[stage], kind)
         self.done.append(action)
         return action
