@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks import convergence, planner, real_models, runtime
+from benchmarks import convergence, interleave, planner, real_models, runtime
 from benchmarks._common import log
 
 HEADER = """# Benchmarks
@@ -26,6 +26,7 @@ def main() -> int:
     for name, run in (
         ("planner", planner.report),
         ("real-model planning", real_models.report),
+        ("graph interleaving", interleave.report),
         ("runtime", runtime.report),
         ("convergence", lambda: convergence.report(root / "benchmarks")),
     ):

@@ -37,7 +37,7 @@ from graphpipe.report import (
     schedule_summary,
     schedule_table,
 )
-from graphpipe.schedule import SCHEDULES
+from graphpipe.schedule import ANY_PLACEMENT, PLACED, SCHEDULES
 from graphpipe.simulate import SimResult, simulate
 from graphpipe.timeline import chrome_trace, timeline_svg
 from graphpipe.trace import trace
@@ -97,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
         help="link bandwidth per device (default: 12.5)",
     )
     plan.add_argument("--no-replication", action="store_true", help="forbid data-parallel stages")
+    plan.add_argument(
+        "--interleave",
+        action="store_true",
+        help="graph plan: also try finer stage DAGs folded onto the devices (a device may "
+        "hold a later stage next to an earlier branch; scheduled graph_interleaved)",
+    )
     plan.add_argument("--json", type=Path, metavar="FILE", help="write the (graph) plan as JSON")
     plan.add_argument(
         "--render",
@@ -262,6 +268,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             memory_budget=args.memory * GIB if args.memory else None,
             link=LinkModel(bandwidth=args.bandwidth * 1e9),
             replication=not args.no_replication,
+            interleave=args.interleave and kind == "graph",
         )
         plans[kind] = _timed(
             f"{kind} plan searched", functools.partial(partition, gm, prof, config)
@@ -291,8 +298,12 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def best_schedule(plan: Plan, name: str) -> tuple[str, SimResult]:
-    """Simulate `name` on `plan`; "best" tries every flushed schedule and keeps the fastest."""
+    """Simulate `name` on `plan`; "best" tries every flushed schedule and keeps the fastest.
+    A plan whose devices hold several stages runs graph_interleaved unless `name` is one of
+    the placed schedules."""
     names = FLUSHED if name == "best" else (name,)
+    if any(len(plan.stages_on(d)) > 1 for d in range(plan.num_devices)) and name not in PLACED:
+        names = (ANY_PLACEMENT,)
     runs = {n: simulate(plan, n) for n in names}
     best = max(runs, key=lambda n: runs[n].throughput)
     return best, runs[best]

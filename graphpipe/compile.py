@@ -49,7 +49,7 @@ from graphpipe.runtime.pipeline import (
     runtime_device,
 )
 from graphpipe.runtime.weights import POLICIES, PolicyOptions
-from graphpipe.schedule import ASYNC, PLACED, make_schedule
+from graphpipe.schedule import ANY_PLACEMENT, ASYNC, PLACED, make_schedule
 from graphpipe.trace import LeafSpec, flat_inputs, trace, trace_info
 
 __all__ = ["PipelinedModel", "RuntimeConfig", "compile"]
@@ -94,7 +94,9 @@ def compile(
         micro_batches: M, micro-batches per mini-batch (default: the plan's, or 4).
         schedule: "1f1b", "gpipe" or "zb" for flush, or "interleaved" / "zbv" with several
             stages per rank (the plan is a chain of 2 stages per device, folded "loop" or
-            "v"; pin the stages, or pass virtual_stages and placement); "async" for stash
+            "v"; pin the stages, or pass virtual_stages and placement); "graph_interleaved"
+            for a stage DAG folded onto the devices (`interleave=True`; the default for
+            such a plan); "async" for stash
             and pipemare; "2bw" for 2bw. Default: 1f1b, or the one the weight policy needs.
         weights: The weight policy: "flush", "stash", "2bw" or "pipemare" (see
             `graphpipe.runtime.weights`).
@@ -129,6 +131,7 @@ def compile(
         )
     if micro_batches is not None and micro_batches < 1:
         raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
+    asked = schedule
     schedule = _schedule_for(weights, schedule)
     options = _plan_options(partitioner, plan_options)
     if weights != "flush":
@@ -155,6 +158,8 @@ def compile(
             f"the plan is for {the_plan.num_devices} devices but the process group "
             f"has {world} ranks; launch {the_plan.num_devices} processes"
         )
+    if asked is None and schedule == "1f1b" and _holds_several(the_plan):
+        schedule = ANY_PLACEMENT  # a folded stage DAG (PlanConfig.interleave, place_graph)
     sched = make_schedule(the_plan, schedule, m)
     check_run(the_plan, schedule, m)
     return PipelinedModel(
@@ -187,6 +192,11 @@ def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str,
         )
     chosen = partitioner or ("manual" if pins else "graph")
     return {**options, "partitioner": chosen}
+
+
+def _holds_several(plan: Plan) -> bool:
+    """Whether some device holds several stages."""
+    return any(len(plan.stages_on(d)) > 1 for d in range(plan.num_devices))
 
 
 def _tensor_items(kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -33,8 +33,17 @@ Generators:
             devices (device d holds stages d and 2N-1-d): the backward split into I and W,
             built by a greedy run of the plan's costs in which each device does a ready I
             first, then a ready F (the deeper stage first) while it holds fewer than 2N
-            activation units (and fewer than 2(N-d)-1 micro-batches of its first stage
-            between their F and I), and W passes whenever nothing else is ready.
+            activation units (and its first stage's forwards are fewer than 2(N-d)-1 ahead
+            of its second's), and W passes whenever nothing else is ready.
+    graph_interleaved
+            1F1B on a stage DAG whose devices may hold several stages, in any placement
+            (`graphpipe.partition.interleave`: a later stage on a device that holds an
+            earlier branch). A greedy run of the plan's costs: each device runs, of the
+            actions whose inputs have arrived, a backward first (the oldest micro-batch, then
+            the deeper stage), else a forward; a stage keeps at most its 1F1B warm-up plus
+            one micro-batches in flight, so every stage has 1F1B's memory. Forwards and
+            backwards of a stage go in micro-batch order, so the oldest unfinished
+            micro-batch can always move on: the construction cannot stall.
 
 Communication is inserted around compute: before F(j) a receive from every in-edge and after
 it a send on every out-edge; before B/I(j) a receive of gradients from every out-edge that
@@ -60,6 +69,7 @@ __all__ = ["ASYNC", "PLACED", "SCHEDULES", "drain_schedule", "make_schedule", "w
 Order = list[tuple[str, int]]  # a stage's compute actions: (kind, micro-batch)
 ASYNC = frozenset({"async", "2bw"})
 PLACED = {"interleaved": "loop", "zbv": "v"}  # schedules for several stages per device
+ANY_PLACEMENT = "graph_interleaved"  # runs any placement of single-device stages
 ALIASES = {"graph1f1b": "1f1b"}
 
 
@@ -127,12 +137,19 @@ def _check(plan: Plan, name: str, m: int) -> str:
         raise ConfigError(f"micro_batches must be >= 1, got {m}")
     if name in PLACED:
         _check_placed(plan, name, m)
+    elif name == ANY_PLACEMENT:
+        replicated = [s.index for s in plan.stages if s.replicas > 1]
+        if replicated:
+            raise ScheduleError(
+                f"graph_interleaved needs unreplicated stages; stages {replicated} are "
+                "replicated (plan with replication=False)"
+            )
     else:
         shared = [r for r in range(plan.num_devices) if len(plan.stages_on(r)) > 1]
         if shared and name != "forward":
             raise ScheduleError(
                 f"schedule {name!r} runs one stage per device, but devices {shared} hold "
-                f"several; use one of {sorted(PLACED)}"
+                f"several; use one of {sorted([*PLACED, ANY_PLACEMENT])}"
             )
     if name in ASYNC:
         replicated = [s.index for s in plan.stages if s.replicas > 1]
@@ -196,7 +213,7 @@ def make_schedule(
     name = _check(plan, name, m)
     per_rank: list[list[Action]] = [[] for _ in range(plan.num_devices)]
     for call in range(first_call, first_call + calls):
-        if name in PLACED:
+        if name in PLACED or name == ANY_PLACEMENT:
             lists = _placed_lists(plan, name, m)
         else:
             lists = _rank_lists(plan, _per_stage_orders(plan, name, call, m))
@@ -270,12 +287,17 @@ RankOrder = list[tuple[int, str, int]]  # a device's compute actions: (stage, ki
 
 
 def _placed_lists(plan: Plan, name: str, m: int) -> list[list[Action]]:
-    orders = _interleaved(plan, m) if name == "interleaved" else _zbv(plan, list(range(m)))
+    builders: dict[str, Callable[[Plan, int], list[RankOrder]]] = {
+        "interleaved": _interleaved,
+        "zbv": lambda p, m: _zbv(p, list(range(m))),
+        ANY_PLACEMENT: lambda p, m: _graph_interleaved(p, list(range(m))),
+    }
+    orders = builders[name](plan, m)
     lists: list[list[Action]] = []
     for rank, order in enumerate(orders):
         actions = [a for stage, kind, j in order for a in _with_comm(plan, stage, kind, j)]
-        first = min(s.index for s in plan.stages_on(rank))
-        lists.append([*actions, Action(first, "U")])
+        held = [s.index for s in plan.stages_on(rank)]
+        lists.append([*actions, Action(min(held), "U")] if held else [])  # idle devices
     return lists
 
 
@@ -396,6 +418,86 @@ class _VRank:
         return action
 
 
+def _graph_interleaved(plan: Plan, mbs: list[int]) -> list[RankOrder]:
+    """1F1B on any placement of single-device stages: a greedy run of the plan's costs (see
+    the module docstring)."""
+    w = warmups(plan)
+    ranks = [_GraphRank(plan, r, mbs, w) for r in range(plan.num_devices)]
+    arrivals: Arrivals = {}
+    while any(r.busy() for r in ranks):
+        rank = min((r for r in ranks if r.busy()), key=lambda r: r.next_start(arrivals))
+        start = rank.next_start(arrivals)
+        if start == float("inf"):
+            raise ScheduleError("graph_interleaved construction stalled: no device can run")
+        stage, kind, j = rank.pop(arrivals)
+        rank.clock = start + compute_time(plan.stages[stage], kind)
+        _post(plan, stage, kind, j, rank.clock, arrivals)
+    return [r.done for r in ranks]
+
+
+class _GraphRank:
+    """One device's state while graph_interleaved is built: per stage, its forwards and
+    backwards in micro-batch order and its micro-batches in flight (at most 1F1B's warm-up
+    plus one, so each stage keeps 1F1B's activation memory)."""
+
+    def __init__(self, plan: Plan, rank: int, mbs: list[int], warmup: dict[int, int]) -> None:
+        self.plan = plan
+        # deeper stages (nearer a sink) first: their backwards free memory soonest
+        self.stages = sorted((s.index for s in plan.stages_on(rank)), key=lambda s: warmup[s])
+        self.cap = {s: warmup[s] + 1 for s in self.stages}
+        self.in_flight = dict.fromkeys(self.stages, 0)
+        self.todo = {(s, k): list(mbs) for s in self.stages for k in ("F", "B")}
+        self.forwarded: set[tuple[int, int]] = set()
+        self.clock = 0.0
+        self.done: RankOrder = []
+
+    def busy(self) -> bool:
+        return any(self.todo.values())
+
+    def _ready(self, stage: int, kind: str, arrivals: Arrivals) -> float:
+        queue = self.todo[(stage, kind)]
+        if not queue:
+            return float("inf")
+        j = queue[0]
+        if kind == "B" and (stage, j) not in self.forwarded:
+            return float("inf")
+        if kind == "F" and self.in_flight[stage] >= self.cap[stage]:
+            return float("inf")
+        keys = [(d, a, b, j) for d, a, b in _inputs(self.plan, stage, kind)]
+        return max((arrivals.get(k, float("inf")) for k in keys), default=0.0)
+
+    def _choice(self, arrivals: Arrivals) -> tuple[float, tuple[int, str, int] | None]:
+        """When the next action can start, and which: of those ready now a backward first
+        (the oldest micro-batch, then the deeper stage), then a forward (the same order);
+        else whichever is ready first."""
+        options = []
+        for order, s in enumerate(self.stages):
+            for k in ("B", "F"):
+                ready = max(self.clock, self._ready(s, k, arrivals))
+                options.append((ready, k != "B", self.todo[(s, k)][:1], order, s, k))
+        now = [o for o in options if o[0] <= self.clock]
+        ready, _, _, _, s, k = min(now or options)
+        if ready == float("inf"):
+            return ready, None
+        return ready, (s, k, self.todo[(s, k)][0])
+
+    def next_start(self, arrivals: Arrivals) -> float:
+        return self._choice(arrivals)[0]
+
+    def pop(self, arrivals: Arrivals) -> tuple[int, str, int]:
+        _, action = self._choice(arrivals)
+        assert action is not None
+        stage, kind, j = action
+        self.todo[(stage, kind)].pop(0)
+        if kind == "F":
+            self.forwarded.add((stage, j))
+            self.in_flight[stage] += 1
+        else:
+            self.in_flight[stage] -= 1
+        self.done.append(action)
+        return action
+
+
 # -- zero bubble -------------------------------------------------------------------------------
 
 
@@ -485,11 +587,13 @@ def _post(plan: Plan, s: int, kind: str, j: int, end: float, arrivals: Arrivals)
     if kind == "F":
         for e in plan.edges:
             if e.src == s:
-                arrivals[("F", s, e.dst, j)] = end + transfer_time(plan.cost_model, e, "F")
+                arrivals[("F", s, e.dst, j)] = end + transfer_time(plan, e, "F")
     elif kind in ("B", "I"):
         for e in plan.edges:
             if e.dst == s and e.backward_message:
-                arrivals[("B", s, e.src, j)] = end + transfer_time(plan.cost_model, e, "B")
+                arrivals[("B", s, e.src, j)] = end + transfer_time(plan, e, "B")
 
 
-SCHEDULES = frozenset({"gpipe", "1f1b", "zb", "async", "2bw", "interleaved", "zbv"})
+SCHEDULES = frozenset(
+    {"gpipe", "1f1b", "zb", "async", "2bw", "interleaved", "zbv", "graph_interleaved"}
+)

@@ -7,8 +7,9 @@ Every rank runs its actions in order. Costs (seconds):
     F, B          the stage's forward_time and backward_time for one micro-batch
     I, W          the backward split: W takes `weight_share` of it on a stage with parameters
                   (none without), I the rest (`WEIGHT_SHARE`, one half, by default)
-    send          non-blocking; the message arrives link.transfer(bytes) after the send starts.
-                  With `contention`, a rank's sends queue on its one link.
+    send          non-blocking; the message arrives link.transfer(bytes) after the send starts
+                  (at once between two stages of one device). With `contention`, a rank's
+                  sends queue on its one link.
     receive       waits for the matching send's arrival (k-th receive of a channel matches its
                   k-th send)
     U             replicas of a stage meet, then all-reduce (link.allreduce(param_bytes, r))
@@ -28,7 +29,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from graphpipe.cost import CostModel, weight_copies
+from graphpipe.cost import weight_copies
 from graphpipe.errors import ScheduleError
 from graphpipe.ir import Action, Plan, Schedule, Span, Stage, StageEdge, Timeline
 
@@ -59,9 +60,13 @@ def compute_time(stage: Stage, kind: str) -> float:
     }[kind]
 
 
-def transfer_time(cost: CostModel, edge: StageEdge, direction: str) -> float:
-    """Seconds one micro-batch's message takes along `edge` ("F" activations, "B" gradients)."""
-    return cost.link.transfer(edge.bytes if direction == "F" else edge.grad_bytes)
+def transfer_time(plan: Plan, edge: StageEdge, direction: str) -> float:
+    """Seconds one micro-batch's message takes along `edge` ("F" activations, "B" gradients):
+    none between two stages of one device (the runtime copies it locally)."""
+    src, dst = plan.stages[edge.src], plan.stages[edge.dst]
+    if src.devices == dst.devices and len(src.devices) == 1:
+        return 0.0
+    return plan.cost_model.link.transfer(edge.bytes if direction == "F" else edge.grad_bytes)
 
 
 @dataclass(frozen=True)
@@ -182,8 +187,8 @@ def _transfers(plan: Plan) -> Callable[[Action], float]:
     def transfer(a: Action) -> float:
         assert a.peer is not None
         if a.kind == "SF":
-            return transfer_time(plan.cost_model, edges[(a.stage, a.peer)], "F")
-        return transfer_time(plan.cost_model, edges[(a.peer, a.stage)], "B")
+            return transfer_time(plan, edges[(a.stage, a.peer)], "F")
+        return transfer_time(plan, edges[(a.peer, a.stage)], "B")
 
     return transfer
 

@@ -133,3 +133,19 @@ def test_zero_bubble_timeline_shows_its_weight_gradient_passes(tmp_path: Path) -
     )
     svg = out.read_text()
     assert "<title>0I0" in svg and "<title>0W0" in svg and "<title>1W0" in svg
+
+
+def test_plan_interleave_folds_the_mmt_preset_and_schedules_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mmt (paper preset) on 8 devices: the interleaved plan holds 9 stages on 8 devices."""
+    out = tmp_path / "plan.json"
+    argv = ["plan", "models.mmt", "--preset", "paper", "--devices", "8", "--no-replication"]
+    assert main([*argv, "--interleave", "--partitioner", "graph", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "schedule graph_interleaved" in text
+    folded = Plan.from_json(out.read_text())
+    assert len(folded.stages) > 8 and folded.info["placement"].startswith("graph:")
+    assert (
+        folded.info["interleave"]["interleaved_step"] < folded.info["interleave"]["unfolded_step"]
+    )

@@ -14,8 +14,16 @@ from graphpipe.dryrun import check_program, check_run
 from graphpipe.errors import ScheduleError
 from graphpipe.ir import Plan, parse_ranks
 from graphpipe.partition import PlanConfig, partition_op_graph
+from graphpipe.partition.interleave import foldings, place_graph
 from graphpipe.program import Comm, Program, lower, lower_calls, parse_ops
-from graphpipe.schedule import ASYNC, PLACED, SCHEDULES, drain_schedule, make_schedule
+from graphpipe.schedule import (
+    ANY_PLACEMENT,
+    ASYNC,
+    PLACED,
+    SCHEDULES,
+    drain_schedule,
+    make_schedule,
+)
 
 ONE_F_ONE_B_2x4 = [  # the steady-state pairs share a group: SF with RB, SB with RF
     "0F0 [0SF0>1] 0F1 [0SF1>1 0RB0<1] 0B0 0F2 [0SF2>1 0RB1<1] 0B1 0F3 [0SF3>1 0RB2<1] 0B2 "
@@ -145,10 +153,44 @@ def _placed_plans(name: str) -> list[tuple[str, Plan]]:
     return plans
 
 
+def _folded_plans() -> list[tuple[str, Plan]]:
+    """The zoo's unreplicated stage DAGs, each folded every way onto fewer devices (and once
+    unfolded: one stage per device is a placement too)."""
+    plans = []
+    for label, plan in _zoo_plans():
+        if any(s.replicas > 1 for s in plan.stages):
+            continue
+        plans.append((label, plan))
+        count = len(plan.stages)
+        for devices in sorted({max(1, count // 2), count - 1} - {0}):
+            for how, assignment in foldings(plan, devices).items():
+                if len(set(assignment)) == devices:
+                    plans.append(
+                        (f"{label} {how} on {devices}", place_graph(plan, devices, assignment))
+                    )
+    return plans
+
+
+def test_the_folded_zoo_has_devices_holding_branches_and_their_joins() -> None:
+    folded = [p for label, p in _folded_plans() if " on " in label]
+    assert len(folded) >= 20
+    assert any(
+        p.stage_graph.in_degree(s.index) > 1 and len(p.stages_on(s.devices[0])) > 1
+        for p in folded
+        for s in p.stages
+    )
+
+
+def _plans_for(name: str) -> list[tuple[str, Plan]]:
+    if name in PLACED:
+        return _placed_plans(name)
+    return _folded_plans() if name == ANY_PLACEMENT else _zoo_plans()
+
+
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_generator_is_deadlock_free_under_both_semantics(name: str) -> None:
     checked = 0
-    for label, plan in _placed_plans(name) if name in PLACED else _zoo_plans():
+    for label, plan in _plans_for(name):
         try:
             make_schedule(plan, name)
         except ScheduleError:

@@ -16,7 +16,7 @@ from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Action, Plan, Schedule, parse_ranks
 from graphpipe.partition import PlanConfig, partition_op_graph
 from graphpipe.program import Comm, lower
-from graphpipe.schedule import PLACED, SCHEDULES, drain_schedule, make_schedule
+from graphpipe.schedule import ANY_PLACEMENT, PLACED, SCHEDULES, drain_schedule, make_schedule
 from graphpipe.simulate import steady_run
 
 
@@ -135,7 +135,7 @@ def test_every_generator_passes_the_validator_on_random_stage_dags(seed: int) ->
             except ScheduleError as exc:
                 assert re.search("placed|multiple of|2 stages per device", str(exc)), exc
             continue
-        if name in ("async", "2bw") and replicated:
+        if name in ("async", "2bw", ANY_PLACEMENT) and replicated:
             with pytest.raises(ScheduleError, match="unreplicated"):
                 make_schedule(plan, name)
             continue

@@ -42,11 +42,13 @@ from graphpipe.ir import Plan
 from graphpipe.opgraph import graph_hash, op_graph
 from graphpipe.partition.assemble import assemble
 from graphpipe.partition.fold import folded_groups
+from graphpipe.partition.interleave import interleavings
 from graphpipe.partition.manual import groups_from_pins
 from graphpipe.partition.place import PLACEMENTS, place_stages
 from graphpipe.partition.search import search
 from graphpipe.partition.sptree import coarsen, condense, decompose, linearise
 from graphpipe.profile import Profile, ProfileConfig, profile
+from graphpipe.simulate import simulate
 from graphpipe.trace import LeafSpec, flat_inputs, trace
 
 __all__ = [
@@ -80,6 +82,7 @@ class PlanConfig:
     max_units: int = 128  # the most units the DP searches (at least 4N); more are merged
     virtual_stages: int = 1  # stages per device (a chain of N*v stages, folded by placement)
     placement: str = "loop"  # with virtual_stages > 1: "loop" (interleaved) or "v" (ZB-V)
+    interleave: bool = False  # graph: also try finer stage DAGs folded onto the devices
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -105,6 +108,12 @@ class PlanConfig:
             raise ConfigError(
                 "virtual_stages > 1 folds a chain of stages onto the devices: use "
                 "partitioner='sequential' or 'manual'"
+            )
+        if self.interleave and (self.partitioner != "graph" or self.virtual_stages > 1):
+            raise ConfigError(
+                "interleave=True folds the graph partitioner's stage DAGs onto the devices: "
+                f"it needs partitioner='graph' and virtual_stages=1, got "
+                f"{self.partitioner!r} and {self.virtual_stages}"
             )
         if self.partitioner == "manual" and not self.pins:
             raise ConfigError("partitioner='manual' needs pins: {module path or op: stage}")
@@ -232,8 +241,47 @@ def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, diges
         result = _searched(g, cost, config, "sequential", digest)
     else:
         result = _best_of_graph_and_sequential(g, cost, config, digest)
+        if config.interleave:
+            result = _interleaved_or(result, g, cost, config, digest)
     result.validate(g)
     return result
+
+
+def _interleaved_or(
+    base: Plan, g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str
+) -> Plan:
+    """`base`, or the fastest graph interleaving (`interleave`) when its simulated step under
+    graph_interleaved beats base's under 1f1b."""
+    start = time.perf_counter()
+
+    def finer(devices: int) -> Plan:
+        return _best_of_graph_and_sequential(
+            g, cost, replace(config, devices=devices, replication=False, interleave=False), digest
+        )
+
+    base_time = simulate(base, "1f1b").iteration_time
+    best, best_time = base, base_time
+    ops = sum(1 for n in g if n != "output")
+    tried = 0
+    for candidate in interleavings(finer, config.devices, ops):
+        try:
+            candidate.validate(g)  # e.g. the stages of a device over the memory budget
+        except PlanError:
+            continue
+        tried += 1
+        t = simulate(candidate, "graph_interleaved").iteration_time
+        if t < best_time:
+            best, best_time = candidate, t
+    note = {
+        "unfolded_step": base_time,
+        "interleaved_step": best_time if best is not base else None,
+        "foldings_tried": tried,
+    }
+    return replace(
+        best,
+        search_time=base.search_time + time.perf_counter() - start,
+        info={**best.info, "interleave": note},
+    )
 
 
 def cost_model(
