@@ -11,7 +11,9 @@ Two models, batch 256, M = 8 micro-batches, SGD; each figure is the median step 
 
 Every schedule of each side runs on the same split:
 - graphpipe: 1f1b and zb on 2 stages (the chain's halves; the towers' graph plan, from op
-  times measured here), interleaved and zbv on the chain's 4 quarters, 2 per rank;
+  times measured here), interleaved and zbv on the chain's 4 quarters, 2 per rank, and on
+  the towers graph_interleaved: the planner's graph interleaving (`interleave=True`; it
+  falls back to 1f1b on the graph plan when folding does not simulate faster);
 - torch.distributed.pipelining: Schedule1F1B on 2 stages, ScheduleInterleaved1F1B,
   ScheduleZBVZeroBubble and ScheduleDualPipeV on 4 stages, 2 per rank. Its stages only read
   their predecessor, so the towers' sequential split passes x along (tower a | tower b and
@@ -52,7 +54,10 @@ from graphpipe.profile import ProfileConfig
 from graphpipe.simulate import simulate
 
 BATCH, M, WARMUP, STEPS, RECORDED = 256, 8, 5, 20, 5
-GRAPHPIPE = {"chain": ("1f1b", "zb", "interleaved", "zbv"), "towers": ("1f1b", "zb")}
+GRAPHPIPE = {
+    "chain": ("1f1b", "zb", "interleaved", "zbv"),
+    "towers": ("1f1b", "zb", "graph_interleaved"),
+}
 TORCH = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 WIDTH = {"chain": 1024, "towers": 768}
 
@@ -102,7 +107,8 @@ def _timed(step: Callable[[], Any]) -> float:
 def _graphpipe_plan(name: str, schedule: str, model: nn.Module, x: torch.Tensor) -> Any:
     """The split: the chain's halves or quarters by pins, the towers' graph plan."""
     if name == "towers":
-        return {"replication": False, "profile_config": ProfileConfig(mode="measure")}
+        measured = {"replication": False, "profile_config": ProfileConfig(mode="measure")}
+        return {**measured, "interleave": schedule == "graph_interleaved"}
     if schedule in ("interleaved", "zbv"):
         pins = {str(i): i // 2 for i in range(8)}
         placement = "loop" if schedule == "interleaved" else "v"
@@ -130,7 +136,7 @@ def _graphpipe(name: str, schedule: str) -> dict[str, Any]:
         x,
         loss_fn=F.mse_loss,
         micro_batches=M,
-        schedule=schedule,
+        schedule=None if schedule == "graph_interleaved" else schedule,
         optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
         **_graphpipe_plan(name, schedule, model, x),
     )
@@ -155,7 +161,12 @@ def _graphpipe(name: str, schedule: str) -> dict[str, Any]:
         "post": comm["post"] / wall,
         "rest": (wall - compute - comm["wait"] - comm["post"]) / wall,
     }
-    return {"step": measured, "simulated": predicted.iteration_time, "split": split}
+    return {
+        "step": measured,
+        "simulated": predicted.iteration_time,
+        "split": split,
+        "ran": f"{pm.schedule.name} on {len(pm.plan.stages)} stages",
+    }
 
 
 # -- torch.distributed.pipelining --------------------------------------------------------------
@@ -247,6 +258,22 @@ def _single_process(name: str) -> float:
     return _timed(step)
 
 
+def _micro_batch_cost() -> tuple[float, float]:
+    """Half the chain's forward and backward over the batch: in one pass, and as M passes."""
+    torch.set_num_threads(1)
+    half = mlp()[:4]
+    x, y = _data("chain")
+
+    def passes(m: int) -> Callable[[], None]:
+        def run() -> None:
+            for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
+                F.mse_loss(half(xs), ys).backward()
+
+        return run
+
+    return _timed(passes(1)), _timed(passes(M))
+
+
 def _side_by_side() -> float:
     """The chain in one process while another process does the same (no communication)."""
     dist.barrier()
@@ -269,6 +296,8 @@ def _measure() -> dict[str, Any]:
         results["single"][name] = _single_process(name)
     log("chain: two processes side by side")
     results["together"] = max(launch(_side_by_side, 2))
+    log("chain: half the chain in one pass and in M micro-batches")
+    results["micro"] = _micro_batch_cost()
     return results
 
 
@@ -302,7 +331,7 @@ def _overhead_rows(results: dict[str, Any]) -> list[list[str]]:
         )
         rows.append(
             [
-                f"{name} {s}",
+                f"{name} {s} ({r['ran']})",
                 f"{r['step'] * 1e3:.1f}",
                 f"{r['simulated'] * 1e3:.1f}",
                 f"{r['step'] / r['simulated']:.2f}x",
@@ -316,6 +345,7 @@ def report() -> str:
     """The tables as one markdown section."""
     results = _measure()
     alone, together = results["single"]["chain"], results["together"]
+    whole, parts = results["micro"]
     return (
         f"## Runtime: 2 CPU processes, one thread each\n\n{machine()}\n\n"
         "Command: `python -m benchmarks.runtime`. Batch 256, M = 8, SGD; median step times in "
@@ -343,7 +373,11 @@ def report() -> str:
         )
         + f"\n\nContention: the chain's step in one process takes {alone * 1e3:.0f} ms alone "
         f"and {together * 1e3:.0f} ms while a second process does the same "
-        f"({together / alone - 1:+.0%}).\n"
+        f"({together / alone - 1:+.0%}). Micro-batching: half the chain's forward and "
+        f"backward over the batch takes {whole * 1e3:.0f} ms in one pass and "
+        f"{parts * 1e3:.0f} ms as {M} micro-batches of {BATCH // M} rows (one process, one "
+        "thread): small matmuls are less efficient on this CPU, and every pipeline, "
+        "torch's included, pays that against one process.\n"
     )
 
 
