@@ -41,6 +41,7 @@ from graphpipe.ir import Plan
 from graphpipe.opgraph import graph_hash
 from graphpipe.partition import PlanConfig, micro_batch_size, partition
 from graphpipe.profile import ProfileConfig, profile
+from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.materialize import InitFn
 from graphpipe.runtime.pipeline import (
     OptimizerFactory,
@@ -74,6 +75,8 @@ def compile(
     runtime: RuntimeConfig | None = None,
     init_weights: InitFn | None = None,
     checkpoint: str | Path | None = None,
+    max_grad_norm: float | None = None,
+    grad_norm_type: float = 2.0,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -112,6 +115,11 @@ def compile(
             Default: each module's `reset_parameters()`.
         checkpoint: For a model on the meta device: a state_dict file, safetensors file(s)
             or a DCP directory to load this rank's stage from, by parameter name.
+        max_grad_norm: Clip the gradients of the whole model to this total norm in every
+            update, as `torch.nn.utils.clip_grad_norm_` on one process would (the norm is
+            reduced over the stages; tied copies and replicas count once). weights="flush"
+            only. `pm.last_grad_norm` is the norm before clipping.
+        grad_norm_type: p of the p-norm (`math.inf` for the largest value).
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...).
 
     Returns:
@@ -133,6 +141,7 @@ def compile(
         raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
     asked = schedule
     schedule = _schedule_for(weights, schedule)
+    check_clipping(max_grad_norm, grad_norm_type, weights)
     options = _plan_options(partitioner, plan_options)
     if weights != "flush":
         options.setdefault("replication", False)
@@ -175,6 +184,7 @@ def compile(
         weight_options,
         init_weights,
         checkpoint,
+        None if max_grad_norm is None else (max_grad_norm, grad_norm_type),
     )
 
 

@@ -247,16 +247,21 @@ def test_the_profiler_timer_records_every_action_of_the_program() -> None:
         assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(spans))
 
 
-def _replicated_worker() -> dict[str, Any]:
+def _replicated_plan() -> Any:
     """two_branch with stage 0 (both branches) on ranks 0 and 1, the head on rank 2."""
     model, inputs = ZOO["two_branch"]()
     gm = trace(model, inputs)
     g = op_graph(gm, profile(gm, inputs, 2))
     (branches, _), (head, _) = groups_from_pins(g, {"a": 0, "b": 0, "cat": 1, "head": 1})
     config = PlanConfig(devices=3, micro_batches=M)
-    the_plan = assemble(
+    return assemble(
         g, [(branches, 2), (head, 1)], cost_model(config, 2), 3, "manual", graph_hash(gm)
     )
+
+
+def _replicated_worker() -> dict[str, Any]:
+    model, inputs = ZOO["two_branch"]()
+    the_plan = _replicated_plan()
     pm = gp_compile(model, inputs, loss_fn=dict_loss, optimizer=_optimizer(), plan=the_plan)
     early: list[int] = []  # buckets already in flight when each update began
     finish = GradSync.__call__

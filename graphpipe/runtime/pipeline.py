@@ -8,6 +8,7 @@ data between ranks.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Plan, Schedule, Timeline
 from graphpipe.profiling import profile_actions, spans_from_profiler
 from graphpipe.program import Comm, Op, Program, lower
+from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.comm import FailureBoard, Transport
 from graphpipe.runtime.executor import Batch, Executor, StageRuntime
 from graphpipe.runtime.materialize import InitFn, materialize, names_by_id
@@ -93,6 +95,7 @@ class PipelinedModel:
         weight_options: PolicyOptions | None = None,
         init_weights: InitFn | None = None,
         checkpoint: str | Path | None = None,
+        clip: tuple[float, float] | None = None,
     ) -> None:
         self.plan, self.schedule, self.runtime = plan, schedule, runtime
         self.rank = dist.get_rank()
@@ -118,6 +121,7 @@ class PipelinedModel:
         ]
         self._aliases = names_by_id(model)  # every name of each tensor, tied ones too
         groups = self._groups(canon, modules)
+        clip_group = self._clip_group() if clip is not None else None
         if materialized:
             groups.sync.broadcast()  # tied copies and replicas start equal on every holder
         self.module: nn.Module | None = None
@@ -151,6 +155,9 @@ class PipelinedModel:
                 warmups(plan)[stages[0].index],
                 weight_options,
             )
+            if clip is not None:
+                self._clipper = self._make_clipper(clip, canon, modules, groups, clip_group)
+                self.policy.before_step = self._clip
             board = FailureBoard(dist.get_world_size())
             transport = Transport(self.rank, runtime.timeout, self.device, board)
             self._executor = Executor(runtime_stages, self.policy, transport)
@@ -422,6 +429,44 @@ class PipelinedModel:
         return Timeline(tuple(every), self.plan.num_devices, "measured", self.schedule.name)
 
     # -- set-up --------------------------------------------------------------------------------
+
+    def _clip_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding a stage, as a process group (a collective); None: all of them."""
+        busy = sorted({d for s in self.plan.stages for d in s.devices})
+        if len(busy) == dist.get_world_size():
+            return None
+        return dist.new_group(busy, timeout=datetime.timedelta(seconds=self.runtime.timeout))
+
+    def _make_clipper(
+        self,
+        clip: tuple[float, float],
+        canon: dict[str, str],
+        modules: dict[int, Any],
+        groups: _Groups,
+        group: dist.ProcessGroup | None,
+    ) -> GradClipper:
+        """Count each parameter on one rank: its first holding stage's first device."""
+        assert self.module is not None
+        params = list(self.module.parameters())  # unique: a tied weight is one tensor here
+        counted = []
+        seen: set[int] = set()
+        for index in self._stage_indices:
+            for n, p in modules[index][0].named_parameters():
+                name = canon.get(n, n)
+                owner = groups.shared.get(name, (index,))[0]
+                if self.plan.stages[owner].devices[0] == self.rank and id(p) not in seen:
+                    counted.append(p)
+                    seen.add(id(p))
+        return GradClipper(clip[0], clip[1], params, counted, group)
+
+    def _clip(self) -> None:
+        self._clipper(self.device)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The total gradient norm before clipping at the last update (max_grad_norm=)."""
+        clipper = getattr(self, "_clipper", None)
+        return None if clipper is None or clipper.last is None else float(clipper.last)
 
     def _groups(self, canon: dict[str, str], modules: dict[int, Any]) -> _Groups:
         """Process groups for replicas and tied copies; created in the same order everywhere.

@@ -1,0 +1,104 @@
+"""Global gradient clipping across the stages of a pipeline.
+
+`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` on one process scales every
+gradient by min(1, max_norm / (norm + 1e-6)), where norm is the p-norm of all gradients
+together. In a pipeline each rank holds only its stages' gradients, so the norm is reduced
+over the ranks:
+
+    local   sum of |g|^p over the gradients this rank counts (max |g| for p = inf)
+    total   all-reduce (SUM, or MAX for inf) over every rank that holds a stage, then ^(1/p)
+
+A parameter is counted once: a tied weight held by several stages by the rank of the first
+of them, a replicated stage's parameters by its first device. The weight policy calls the
+clipper after the gradient sums over replicas and tied copies and before the optimizer step
+(`WeightPolicy.before_step`), so every copy is scaled by the same factor. The norm stays on
+the device; `PipelinedModel.last_grad_norm` reads it when asked.
+
+Only flush updates every stage at one point per mini-batch with that mini-batch's gradient,
+so only it has one global norm per update. stash and PipeMare update each stage after each of
+its own micro-batches, at different times on different stages: no global norm exists, and
+clipping is refused (`check_clipping`). 2bw updates each stage once per mini-batch and could
+pair its stages' k-th updates; it is refused until that is tested against its recurrence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graphpipe.errors import ConfigError
+
+__all__ = ["CLIPPABLE", "GradClipper", "check_clipping"]
+
+CLIPPABLE = frozenset({"flush"})  # policies whose updates are one global step per mini-batch
+
+
+def check_clipping(max_norm: float | None, norm_type: float, weights: str) -> None:
+    """Refuse clipping settings that cannot work, naming the value.
+
+    Raises:
+        ConfigError: a non-positive max_norm or norm_type, or a policy without one global
+            update per mini-batch.
+    """
+    if max_norm is None:
+        return
+    if not max_norm > 0:
+        raise ConfigError(f"max_grad_norm must be positive, got {max_norm}")
+    if not norm_type > 0:
+        raise ConfigError(f"grad_norm_type must be positive (or inf), got {norm_type}")
+    if weights not in CLIPPABLE:
+        raise ConfigError(
+            f"max_grad_norm needs one global update per mini-batch (weights in "
+            f"{sorted(CLIPPABLE)}); weights={weights!r} updates the stages at different "
+            "times, so there is no one global norm to clip by"
+        )
+
+
+class GradClipper:
+    """Scales this rank's gradients by the global clipping factor (module docstring)."""
+
+    def __init__(
+        self,
+        max_norm: float,
+        norm_type: float,
+        params: Sequence[nn.Parameter],
+        counted: Sequence[nn.Parameter],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        """
+        Args:
+            max_norm: The largest total norm allowed.
+            norm_type: p of the p-norm (math.inf for the largest absolute value).
+            params: Every parameter of this rank (all are scaled).
+            counted: Those this rank counts in the norm.
+            group: The ranks that hold a stage (None: the default group).
+        """
+        self.max_norm, self.norm_type, self.group = max_norm, float(norm_type), group
+        self.params, self.counted = list(params), list(counted)
+        self.last: torch.Tensor | None = None
+
+    def _local(self, device: torch.device) -> torch.Tensor:
+        grads = [p.grad for p in self.counted if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norms = torch.stack([torch.linalg.vector_norm(g.detach(), self.norm_type) for g in grads])
+        if math.isinf(self.norm_type):
+            return norms.max()
+        return norms.pow(self.norm_type).sum()
+
+    def __call__(self, device: torch.device) -> torch.Tensor:
+        """Reduce the norm over the ranks, scale the gradients, and return the total norm."""
+        total = self._local(device).reshape(1)
+        inf = math.isinf(self.norm_type)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.group)
+        norm = total[0] if inf else total[0].pow(1.0 / self.norm_type)
+        factor = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.detach().mul_(factor.to(p.grad.device))
+        self.last = norm.detach()
+        return self.last

@@ -1,0 +1,107 @@
+"""What a training loop expects: global gradient clipping equal to `clip_grad_norm_` on one
+process, with tied weights across ranks and a replicated stage in the pipeline."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from test_runtime import PINS, STEPS, M, _optimizer, _replicated_plan, batch
+from zoo import ZOO, dict_loss
+
+from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import ConfigError
+from graphpipe.launch import launch
+from graphpipe.partition import plan
+from graphpipe.runtime.clip import check_clipping
+
+TIMEOUT = 240
+CLIP_CASES = {  # name -> (model, max norm, norm type, plan)
+    "tied": ("tied", 0.05, 2.0, "pins"),  # embed.weight on stages 0 and 2 (ranks 0 and 2)
+    "replicated": ("two_branch", 0.05, 2.0, "replicated"),  # stage 0 on ranks 0 and 1
+    "inf": ("skip_across", 0.01, math.inf, "pins"),
+}
+
+
+def _clipped_reference(name: str, max_norm: float, norm_type: float) -> dict[str, Any]:
+    model, _ = ZOO[name]()
+    opt = _optimizer()(model.parameters())
+    norms, losses = [], []
+    for step in range(STEPS):
+        inputs, target = batch(name, step)
+        parts = [x.chunk(M) for x in inputs]
+        total = 0.0
+        for j in range(M):
+            loss = dict_loss(model(*[p[j] for p in parts]), target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    return {"losses": losses, "norms": norms, "state": model.state_dict()}
+
+
+def _clip_worker() -> dict[str, Any]:
+    out = {}
+    for case, (name, max_norm, norm_type, how) in CLIP_CASES.items():
+        model, inputs = ZOO[name]()
+        the_plan = (
+            _replicated_plan()
+            if how == "replicated"
+            else plan(model, inputs, devices=3, micro_batches=M, pins=PINS[name])
+        )
+        pm = gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            plan=the_plan,
+            max_grad_norm=max_norm,
+            grad_norm_type=norm_type,
+        )
+        losses, norms = [], []
+        for step in range(STEPS):
+            losses.append(pm.step(*batch(name, step)[0], target=batch(name, step)[1]))
+            norms.append(pm.last_grad_norm)
+        out[case] = {"losses": losses, "norms": norms, "state": pm.state_dict()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def clipped() -> list[dict[str, Any]]:
+    return launch(_clip_worker, 3, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("case", sorted(CLIP_CASES))
+def test_clipping_equals_clip_grad_norm_on_one_process(
+    clipped: list[dict[str, Any]], case: str
+) -> None:
+    name, max_norm, norm_type, _ = CLIP_CASES[case]
+    ref = _clipped_reference(name, max_norm, norm_type)
+    assert all(n > max_norm for n in ref["norms"])  # the clipping is active in every step
+    for rank_result in clipped:
+        result = rank_result[case]
+        assert result["norms"] == pytest.approx(ref["norms"], rel=1e-5)  # the same on every rank
+        assert result["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        for key, value in ref["state"].items():
+            torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("max_norm", "norm_type", "weights", "match"),
+    [
+        (0.0, 2.0, "flush", "max_grad_norm must be positive, got 0.0"),
+        (-1.0, 2.0, "flush", "got -1.0"),
+        (1.0, 0.0, "flush", "grad_norm_type must be positive"),
+        (1.0, 2.0, "stash", "weights='stash'"),
+        (1.0, 2.0, "pipemare", "weights='pipemare'"),
+    ],
+)
+def test_bad_clipping_is_refused_naming_the_value(
+    max_norm: float, norm_type: float, weights: str, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        check_clipping(max_norm, norm_type, weights)
