@@ -1,14 +1,18 @@
 """What a training loop expects: global gradient clipping equal to `clip_grad_norm_` on one
-process, with tied weights across ranks and a replicated stage in the pipeline."""
+process, with tied weights across ranks and a replicated stage in the pipeline; evaluation
+that leaves the training state alone under every weight policy."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_runtime import PINS, STEPS, M, _optimizer, _replicated_plan, batch
+from torch import nn
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import compile as gp_compile
@@ -105,3 +109,102 @@ def test_bad_clipping_is_refused_naming_the_value(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         check_clipping(max_norm, norm_type, weights)
+
+
+# -- evaluation --------------------------------------------------------------------------------
+
+
+class Noisy(nn.Module):
+    """BatchNorm and dropout: a model whose eval mode differs from its training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh())
+        self.drop = nn.Dropout(0.5)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(self.a(x)))
+
+
+NOISY_PINS = {"a": 0, "drop": 1, "b": 1}
+POLICIES = ("flush", "stash", "2bw", "pipemare")
+
+
+def _noisy_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(500 + step)
+    return torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
+
+
+def _snapshot(pm: Any) -> dict[str, Any]:
+    return {
+        "module": {k: v.clone() for k, v in pm.module.state_dict().items()},
+        "grads": [None if p.grad is None else p.grad.clone() for p in pm.module.parameters()],
+        "optimizer": copy.deepcopy(pm.optimizer.state_dict()),
+        "versions": copy.deepcopy(pm.versions()),
+        "training": [m.training for m in pm.module.modules()],
+    }
+
+
+def _eval_worker() -> dict[str, Any]:
+    out = {}
+    for weights in POLICIES:
+        model = Noisy()
+        x, _ = _noisy_batch(0)
+        pm = gp_compile(
+            model,
+            x,
+            loss_fn=F.mse_loss,
+            optimizer=_optimizer(),
+            micro_batches=2,
+            weights=weights,
+            pins=NOISY_PINS,
+        )
+        torch.manual_seed(1)  # dropout masks
+        for step in range(2):
+            pm.step(_noisy_batch(step)[0], target=_noisy_batch(step)[1])
+        before = _snapshot(pm)
+        x, y = _noisy_batch(9)
+        loss, output = pm.eval_step(x, target=y), pm(x)
+        again = pm.eval_step(x, target=y)  # no dropout: the same value twice
+        out[weights] = {"before": before, "after": _snapshot(pm), "loss": loss}
+        out[weights] |= {"again": again, "output": output}
+        if weights == "flush":
+            out[weights]["state"] = pm.state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def evaluated() -> list[dict[str, Any]]:
+    return launch(_eval_worker, 2, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("weights", POLICIES)
+def test_eval_leaves_weights_gradients_optimizer_and_versions_alone(
+    evaluated: list[dict[str, Any]], weights: str
+) -> None:
+    for rank in evaluated:
+        result = rank[weights]
+        before, after = result["before"], result["after"]
+        assert before["training"] == after["training"] and all(after["training"])
+        for k, v in before["module"].items():  # parameters and BatchNorm's running stats
+            assert torch.equal(v, after["module"][k]), k
+        for g0, g1 in zip(before["grads"], after["grads"], strict=True):
+            assert (g0 is None and g1 is None) or torch.equal(g0, g1)
+        assert repr(before["optimizer"]) == repr(after["optimizer"])
+        assert before["versions"] == after["versions"]
+        assert result["loss"] == result["again"]
+
+
+def test_eval_step_and_call_equal_the_model_in_eval_mode(evaluated: list[dict[str, Any]]) -> None:
+    result = evaluated[0]["flush"]
+    model = Noisy()
+    model.load_state_dict(result["state"])  # the trained weights and running statistics
+    model.eval()
+    x, y = _noisy_batch(9)
+    with torch.no_grad():
+        expected = model(x)
+    torch.testing.assert_close(result["output"], expected, rtol=1e-5, atol=1e-6)
+    # the mean of the micro-batch losses: the batch's mean loss for an equal split
+    assert result["loss"] == pytest.approx(F.mse_loss(expected, y).item(), rel=1e-5)

@@ -349,6 +349,19 @@ class Executor:
         self.policy.update(a.mb)
 
 
+class _LiveWeights:
+    """The forward-only stand-in for a weight policy: every forward uses the live weights,
+    and nothing is logged or versioned (evaluation)."""
+
+    recomputes = False
+
+    def forward(self, j: int, run: Callable[[Any], Any]) -> Any:
+        return run(None)
+
+
+LIVE_WEIGHTS: Any = _LiveWeights()
+
+
 def _scalar(loss: Any, j: int) -> torch.Tensor:
     """The loss of micro-batch j, which must be a real scalar tensor.
 

@@ -26,7 +26,7 @@ from graphpipe.profiling import profile_actions, spans_from_profiler
 from graphpipe.program import Comm, Op, Program, lower
 from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.comm import FailureBoard, Transport
-from graphpipe.runtime.executor import Batch, Executor, StageRuntime
+from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor, StageRuntime
 from graphpipe.runtime.materialize import InitFn, materialize, names_by_id
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
@@ -220,9 +220,10 @@ class PipelinedModel:
             self._programs[key] = lower(self.plan, base, prefetch=self._prefetch)
         return [_moved(op, shift) for op in self._programs[key].ranks[self.rank]]
 
-    def _mean_loss(self) -> float:
+    def _mean_loss(self, executor: Executor | None = None) -> float:
         """The call's mean loss on every rank: one device-to-host copy per step."""
-        losses = list(self._executor.losses.values()) if self._executor is not None else []
+        executor = executor or self._executor
+        losses = list(executor.losses.values()) if executor is not None else []
         total = (
             torch.stack(losses).sum().to(torch.float64).reshape(1)
             if losses
@@ -265,13 +266,12 @@ class PipelinedModel:
     # -- inference, state ----------------------------------------------------------------------
 
     def __call__(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor) -> Any:
-        """Forward only: the model's output for this mini-batch, on every rank."""
+        """Forward only, in eval mode: the model's output for this mini-batch, on every rank
+        (see `eval_step`)."""
         batch = self._batch(inputs, kw_inputs, None, first=0)
+        inference = self._forward_only(batch)
         outputs: dict[int, Any] = {}
-        if self._executor is not None:
-            inference = Executor(self._executor.stages, self.policy, self._executor.transport)
-            inference.training = False
-            inference.run(self._lowered(make_schedule(self.plan, "forward", self._m), 0), batch)
+        if inference is not None:
             outputs = {
                 j: mb.outputs[OUTPUT]
                 for (_, j), mb in inference.state.items()
@@ -282,6 +282,43 @@ class PipelinedModel:
         merged = {j: out for part in gathered for j, out in part.items()}
         pieces = [merged[j] for j in range(self._m)]
         return tree_map(lambda *xs: torch.cat(xs), *pieces) if pieces else None
+
+    def eval_step(
+        self, *inputs: torch.Tensor, target: Any = None, **kw_inputs: torch.Tensor
+    ) -> float:
+        """The mean loss of this mini-batch, forward only, in eval mode.
+
+        The micro-batches run through the stages with the live weights, without gradients,
+        with every module in eval mode (dropout off, BatchNorm on its running statistics)
+        and back in its own mode afterwards. Parameters, gradients, optimizer state and the
+        weight policy's versions are left as they were, under every policy.
+
+        Raises:
+            ConfigError: no target, or inputs of the wrong shape (before any communication).
+            PipelineError: a failure while running.
+        """
+        if target is None:
+            raise ConfigError(
+                "eval_step() needs target=...: the loss is computed on the last stage"
+            )
+        batch = self._batch(inputs, kw_inputs, target, first=0)
+        return self._mean_loss(self._forward_only(batch))
+
+    def _forward_only(self, batch: Batch) -> Executor | None:
+        """Run the forward schedule in eval mode with the live weights, outside the policy."""
+        if self._executor is None:
+            return None
+        assert self.module is not None
+        inference = Executor(self._executor.stages, LIVE_WEIGHTS, self._executor.transport)
+        inference.training = False
+        modes = [(m, m.training) for m in self.module.modules()]
+        self.module.eval()
+        try:
+            inference.run(self._lowered(make_schedule(self.plan, "forward", self._m), 0), batch)
+        finally:
+            for m, training in modes:
+                m.training = training
+        return inference
 
     def drain(self) -> None:
         """Finish the backwards and updates an asynchronous pipeline still has in flight.
