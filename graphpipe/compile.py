@@ -55,6 +55,8 @@ from graphpipe.trace import LeafSpec, flat_inputs, trace, trace_info
 
 __all__ = ["PipelinedModel", "RuntimeConfig", "compile"]
 
+SPLIT_BACKWARD = frozenset({"zb", "zbv"})  # schedules with input/weight backward halves
+
 log = logging.getLogger("graphpipe")
 
 
@@ -77,6 +79,7 @@ def compile(
     checkpoint: str | Path | None = None,
     max_grad_norm: float | None = None,
     grad_norm_type: float = 2.0,
+    compile_stages: bool = False,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -120,6 +123,9 @@ def compile(
             reduced over the stages; tied copies and replicas count once). weights="flush"
             only. `pm.last_grad_norm` is the norm before clipping.
         grad_norm_type: p of the p-norm (`math.inf` for the largest value).
+        compile_stages: `torch.compile` each of this rank's stage modules (in place: state
+            dict keys stay). Not with zero-bubble schedules (zb, zbv), whose backward is
+            split into input and weight halves, which a compiled backward cannot do.
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...).
 
     Returns:
@@ -142,6 +148,12 @@ def compile(
     asked = schedule
     schedule = _schedule_for(weights, schedule)
     check_clipping(max_grad_norm, grad_norm_type, weights)
+    if compile_stages and schedule in SPLIT_BACKWARD:
+        raise ConfigError(
+            f"compile_stages=True cannot run schedule={schedule!r}: it splits each backward "
+            "into input and weight halves, which a compiled backward does not; use 1f1b, "
+            "gpipe, interleaved or graph_interleaved"
+        )
     options = _plan_options(partitioner, plan_options)
     if weights != "flush":
         options.setdefault("replication", False)
@@ -185,6 +197,7 @@ def compile(
         init_weights,
         checkpoint,
         None if max_grad_norm is None else (max_grad_norm, grad_norm_type),
+        compile_stages,
     )
 
 

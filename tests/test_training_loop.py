@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from test_runtime import PINS, STEPS, M, _optimizer, _replicated_plan, batch
 from torch import nn
+from torch._dynamo.utils import counters
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import compile as gp_compile
@@ -208,3 +209,55 @@ def test_eval_step_and_call_equal_the_model_in_eval_mode(evaluated: list[dict[st
     torch.testing.assert_close(result["output"], expected, rtol=1e-5, atol=1e-6)
     # the mean of the micro-batch losses: the batch's mean loss for an equal split
     assert result["loss"] == pytest.approx(F.mse_loss(expected, y).item(), rel=1e-5)
+
+
+# -- torch.compile per stage -------------------------------------------------------------------
+
+
+def _compiled_worker() -> dict[str, Any]:
+    torch._dynamo.reset()
+    out = {}
+    for compiled in (False, True):
+        model, inputs = ZOO["two_branch"]()
+        pm = gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            micro_batches=M,
+            pins={"a": 0, "b": 0, "cat": 1, "head": 1},
+            compile_stages=compiled,
+        )
+        losses = [
+            pm.step(*batch("two_branch", s)[0], target=batch("two_branch", s)[1]) for s in range(2)
+        ]
+        out[compiled] = {"losses": losses, "state": pm.state_dict()}
+        out[compiled]["compiled"] = getattr(pm.module, "_compiled_call_impl", None) is not None
+        out[compiled]["graphs"] = counters["stats"]["unique_graphs"]  # dynamo's, so far
+    return out
+
+
+def test_compiled_stages_train_like_uncompiled_ones() -> None:
+    """torch.compile (inductor, on the CPU) on each stage: the same losses and parameters, the
+    same state dict keys."""
+    for result in launch(_compiled_worker, 2, timeout=600):
+        plain, compiled = result[False], result[True]
+        assert compiled["compiled"] and not plain["compiled"]
+        assert plain["graphs"] == 0 < compiled["graphs"]  # the stage really ran compiled
+        assert compiled["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+        assert list(compiled["state"]) == list(plain["state"])
+        for key, value in plain["state"].items():
+            torch.testing.assert_close(compiled["state"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_stages_refuse_a_split_backward() -> None:
+    model, inputs = ZOO["two_branch"]()
+    with pytest.raises(ConfigError, match="schedule='zb'"):
+        gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            schedule="zb",
+            compile_stages=True,
+        )

@@ -96,6 +96,7 @@ class PipelinedModel:
         init_weights: InitFn | None = None,
         checkpoint: str | Path | None = None,
         clip: tuple[float, float] | None = None,
+        compile_stages: bool = False,
     ) -> None:
         self.plan, self.schedule, self.runtime = plan, schedule, runtime
         self.rank = dist.get_rank()
@@ -139,6 +140,8 @@ class PipelinedModel:
                 module, io = modules[s.index]
                 retarget(module, self.device)
                 module.to(self.device)
+                if compile_stages:  # in place: the module and its state dict keys stay
+                    module.compile()
                 runtime_stages[s.index] = StageRuntime(
                     self.rank, plan, s.index, module, io, specs, gm, loss_fn, self.device
                 )
