@@ -40,6 +40,7 @@ from graphpipe.errors import ConfigError, GraphPipeError, PlanError
 from graphpipe.ir import Plan
 from graphpipe.opgraph import graph_hash
 from graphpipe.partition import PlanConfig, micro_batch_size, partition
+from graphpipe.partition.recompute import RecomputeSpec, choose_recompute
 from graphpipe.profile import ProfileConfig, profile
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.materialize import InitFn
@@ -80,6 +81,7 @@ def compile(
     max_grad_norm: float | None = None,
     grad_norm_type: float = 2.0,
     compile_stages: bool = False,
+    recompute: RecomputeSpec = False,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -123,6 +125,11 @@ def compile(
             reduced over the stages; tied copies and replicas count once). weights="flush"
             only. `pm.last_grad_norm` is the norm before clipping.
         grad_norm_type: p of the p-norm (`math.inf` for the largest value).
+        recompute: Activation checkpointing: True (every stage), a list of stage indices,
+            or "auto" (on each device over the plan's memory budget, the stages that save
+            most, until it fits). A recomputing stage keeps only its inputs per micro-batch
+            and re-runs its forward in its backward (`graphpipe.partition.recompute`); the
+            plan's times and memory say so.
         compile_stages: `torch.compile` each of this rank's stage modules (in place: state
             dict keys stay). Not with zero-bubble schedules (zb, zbv), whose backward is
             split into input and weight halves, which a compiled backward cannot do.
@@ -173,6 +180,7 @@ def compile(
         if given is not None
         else _plan_on_rank_0(gm, inputs, m, profile_config, options, runtime)
     )
+    the_plan = choose_recompute(the_plan, recompute)
     world = dist.get_world_size()
     if the_plan.num_devices != world:
         raise ConfigError(

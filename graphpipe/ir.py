@@ -50,6 +50,7 @@ class Stage:
     in_flight: int  # micro-batches in flight under graph 1F1B (longest path to the sink)
     memory_bytes: int  # predicted peak bytes on one replica
     update_time: float = 0.0  # seconds of one optimizer step (0 unless calibrated)
+    recompute: bool = False  # the backward re-runs the forward (activation checkpointing)
 
     @property
     def replicas(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -17,10 +18,13 @@ from torch._dynamo.utils import counters
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import compile as gp_compile
+from graphpipe.cost import MemoryModel
 from graphpipe.errors import ConfigError
 from graphpipe.launch import launch
 from graphpipe.partition import plan
+from graphpipe.partition.recompute import choose_recompute
 from graphpipe.runtime.clip import check_clipping
+from graphpipe.simulate import simulate
 
 TIMEOUT = 240
 CLIP_CASES = {  # name -> (model, max norm, norm type, plan)
@@ -261,3 +265,105 @@ def test_compiled_stages_refuse_a_split_backward() -> None:
             schedule="zb",
             compile_stages=True,
         )
+
+
+# -- recomputation -----------------------------------------------------------------------------
+
+
+def _saved_bytes(pm: Any, name: str) -> int:
+    """Bytes autograd saves for the backward during one step, outside checkpointed regions
+    (a checkpointed forward saves through its own hooks, inside ours)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pm.step(*batch(name, 5)[0], target=batch(name, 5)[1])
+    return total
+
+
+def _recompute_worker() -> dict[Any, Any]:
+    out = {}
+    for schedule in ("1f1b", "zb"):
+        for recompute in (False, True):
+            model, inputs = ZOO["two_branch"]()
+            pm = gp_compile(
+                model,
+                inputs,
+                loss_fn=dict_loss,
+                optimizer=_optimizer(),
+                schedule=schedule,
+                plan=plan(model, inputs, devices=3, micro_batches=M, pins=PINS["two_branch"]),
+                recompute=recompute,
+            )
+            losses = [
+                pm.step(*batch("two_branch", s)[0], target=batch("two_branch", s)[1])
+                for s in range(STEPS)
+            ]
+            saved = _saved_bytes(pm, "two_branch")
+            stage = pm.plan.stages[pm.rank]
+            out[(schedule, recompute)] = {
+                "losses": losses,
+                "state": pm.state_dict(),
+                "saved": saved,
+                "predicted": stage.activation_bytes,
+                "flag": stage.recompute,
+            }
+    return out
+
+
+@pytest.fixture(scope="module")
+def recomputed() -> list[dict[Any, Any]]:
+    return launch(_recompute_worker, 3, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_recompute_trains_exactly_like_no_recompute(
+    recomputed: list[dict[Any, Any]], schedule: str
+) -> None:
+    for rank in recomputed:
+        plain, again = rank[(schedule, False)], rank[(schedule, True)]
+        assert again["flag"] and not plain["flag"]
+        assert again["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+        for key, value in plain["state"].items():
+            torch.testing.assert_close(again["state"][key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_recompute_saves_the_memory_the_model_predicts(recomputed: list[dict[Any, Any]]) -> None:
+    """Measured: the bytes autograd saves during a step; predicted: the stage's activation
+    bytes per micro-batch. Both drop, and to at most the stage's inputs."""
+    for rank in recomputed:
+        plain, again = rank[("1f1b", False)], rank[("1f1b", True)]
+        assert again["predicted"] < plain["predicted"]
+        assert again["saved"] < plain["saved"]
+        saved_share = again["saved"] / plain["saved"]
+        predicted_share = again["predicted"] / plain["predicted"]
+        assert saved_share <= predicted_share + 0.25, (saved_share, predicted_share)
+
+
+def test_recompute_names_a_stage_that_does_not_exist() -> None:
+    model, inputs = ZOO["two_branch"]()
+    p = plan(model, inputs, devices=3, micro_batches=M, pins=PINS["two_branch"])
+    with pytest.raises(ConfigError, match=r"stages \[7\], but the plan has stages 0..2"):
+        choose_recompute(p, [1, 7])
+    with pytest.raises(ConfigError, match="'sometimes'"):
+        choose_recompute(p, "sometimes")
+
+
+def test_auto_recompute_fits_a_device_over_its_budget() -> None:
+    model, inputs = ZOO["two_branch"]()
+    p = plan(model, inputs, devices=3, micro_batches=M, pins=PINS["two_branch"])
+    heaviest = max(p.stages, key=lambda s: s.memory_bytes)
+    budget = heaviest.memory_bytes - 1  # the heaviest stage just misses it
+    tight = replace(p, cost_model=replace(p.cost_model, memory=MemoryModel(budget)))
+    chosen = choose_recompute(tight, "auto")
+    over = [s.index for s in tight.stages if s.memory_bytes > budget]  # the two branches
+    assert [s.index for s in chosen.stages if s.recompute] == over != []
+    assert max(s.memory_bytes for s in chosen.stages) <= budget
+    assert chosen.stages[heaviest.index].backward_time == pytest.approx(
+        heaviest.backward_time + heaviest.forward_time
+    )
+    assert simulate(chosen, "1f1b").iteration_time > simulate(tight, "1f1b").iteration_time

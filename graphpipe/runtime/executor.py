@@ -22,6 +22,7 @@ seconds spent waiting for messages and posting them.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils.checkpoint import checkpoint
 
 from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Action, Plan, Span
@@ -254,8 +256,11 @@ class Executor:
         for name in s.io.model_inputs:
             mb.inputs[name] = batch.input(name, j)
         args = [mb.inputs[name] for name in s.io.inputs]
+        call = _call
+        if self.training and self.plan.stages[a.stage].recompute:
+            call = functools.partial(checkpoint, _call, use_reentrant=False)  # keeps the inputs
         with torch.set_grad_enabled(self.training):
-            mb.outputs = self.policy.forward(j, lambda w: _call(s.module, w, args))
+            mb.outputs = self.policy.forward(j, lambda w: call(s.module, w, args))
             if s.io.has_output:
                 out = model_output(s.gm, mb.outputs[OUTPUT])
                 if batch.targets is None:  # inference: keep the output
