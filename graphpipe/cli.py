@@ -302,7 +302,7 @@ def best_schedule(plan: Plan, name: str) -> tuple[str, SimResult]:
     A plan whose devices hold several stages runs graph_interleaved unless `name` is one of
     the placed schedules."""
     names = FLUSHED if name == "best" else (name,)
-    if any(len(plan.stages_on(d)) > 1 for d in range(plan.num_devices)) and name not in PLACED:
+    if plan.shared_devices() and name not in PLACED:
         names = (ANY_PLACEMENT,)
     runs = {n: simulate(plan, n) for n in names}
     best = max(runs, key=lambda n: runs[n].throughput)

@@ -187,7 +187,7 @@ def compile(
             f"the plan is for {the_plan.num_devices} devices but the process group "
             f"has {world} ranks; launch {the_plan.num_devices} processes"
         )
-    if asked is None and schedule == "1f1b" and _holds_several(the_plan):
+    if asked is None and schedule == "1f1b" and the_plan.shared_devices():
         schedule = ANY_PLACEMENT  # a folded stage DAG (PlanConfig.interleave, place_graph)
     sched = make_schedule(the_plan, schedule, m)
     check_run(the_plan, schedule, m)
@@ -223,11 +223,6 @@ def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str,
         )
     chosen = partitioner or ("manual" if pins else "graph")
     return {**options, "partitioner": chosen}
-
-
-def _holds_several(plan: Plan) -> bool:
-    """Whether some device holds several stages."""
-    return any(len(plan.stages_on(d)) > 1 for d in range(plan.num_devices))
 
 
 def _tensor_items(kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -147,6 +147,10 @@ class Plan:
         """Every stage a rank holds (several under an interleaved placement)."""
         return tuple(s for s in self.stages if rank in s.devices)
 
+    def shared_devices(self) -> list[int]:
+        """Devices that hold several stages (placed or folded plans)."""
+        return [d for d in range(self.num_devices) if len(self.stages_on(d)) > 1]
+
     def devices_used(self) -> int:
         """Devices that hold a stage."""
         return len({d for s in self.stages for d in s.devices})

@@ -145,7 +145,7 @@ def _check(plan: Plan, name: str, m: int) -> str:
                 "replicated (plan with replication=False)"
             )
     else:
-        shared = [r for r in range(plan.num_devices) if len(plan.stages_on(r)) > 1]
+        shared = plan.shared_devices()
         if shared and name != "forward":
             raise ScheduleError(
                 f"schedule {name!r} runs one stage per device, but devices {shared} hold "
