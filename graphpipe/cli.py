@@ -48,6 +48,7 @@ __all__ = ["main"]
 
 GIB = 1 << 30
 FLUSHED = ("gpipe", "1f1b", "zb")
+RECOMPUTE_FLAG: dict[str | None, bool | str] = {"all": True, "auto": "auto", None: False}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,6 +161,20 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow data-parallel stages (default: every device a distinct stage)",
     )
+    run.add_argument(
+        "--max-grad-norm",
+        type=float,
+        metavar="NORM",
+        help="clip the global gradient norm to NORM in every update (weights=flush)",
+    )
+    run.add_argument(
+        "--recompute",
+        choices=("all", "auto"),
+        help="activation checkpointing: every stage, or 'auto' by the memory budget",
+    )
+    run.add_argument(
+        "--compile-stages", action="store_true", help="torch.compile each stage (not with zb)"
+    )
     run.set_defaults(func=_run_command)
     return parser
 
@@ -181,6 +196,9 @@ def _run_command(args: argparse.Namespace) -> int:
             out=args.out,
             timeout=args.timeout,
             replication=args.replication,
+            max_grad_norm=args.max_grad_norm,
+            recompute=RECOMPUTE_FLAG[args.recompute],
+            compile_stages=args.compile_stages,
         )
     )
     return 0

@@ -5,7 +5,8 @@
 
 Every rank builds the same workload and draws the same synthetic mini-batches; graphpipe.compile
 plans it on rank 0 (op times measured on this machine by default) and every step trains it
-pipelined. Rank 0 prints a progress line per step (loss, samples/s, step time). At the end it
+pipelined. Rank 0 shows a progress bar (loss, samples/s, ETA) on a terminal, and a line per
+step (loss, samples/s, step time) otherwise. At the end it
 prints the plan table and the measured vs simulated step time, and writes into `out`:
 
     plan.svg         the stage graph          ops.svg        the op graph, by stage
@@ -18,12 +19,14 @@ from __future__ import annotations
 import functools
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from graphpipe._units import format_time
 from graphpipe.calibrate import calibrated, measure_link
@@ -62,6 +65,9 @@ class TrainConfig:
     seed: int = 0
     timeout: float = 120.0  # seconds a receive may wait
     deadline: float = 3600.0  # seconds the whole run may take before every process is stopped
+    max_grad_norm: float | None = None  # clip the global gradient norm (compile's argument)
+    recompute: bool | str = False  # activation checkpointing: True, False or "auto"
+    compile_stages: bool = False  # torch.compile each stage
 
 
 @dataclass(frozen=True)
@@ -105,11 +111,15 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
         profile_config=ProfileConfig(mode=config.profile, warmup=2, repeats=5),
         runtime=RuntimeConfig(timeout=config.timeout),
         replication=config.replication,
+        max_grad_norm=config.max_grad_norm,
+        recompute=config.recompute,
+        compile_stages=config.compile_stages,
     )
     say = _printer(pm.rank == 0)
     say(f"{config.model} ({config.preset}): {plan_summary(pm.plan)}")
     gen = torch.Generator().manual_seed(config.seed + 1)
     losses, times = [], []
+    bar = progress_bar(pm.rank == 0, config.steps)
     for step in range(config.steps):
         inputs, target = w.make_batch(gen)
         pm.recording = step >= config.steps - RECORDED_STEPS
@@ -117,10 +127,17 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
         loss = pm.step(*inputs, target=target)
         times.append(time.perf_counter() - start)
         losses.append(loss)
-        say(
-            f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  "
-            f"{w.batch_size / times[-1]:8.1f} samples/s  {times[-1] * 1e3:7.1f} ms"
-        )
+        rate = w.batch_size / times[-1]
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.1f}")
+            bar.update(1)
+        else:
+            say(
+                f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  "
+                f"{rate:8.1f} samples/s  {times[-1] * 1e3:7.1f} ms"
+            )
+    if bar is not None:
+        bar.close()
     measured = pm.timeline()
     link = measure_link() if pm.plan.num_devices > 1 else None
     if pm.rank != 0:
@@ -129,6 +146,14 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
     out = Path(config.out or f"runs/{w.name}")
     _report(pm, w, losses, times, measured, simulated, out, say)
     return TrainResult(losses, times, simulated.iteration_time, str(out))
+
+
+def progress_bar(active: bool, steps: int) -> tqdm | None:
+    """A progress bar (loss, samples/s, ETA) for rank 0 on a terminal; None elsewhere, where
+    a line per step is printed instead."""
+    if not (active and sys.stdout.isatty()):
+        return None
+    return tqdm(total=steps, unit="step", file=sys.stdout, dynamic_ncols=True)
 
 
 def _printer(active: bool) -> Any:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-from graphpipe.train import TrainConfig, train
+from graphpipe.cli import main
+from graphpipe.train import TrainConfig, progress_bar, train
 from viz.gallery import KINDS, MODELS, render_gallery
 
 EXAMPLES = ("mmt", "dlrm", "candle_uno", "nbranch", "inception")
@@ -44,3 +47,45 @@ def test_gallery_renders_three_pictures_per_model(tmp_path: Path) -> None:
         assert len(re.findall(r'class="cluster"', ops)) >= 2  # one frame per stage
         assert "graph plan" in (tmp_path / f"{m}-stages.svg").read_text()
         assert "idle" in (tmp_path / f"{m}-timeline.svg").read_text()
+
+
+def test_run_flags_reach_the_pipeline(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """graphpipe run with clipping and recomputation: trains, one line per step (not a TTY)."""
+    code = main(
+        [
+            "run",
+            "models.mmt",
+            "--preset",
+            "tiny",
+            "--steps",
+            "2",
+            "--profile",
+            "flops",
+            "--out",
+            str(tmp_path),
+            "--max-grad-norm",
+            "0.5",
+            "--recompute",
+            "all",
+        ]
+    )
+    assert code == 0
+    out = capfd.readouterr().out
+    assert re.search(r"step +2/2  loss [0-9.]+ ", out), out
+
+
+def test_the_progress_bar_is_for_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    bar = progress_bar(True, 3)
+    assert bar is not None
+    bar.set_postfix(loss="0.5", samples_s="10.0")
+    bar.update(1)
+    bar.close()
+    assert "loss=0.5" in sys.stdout.getvalue() and "1/3" in sys.stdout.getvalue()
+    assert progress_bar(False, 3) is None  # other ranks
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert progress_bar(True, 3) is None  # not a terminal: lines instead
