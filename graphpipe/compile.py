@@ -43,6 +43,7 @@ from graphpipe.partition import PlanConfig, micro_batch_size, partition
 from graphpipe.partition.recompute import RecomputeSpec, choose_recompute
 from graphpipe.profile import ProfileConfig, profile
 from graphpipe.runtime.clip import check_clipping
+from graphpipe.runtime.failures import guarded, install_watch, posted
 from graphpipe.runtime.materialize import InitFn
 from graphpipe.runtime.pipeline import (
     OptimizerFactory,
@@ -172,6 +173,7 @@ def compile(
     m = _micro_batches(micro_batches, given)
     b = micro_batch_size(batch_of(args, kwargs), m)
     _ensure_process_group(runtime)
+    install_watch(runtime.timeout)  # every wait from here on stops when another rank fails
     runtime_device(runtime)  # NCCL's object collectives below need the rank's GPU current
     gm = trace(model, example_inputs, leaf_modules=leaf_modules, micro_batch_size=b)
     inputs = tuple(flat_inputs(gm, *args, **_tensor_items(kwargs)))
@@ -191,22 +193,23 @@ def compile(
         schedule = ANY_PLACEMENT  # a folded stage DAG (PlanConfig.interleave, place_graph)
     sched = make_schedule(the_plan, schedule, m)
     check_run(the_plan, schedule, m)
-    return PipelinedModel(
-        model,
-        gm,
-        inputs,
-        the_plan,
-        sched,
-        loss_fn,
-        optimizer,
-        weights,
-        runtime,
-        weight_options,
-        init_weights,
-        checkpoint,
-        None if max_grad_norm is None else (max_grad_norm, grad_norm_type),
-        compile_stages,
-    )
+    with posted("compile"):
+        return PipelinedModel(
+            model,
+            gm,
+            inputs,
+            the_plan,
+            sched,
+            loss_fn,
+            optimizer,
+            weights,
+            runtime,
+            weight_options,
+            init_weights,
+            checkpoint,
+            None if max_grad_norm is None else (max_grad_norm, grad_norm_type),
+            compile_stages,
+        )
 
 
 def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -332,7 +335,13 @@ def _plan_on_rank_0(
     ranks wait as long as planning may take, not the step's timeout, and still fail at once
     if rank 0 dies.
     """
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=runtime.plan_timeout))
+    group = guarded(  # its rendezvous, too, stops when a rank dies
+        "the plan broadcast's group",
+        lambda: dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=runtime.plan_timeout)
+        ),
+        timeout=runtime.plan_timeout,
+    )
     message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
@@ -345,7 +354,11 @@ def _plan_on_rank_0(
         except GraphPipeError as exc:
             message[0] = ("error", f"{type(exc).__name__}: {exc}")
     try:
-        dist.broadcast_object_list(message, src=0, group=group)
+        guarded(
+            "the plan broadcast",
+            lambda: dist.broadcast_object_list(message, src=0, group=group),
+            timeout=runtime.plan_timeout,
+        )
     finally:
         dist.destroy_process_group(group)
     kind, payload = message[0]

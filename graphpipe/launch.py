@@ -13,10 +13,15 @@ told otherwise, and a process group (gloo on CPU, NCCL on CUDA). For several mac
 torchrun instead: `torchrun --nnodes 2 --nproc-per-node 8 ... train.py`, with graphpipe.compile
 in train.py.
 
-Failures: when a worker raises or dies, the others get `grace` seconds to finish or fail on
-their own (a peer's death makes their receives fail, naming it), then the rest are stopped.
-`launch` raises `PipelineError` listing what happened on every rank, the first failure first.
-A worker whose parent dies stops itself, so no process outlives the launcher.
+The launcher serves the rendezvous store itself (as torchrun's agent does,
+`TORCHELASTIC_USE_AGENT_STORE`), so the failure board on it (`graphpipe.runtime.failures`)
+outlives any rank, rank 0 included.
+
+Failures: when a worker raises or dies, the launcher posts it on the board (unless the worker
+posted its own), so the others stop waiting at once and name it; they get `grace` seconds to
+finish or fail, then the rest are stopped. `launch` raises `PipelineError` listing what
+happened on every rank, the first failure first. A worker whose parent dies stops itself, so
+no process outlives the launcher.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphpipe.errors import ConfigError, PipelineError
+from graphpipe.runtime.failures import FailureBoard
 
 __all__ = ["free_port", "launch"]
 
@@ -83,7 +89,20 @@ def launch(
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs)}
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,  # a free port, held from now on
+        nprocs,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": str(nprocs),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client of this store
+    }
     workers = [
         ctx.Process(
             target=_worker,
@@ -95,7 +114,13 @@ def launch(
     ]
     for w in workers:
         w.start()
-    return _supervise(workers, results, timeout, comm_timeout + 10 if grace is None else grace)
+    board = FailureBoard(-1, nprocs, store)
+    try:
+        return _supervise(
+            workers, results, timeout, comm_timeout + 10 if grace is None else grace, board
+        )
+    finally:
+        del store
 
 
 def _worker(
@@ -122,12 +147,14 @@ def _worker(
         # plain pickle bytes: torch's queue pickler would share tensors through file
         # descriptors that vanish with this process
         results.put((rank, "ok", pickle.dumps(fn(*args))))
-    except BaseException as exc:  # report everything, then exit non-zero
+    except BaseException as exc:  # report everything, then exit non-zero at once: a wait
+        # abandoned after a failure must not hold the exit (no process group teardown)
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _orphan_watch(parent: int) -> None:
@@ -137,8 +164,11 @@ def _orphan_watch(parent: int) -> None:
     os._exit(1)
 
 
-def _supervise(workers: list[Any], results: Any, timeout: float, grace: float) -> list[Any]:
+def _supervise(
+    workers: list[Any], results: Any, timeout: float, grace: float, board: FailureBoard
+) -> list[Any]:
     outcomes: dict[int, tuple[str, Any]] = {}
+    posted: set[int] = set()
     deadline, failed_at = time.monotonic() + timeout, None
     while any(w.is_alive() for w in workers) or len(outcomes) < len(workers):
         _collect(results, outcomes)
@@ -146,6 +176,7 @@ def _supervise(workers: list[Any], results: Any, timeout: float, grace: float) -
             if not w.is_alive() and rank not in outcomes and w.exitcode not in (None, 0):
                 _collect(results, outcomes, wait=0.5)
                 outcomes.setdefault(rank, ("died", _death(w.exitcode)))
+        _post_failures(board, outcomes, posted)
         if failed_at is None and any(kind != "ok" for kind, _ in outcomes.values()):
             failed_at = time.monotonic()
         now = time.monotonic()
@@ -159,6 +190,16 @@ def _supervise(workers: list[Any], results: Any, timeout: float, grace: float) -
     for w in workers:
         w.join(timeout=5)
     return _results_or_raise(outcomes, len(workers), timeout)
+
+
+def _post_failures(
+    board: FailureBoard, outcomes: dict[int, tuple[str, Any]], posted: set[int]
+) -> None:
+    """Post each failed rank on the board once; a rank's own earlier post is kept."""
+    for rank, (kind, value) in outcomes.items():
+        if kind in ("died", "error") and rank not in posted:
+            posted.add(rank)
+            board.post(f"rank {rank}: {str(value).strip().splitlines()[0]}", "cause", rank)
 
 
 def _collect(results: Any, outcomes: dict[int, tuple[str, Any]], wait: float = 0.05) -> None:

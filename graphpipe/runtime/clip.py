@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphpipe.errors import ConfigError
+from graphpipe.runtime.failures import guarded
 
 __all__ = ["CLIPPABLE", "GradClipper", "check_clipping"]
 
@@ -94,7 +95,13 @@ class GradClipper:
         """Reduce the norm over the ranks, scale the gradients, and return the total norm."""
         total = self._local(device).reshape(1)
         inf = math.isinf(self.norm_type)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.group)
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+        guarded(
+            "the all-reduce of the gradient norm",
+            lambda: dist.all_reduce(total, op, self.group),
+            ranks,
+        )
         norm = total[0] if inf else total[0].pow(1.0 / self.norm_type)
         factor = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
         for p in self.params:

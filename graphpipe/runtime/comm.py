@@ -12,31 +12,28 @@ and direction, the low 20 bits the micro-batch. NCCL ignores tags and matches th
 from a rank to a peer with the peer's k-th receive from it; the program issues every message
 in one global order on all ranks, so the two agree.
 
-On the CPU every wait has a timeout. On CUDA a wait makes the compute stream wait for the
-message and returns at once; the process group's timeout and watchdog bound it. A timeout,
-or a peer that closed its connection (it died), raises `PipelineError` naming this rank, the
-peer rank and the schedule action. Before it raises, a
-rank posts why on the process group's key-value store (`FailureBoard`); a rank that then loses
-its own peer reads the earliest post, so its error also names the rank that failed first,
-not only the neighbour that went down with it.
+On the CPU every wait runs under the rank's `Watch` (`graphpipe.runtime.failures`): it has a
+timeout, and it stops at once when another rank posts a failure. On CUDA a wait makes the
+compute stream wait for the message and returns at once; the process group's timeout and
+watchdog bound it. A timeout, a peer that closed its connection (it died) or a failure posted
+elsewhere raises `PipelineError` naming this rank, the schedule action, the peer and the rank
+that failed first.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import time
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from graphpipe.errors import PipelineError
+from graphpipe.runtime.failures import Watch, first_line
 
 __all__ = [
-    "FailureBoard",
     "Incoming",
     "Outgoing",
     "Pending",
@@ -129,44 +126,6 @@ class Incoming:
     what: str
 
 
-class FailureBoard:
-    """Failure reports on the process group's store, readable by every surviving rank.
-
-    Args:
-        world: Number of ranks.
-        store: The store; the default process group's when None (and no board without one).
-    """
-
-    def __init__(self, world: int, store: Any = None) -> None:
-        self.world = world
-        if store is None:
-            try:  # the store torch.distributed itself rendezvoused with
-                store = dist.distributed_c10d._get_default_store()
-            except (AttributeError, RuntimeError, ValueError):
-                store = None
-        self.store = store
-
-    def post(self, rank: int, message: str) -> None:
-        """Record why `rank` fails (best effort: the store may be gone with rank 0)."""
-        if self.store is None:
-            return
-        with contextlib.suppress(Exception):
-            self.store.set(f"graphpipe/failure/{rank}", f"{time.time():.6f} {message}")
-
-    def first(self, exclude: int) -> str | None:
-        """The earliest failure another rank posted, as text, or None."""
-        if self.store is None:
-            return None
-        posts = []
-        for r in range(self.world):
-            key = f"graphpipe/failure/{r}"
-            with contextlib.suppress(Exception):
-                if r != exclude and self.store.check([key]):
-                    stamp, _, text = self.store.get(key).decode().partition(" ")
-                    posts.append((float(stamp), text))
-        return min(posts)[1] if posts else None
-
-
 class Transport:
     """Point-to-point messages of one rank, with a timeout on every wait.
 
@@ -174,13 +133,13 @@ class Transport:
         rank: This rank.
         timeout: Seconds any wait may take.
         device: Where buffers live.
-        board: Where failures are posted and read (none by default).
+        watch: Runs the waits and posts failures (none: plain waits with a timeout).
     """
 
     def __init__(
-        self, rank: int, timeout: float, device: torch.device, board: FailureBoard | None = None
+        self, rank: int, timeout: float, device: torch.device, watch: Watch | None = None
     ) -> None:
-        self.rank, self.timeout, self.device, self.board = rank, timeout, device, board
+        self.rank, self.timeout, self.device, self.watch = rank, timeout, device, watch
         self._sends: list[tuple[list[dist.Work], int, str, torch.Tensor]] = []
 
     def exchange(self, sends: Sequence[Outgoing], receives: Sequence[Incoming]) -> list[Pending]:
@@ -225,30 +184,25 @@ class Transport:
         try:
             return list(dist.batch_isend_irecv(ops))
         except RuntimeError as exc:
-            raise self._error(peers[0] if len(set(peers)) == 1 else peers, what, exc) from exc
+            text = f"rank {self.rank}, action {what}, peer rank {sorted(set(peers))}: "
+            error = PipelineError(text + first_line(exc))
+            if self.watch is not None:
+                error = self.watch.raised(str(error), "cause")
+            raise error from exc
 
     def _wait(self, works: list[dist.Work], peer: int, what: str) -> None:
         for work in works:
+            if self.device.type == "cuda":  # a stream dependency; the process group's own
+                work.wait()  # timeout and watchdog bound it
+                continue
+            # gloo's own limit comes after the watch's, which diagnoses the timeout
+            limit = datetime.timedelta(seconds=self.timeout + 10)
+            if self.watch is not None:
+                self.watch.wait(functools.partial(work.wait, limit), [peer], f"action {what}")
+                continue
             try:
-                if self.device.type == "cuda":  # a stream dependency; the process group's own
-                    work.wait()  # timeout and watchdog bound it
-                else:
-                    work.wait(datetime.timedelta(seconds=self.timeout))
+                work.wait(datetime.timedelta(seconds=self.timeout))
             except RuntimeError as exc:
-                raise self._error(peer, what, exc) from exc
-
-    def _error(self, peer: int | list[int], what: str, exc: Exception) -> PipelineError:
-        text = str(exc)
-        message = f"rank {self.rank}, action {what}, peer rank {peer}: "
-        if "closed" in text.lower() or "reset" in text.lower():
-            message += f"rank {peer} closed its connection: it has probably died"
-            first = self.board.first(exclude=self.rank) if self.board else None
-            if first is not None:
-                message += f" (first failure reported: {first})"
-        elif "timed out" in text.lower() or "timeout" in text.lower():
-            message += f"rank {peer} did not answer within {self.timeout:g} s"
-        else:
-            message += f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"
-        if self.board is not None:
-            self.board.post(self.rank, message)
-        return PipelineError(message)
+                raise PipelineError(
+                    f"rank {self.rank}, action {what}, peer rank {peer}: {first_line(exc)}"
+                ) from exc

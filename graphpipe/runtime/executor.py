@@ -37,6 +37,7 @@ from graphpipe.ir import Action, Plan, Span
 from graphpipe.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
+from graphpipe.runtime.failures import first_line
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
 from graphpipe.runtime.sync import final_backwards
 from graphpipe.runtime.weights import WeightPolicy
@@ -139,17 +140,20 @@ class Executor:
                 start = time.perf_counter()
                 with torch.profiler.record_function(f"graphpipe::{op}"):
                     self._handlers[op.kind](op, batch)
-            except (PipelineError, ConfigError):
-                raise
-            except Exception as exc:
-                raise PipelineError(
-                    f"rank {self.rank} failed at {op}: {type(exc).__name__}: {exc}"
-                ) from exc
+            except PipelineError:
+                raise  # posted where it was raised
+            except Exception as exc:  # the stage's own error: posted, so no peer waits for it
+                raise self._failed(op, exc) from exc
             if self.record:
                 self.spans.append(Span(self.rank, str(op), start, time.perf_counter()))
         start = time.perf_counter()
         self.transport.finish_sends()
         self._tick("wait", start)
+
+    def _failed(self, op: Op, exc: Exception) -> PipelineError:
+        text = f"rank {self.rank}, action {op}: {first_line(exc)}"
+        watch = self.transport.watch
+        return watch.raised(text, "cause") if watch is not None else PipelineError(text)
 
     def _tick(self, kind: str, start: float) -> None:
         """With record, add the time since `start` to `clock[kind]`."""

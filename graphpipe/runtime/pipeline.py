@@ -20,13 +20,14 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from graphpipe.errors import ConfigError, PipelineError
+from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan, Schedule, Timeline
 from graphpipe.profiling import profile_actions, spans_from_profiler
 from graphpipe.program import Comm, Op, Program, lower
 from graphpipe.runtime.clip import GradClipper
-from graphpipe.runtime.comm import FailureBoard, Transport
+from graphpipe.runtime.comm import Transport
 from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor, StageRuntime
+from graphpipe.runtime.failures import guarded, install_watch, posted, set_collective_timeout
 from graphpipe.runtime.materialize import InitFn, materialize, names_by_id
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
@@ -100,6 +101,8 @@ class PipelinedModel:
     ) -> None:
         self.plan, self.schedule, self.runtime = plan, schedule, runtime
         self.rank = dist.get_rank()
+        self._watch = install_watch(runtime.timeout)
+        set_collective_timeout(runtime.timeout)
         self.device = runtime_device(runtime)
         self._model, self._gm = model, gm
         self._shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
@@ -161,8 +164,7 @@ class PipelinedModel:
             if clip is not None:
                 self._clipper = self._make_clipper(clip, canon, modules, groups, clip_group)
                 self.policy.before_step = self._clip
-            board = FailureBoard(dist.get_world_size())
-            transport = Transport(self.rank, runtime.timeout, self.device, board)
+            transport = Transport(self.rank, runtime.timeout, self.device, self._watch)
             self._executor = Executor(runtime_stages, self.policy, transport)
         else:
             self.optimizer = optimizer([nn.Parameter(torch.zeros(0))])
@@ -194,13 +196,14 @@ class PipelinedModel:
         first = self._calls * self._m if self._async else 0
         batch = self._batch(inputs, kw_inputs, target, first=first)
         ops = self._program(self._calls)
-        if self._executor is not None:
-            self._executor.losses.clear()
-            self._executor.training = True
-            with self._timed(self._executor):
-                self._executor.run(ops, batch)
-        self._calls += 1
-        return self._mean_loss()
+        with posted("step"):
+            if self._executor is not None:
+                self._executor.losses.clear()
+                self._executor.training = True
+                with self._timed(self._executor):
+                    self._executor.run(ops, batch)
+            self._calls += 1
+            return self._mean_loss()
 
     @property
     def _async(self) -> bool:
@@ -236,12 +239,13 @@ class PipelinedModel:
         return float(total.item()) / self._m
 
     def _all_reduce(self, t: torch.Tensor, what: str) -> None:
-        try:
-            dist.all_reduce(t)
-        except RuntimeError as exc:
-            raise PipelineError(
-                f"rank {self.rank}: all-reduce of {what} failed: {str(exc).splitlines()[0]}"
-            ) from exc
+        guarded(f"the all-reduce of {what}", lambda: dist.all_reduce(t))
+
+    def _gather(self, mine: Any, what: str) -> list[Any]:
+        """`mine` from every rank (a collective), under the failure watch."""
+        gathered: list[Any] = [None] * dist.get_world_size()
+        guarded(f"the gather of {what}", lambda: dist.all_gather_object(gathered, mine))
+        return gathered
 
     def _batch(self, args: Sequence[Any], kwargs: dict[str, Any], target: Any, first: int) -> Batch:
         flat = flat_inputs(self._gm, *args, **kwargs)
@@ -280,8 +284,7 @@ class PipelinedModel:
                 for (_, j), mb in inference.state.items()
                 if OUTPUT in mb.outputs
             }
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, tree_map(_cpu, outputs))
+        gathered = self._gather(tree_map(_cpu, outputs), "the outputs")
         merged = {j: out for part in gathered for j, out in part.items()}
         pieces = [merged[j] for j in range(self._m)]
         return tree_map(lambda *xs: torch.cat(xs), *pieces) if pieces else None
@@ -358,8 +361,7 @@ class PipelinedModel:
         mine = None
         if self._executor is not None:
             mine = {"optimizer": self.optimizer.state_dict(), "policy": self.policy.state()}
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, tree_map(_cpu, mine))
+        gathered = self._gather(tree_map(_cpu, mine), "the checkpoint")
         return {"model": model, "ranks": gathered, "weights": self._weights}
 
     def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -384,8 +386,7 @@ class PipelinedModel:
                     mine[alias] = _cpu(value)
         if self.rank == 0:
             mine.update(self._orphans)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        gathered = self._gather(mine, "the state dict")
         merged: dict[str, torch.Tensor] = {}
         for part in gathered:
             merged.update(part)
@@ -460,8 +461,7 @@ class PipelinedModel:
             clear: Forget the recorded actions afterwards.
         """
         spans = [] if self._executor is None else self._executor.spans
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, spans)
+        gathered = self._gather(spans, "the timeline")
         if clear and self._executor is not None:
             self._executor.spans = []
             self._executor.clock = dict.fromkeys(self._executor.clock, 0.0)

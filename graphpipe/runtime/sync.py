@@ -32,6 +32,7 @@ launched (a parameter reported final too early) is refused at the update.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graphpipe.errors import PipelineError
+from graphpipe.runtime.failures import current_watch, guarded
 
 __all__ = ["BUCKET_BYTES", "FinalGrads", "GradSync", "SyncGroup", "final_backwards", "make_groups"]
 
@@ -169,7 +171,11 @@ class GradSync:
         with torch.no_grad():
             for g in self.groups:
                 for p in g.params:
-                    dist.broadcast(p, src=g.ranks[0], group=g.group)
+                    guarded(
+                        f"the broadcast of {g.label}",
+                        functools.partial(dist.broadcast, p, src=g.ranks[0], group=g.group),
+                        g.ranks,
+                    )
 
     def tracks(self, p: torch.Tensor) -> bool:
         """Whether `p` is summed by a group of this rank."""
@@ -241,7 +247,12 @@ class GradSync:
         try:
             if bucket.error is not None:
                 raise bucket.error
-            bucket.work.wait()
+            watch = current_watch()
+            assert bucket.flat is not None and bucket.work is not None
+            if watch is None or bucket.flat.device.type == "cuda":
+                bucket.work.wait()
+            else:
+                watch.wait(bucket.work.wait, list(g.ranks), f"the all-reduce of {g.label}")
         except RuntimeError as exc:
             raise PipelineError(
                 f"all-reduce of {g.label} over ranks {list(g.ranks)} failed: "
