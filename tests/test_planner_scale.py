@@ -87,11 +87,12 @@ def _plans(name: str, gm: fx.GraphModule, prof: Profile) -> dict[int, Plan]:
 
 
 def _checked(check: fx.Node) -> fx.Node | None:
-    """The tensor a check reads, through size queries and comparisons (None: a model input)."""
+    """The tensor a check reads, through size queries and comparisons (None: a model input,
+    or a parameter or buffer, which every stage reading it holds a copy of)."""
     node = check
     while node.all_input_nodes:
         node = node.all_input_nodes[0]
-        if node.op == "placeholder":
+        if node.op in ("placeholder", "get_attr"):
             return None
         if value_kind(node) == "tensor":
             return node
@@ -142,9 +143,11 @@ def llama() -> tuple[fx.GraphModule, Profile]:
 def test_tiny_llama_plans_in_seconds(llama: tuple[fx.GraphModule, Profile]) -> None:
     gm, prof = llama
     checks = [n for n in _ops(gm) if "assert" in str(n.target)]
-    assert len(_ops(gm)) >= 1000 and checks
+    # checks of an op's output (a check of a buffer, as transformers 5.24 adds for the rotary
+    # table, reads what every stage holding it has a copy of)
+    paired = [(c, checked) for c in checks if (checked := _checked(c)) is not None]
+    assert len(_ops(gm)) >= 1000 and paired
     for p in _plans("Llama (24 layers)", gm, prof).values():
         p.validate(gm)
-        for check in checks:  # each check went with the op it checks
-            checked = _checked(check)
-            assert checked is not None and p.stage_of[check.name] == p.stage_of[checked.name]
+        for check, checked in paired:  # each check went with the op it checks
+            assert p.stage_of[check.name] == p.stage_of[checked.name]
