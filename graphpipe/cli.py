@@ -175,6 +175,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--compile-stages", action="store_true", help="torch.compile each stage (not with zb)"
     )
+    run.add_argument(
+        "--precision",
+        choices=("bf16", "fp16"),
+        help="autocast each stage; values cross stages in that dtype; fp16 scales the loss",
+    )
     run.set_defaults(func=_run_command)
     return parser
 
@@ -199,6 +204,7 @@ def _run_command(args: argparse.Namespace) -> int:
             max_grad_norm=args.max_grad_norm,
             recompute=RECOMPUTE_FLAG[args.recompute],
             compile_stages=args.compile_stages,
+            precision=args.precision,
         )
     )
     return 0

@@ -51,6 +51,7 @@ from graphpipe.runtime.pipeline import (
     RuntimeConfig,
     runtime_device,
 )
+from graphpipe.runtime.precision import check_precision
 from graphpipe.runtime.weights import POLICIES, PolicyOptions
 from graphpipe.schedule import ANY_PLACEMENT, ASYNC, PLACED, make_schedule
 from graphpipe.trace import LeafSpec, flat_inputs, trace, trace_info
@@ -83,6 +84,7 @@ def compile(
     grad_norm_type: float = 2.0,
     compile_stages: bool = False,
     recompute: RecomputeSpec = False,
+    precision: str | None = None,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -134,6 +136,11 @@ def compile(
         compile_stages: `torch.compile` each of this rank's stage modules (in place: state
             dict keys stay). Not with zero-bubble schedules (zb, zbv), whose backward is
             split into input and weight halves, which a compiled backward cannot do.
+        precision: "bf16" or "fp16": autocast on each stage's forward, float32 master
+            weights, values crossing stages in that dtype (half the bytes; the planner
+            counts them so), and for fp16 a loss scale agreed by every rank: an overflow
+            anywhere skips the step everywhere (`pm.loss_scale`, `pm.skipped_steps`;
+            weights="flush" only). None: float32 (`graphpipe.runtime.precision`).
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...).
 
     Returns:
@@ -156,6 +163,7 @@ def compile(
     asked = schedule
     schedule = _schedule_for(weights, schedule)
     check_clipping(max_grad_norm, grad_norm_type, weights)
+    check_precision(precision, weights)
     if compile_stages and schedule in SPLIT_BACKWARD:
         raise ConfigError(
             f"compile_stages=True cannot run schedule={schedule!r}: it splits each backward "
@@ -163,6 +171,7 @@ def compile(
             "gpipe, interleaved or graph_interleaved"
         )
     options = _plan_options(partitioner, plan_options)
+    options.setdefault("precision", precision)  # values cross stages in its dtype
     if weights != "flush":
         options.setdefault("replication", False)
         options.setdefault("weight_versions", 2)
@@ -209,6 +218,7 @@ def compile(
             checkpoint,
             None if max_grad_norm is None else (max_grad_norm, grad_norm_type),
             compile_stages,
+            precision,
         )
 
 

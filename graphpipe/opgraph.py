@@ -45,12 +45,14 @@ _INT_METHODS = ("dim", "numel", "nelement", "ndimension")
 _SYMBOLIC = {torch.SymInt: "int", torch.SymBool: "bool", torch.SymFloat: "float"}
 
 
-def op_graph(gm: fx.GraphModule, prof: Profile) -> nx.DiGraph:
+def op_graph(gm: fx.GraphModule, prof: Profile, precision: str | None = None) -> nx.DiGraph:
     """Derive the cost-annotated networkx view of `gm` for micro-batches of `prof`'s size.
 
     Args:
         gm: A graph made by `graphpipe.trace`.
         prof: Per-node times from `graphpipe.profile.profile`.
+        precision: "bf16" or "fp16": a node with a floating output keeps and sends it in 2
+            bytes per element instead of float32's 4 (`graphpipe.runtime.precision`).
 
     Returns:
         The DiGraph described in this module's docstring.
@@ -68,6 +70,8 @@ def op_graph(gm: fx.GraphModule, prof: Profile) -> nx.DiGraph:
             continue
         t = prof.times.get(node.name, NodeTime(0.0, 0.0))
         act = 0 if node.op == "output" else node.meta.get("gp_out_bytes", 0) * b
+        if precision is not None and has_float_output(node):
+            act //= 2
         g.add_node(
             node.name,
             forward=t.forward,

@@ -68,6 +68,7 @@ class TrainConfig:
     max_grad_norm: float | None = None  # clip the global gradient norm (compile's argument)
     recompute: bool | str = False  # activation checkpointing: True, False or "auto"
     compile_stages: bool = False  # torch.compile each stage
+    precision: str | None = None  # "bf16" or "fp16" (compile's argument); None: float32
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
         max_grad_norm=config.max_grad_norm,
         recompute=config.recompute,
         compile_stages=config.compile_stages,
+        precision=config.precision,
     )
     say = _printer(pm.rank == 0)
     say(f"{config.model} ({config.preset}): {plan_summary(pm.plan)}")

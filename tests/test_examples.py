@@ -50,7 +50,7 @@ def test_gallery_renders_three_pictures_per_model(tmp_path: Path) -> None:
 
 
 def test_run_flags_reach_the_pipeline(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """graphpipe run with clipping and recomputation: trains, one line per step (not a TTY)."""
+    """graphpipe run with clipping, recomputation and bf16: trains, a line per step (no TTY)."""
     code = main(
         [
             "run",
@@ -67,6 +67,8 @@ def test_run_flags_reach_the_pipeline(tmp_path: Path, capfd: pytest.CaptureFixtu
             "0.5",
             "--recompute",
             "all",
+            "--precision",
+            "bf16",
         ]
     )
     assert code == 0

@@ -49,6 +49,8 @@ def _inject(pm: PipelinedModel, fault: str) -> None:
 
         for stage in pm._executor.stages.values():  # type: ignore[union-attr]
             stage.module.forward = boom  # type: ignore[method-assign]
+    elif fault == "dies_between_steps":  # rank 0: the one that would host a default store
+        os._exit(7)
     elif fault == "dies_in_loss_all_reduce":
         pm._all_reduce = lambda t, what: os._exit(5)  # type: ignore[method-assign]
     elif fault == "dies_in_state_dict_gather":
@@ -66,6 +68,7 @@ def _survivors(err: pytest.ExceptionInfo[PipelineError], victim: int) -> list[st
     ("fault", "victim", "cause"),
     [
         ("raises_in_stage", 0, "rank 0, action 0F0: RuntimeError: boom in the stage"),
+        ("dies_between_steps", 0, "rank 0: exited with code 7"),
         ("dies_in_loss_all_reduce", 2, "rank 2: exited with code 5"),
         ("dies_in_plan_broadcast", 0, "rank 0: exited with code 3"),
         ("dies_in_state_dict_gather", 1, "rank 1: exited with code 6"),

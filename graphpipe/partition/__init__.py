@@ -83,6 +83,7 @@ class PlanConfig:
     virtual_stages: int = 1  # stages per device (a chain of N*v stages, folded by placement)
     placement: str = "loop"  # with virtual_stages > 1: "loop" (interleaved) or "v" (ZB-V)
     interleave: bool = False  # graph: also try finer stage DAGs folded onto the devices
+    precision: str | None = None  # "bf16"/"fp16": floating values cross stages in 2 bytes
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -115,6 +116,8 @@ class PlanConfig:
                 f"it needs partitioner='graph' and virtual_stages=1, got "
                 f"{self.partitioner!r} and {self.virtual_stages}"
             )
+        if self.precision not in (None, "bf16", "fp16"):
+            raise ConfigError(f"precision must be 'bf16', 'fp16' or None, got {self.precision!r}")
         if self.partitioner == "manual" and not self.pins:
             raise ConfigError("partitioner='manual' needs pins: {module path or op: stage}")
 
@@ -196,7 +199,7 @@ def partition(gm: fx.GraphModule, prof: Profile, config: PlanConfig) -> Plan:
             value that is not a single tensor from its users.
     """
     cost = cost_model(config, prof.micro_batch_size, prof.mode, prof.device)
-    return partition_op_graph(op_graph(gm, prof), cost, config, graph_hash(gm))
+    return partition_op_graph(op_graph(gm, prof, config.precision), cost, config, graph_hash(gm))
 
 
 def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str) -> Plan:

@@ -38,6 +38,7 @@ from graphpipe.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
 from graphpipe.runtime.failures import first_line
+from graphpipe.runtime.precision import Precision
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
 from graphpipe.runtime.sync import final_backwards
 from graphpipe.runtime.weights import WeightPolicy
@@ -100,9 +101,15 @@ class Executor:
     """
 
     def __init__(
-        self, stages: dict[int, StageRuntime], policy: WeightPolicy, transport: Transport
+        self,
+        stages: dict[int, StageRuntime],
+        policy: WeightPolicy,
+        transport: Transport,
+        precision: Precision | None = None,
     ) -> None:
         self.stages, self.policy, self.transport = stages, policy, transport
+        self.precision = precision or Precision()
+        self.grad_scale = 1.0  # fp16's loss scale (`graphpipe.runtime.precision.LossScaler`)
         first = next(iter(stages.values()))
         self.rank, self.plan = first.rank, first.plan
         self.edges = list(self.plan.edges)
@@ -263,8 +270,10 @@ class Executor:
         call = _call
         if self.training and self.plan.stages[a.stage].recompute:
             call = functools.partial(checkpoint, _call, use_reentrant=False)  # keeps the inputs
-        with torch.set_grad_enabled(self.training):
-            mb.outputs = self.policy.forward(j, lambda w: call(s.module, w, args))
+        with torch.set_grad_enabled(self.training), self.precision.autocast(s.device):
+            mb.outputs = self._crossing(
+                s, self.policy.forward(j, lambda w: call(s.module, w, args))
+            )
             if s.io.has_output:
                 out = model_output(s.gm, mb.outputs[OUTPUT])
                 if batch.targets is None:  # inference: keep the output
@@ -287,7 +296,7 @@ class Executor:
         roots: list[torch.Tensor] = []
         seeds: list[torch.Tensor | None] = []
         if mb.loss is not None:
-            roots.append(mb.loss * self.policy.loss_scale())
+            roots.append(mb.loss * (self.policy.loss_scale() * self.grad_scale))
             seeds.append(None)
         for name, g in grads.items():
             out = mb.outputs[name]
@@ -300,12 +309,21 @@ class Executor:
         mb, io = self.state[(stage, j)], self.stages[stage].io
         return [v for n, v in mb.inputs.items() if n in io.received and v.requires_grad]
 
+    def _crossing(self, s: StageRuntime, outputs: dict[str, Any]) -> dict[str, Any]:
+        """The stage's outputs with what it sends in the precision's dtype (a graph op)."""
+        for name in s.io.sent:
+            if isinstance(outputs.get(name), torch.Tensor):
+                outputs[name] = self.precision.crossing(outputs[name])
+        return outputs
+
     def _recompute(self, stage: int, j: int) -> None:
         """Run micro-batch j's forward again, with the weights the policy picks for backward."""
         mb, s = self.state[(stage, j)], self.stages[stage]
         args = [mb.inputs[name] for name in s.io.inputs]
-        with torch.enable_grad():
-            mb.outputs = self.policy.recompute(j, lambda w: _call(s.module, w, args))
+        with torch.enable_grad(), self.precision.autocast(s.device):
+            mb.outputs = self._crossing(
+                s, self.policy.recompute(j, lambda w: _call(s.module, w, args))
+            )
             if s.io.has_output:
                 mb.loss = s.loss_fn(model_output(s.gm, mb.outputs[OUTPUT]), mb.target)
 

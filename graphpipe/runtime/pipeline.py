@@ -29,6 +29,7 @@ from graphpipe.runtime.comm import Transport
 from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor, StageRuntime
 from graphpipe.runtime.failures import guarded, install_watch, posted, set_collective_timeout
 from graphpipe.runtime.materialize import InitFn, materialize, names_by_id
+from graphpipe.runtime.precision import LossScaler, Precision
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
 from graphpipe.runtime.weights import PolicyOptions, WeightPolicy, make_policy
@@ -98,6 +99,7 @@ class PipelinedModel:
         checkpoint: str | Path | None = None,
         clip: tuple[float, float] | None = None,
         compile_stages: bool = False,
+        precision: str | None = None,
     ) -> None:
         self.plan, self.schedule, self.runtime = plan, schedule, runtime
         self.rank = dist.get_rank()
@@ -117,7 +119,13 @@ class PipelinedModel:
         )
         self._orphans = _orphans(model, [m for m, _ in modules.values()])
         canon = {n: names[0] for names in names_by_id(model).values() for n in names}
-        specs = micro_shapes(gm, example_inputs, plan.micro_batch_size) if stages else {}
+        self._precision = Precision(precision)
+        specs = {  # what crosses stages, in the precision's dtype
+            name: (shape, self._precision.spec_dtype(dtype))
+            for name, (shape, dtype) in (
+                micro_shapes(gm, example_inputs, plan.micro_batch_size) if stages else {}
+            ).items()
+        }
         materialized = [
             t
             for s in stages
@@ -125,7 +133,9 @@ class PipelinedModel:
         ]
         self._aliases = names_by_id(model)  # every name of each tensor, tied ones too
         groups = self._groups(canon, modules)
-        clip_group = self._clip_group() if clip is not None else None
+        # the ranks that agree on each update's clipping and loss scale (a collective)
+        update_group = self._clip_group() if clip is not None or precision == "fp16" else None
+        self._scaler = self._make_scaler(update_group) if precision == "fp16" else None
         if materialized:
             groups.sync.broadcast()  # tied copies and replicas start equal on every holder
         self.module: nn.Module | None = None
@@ -162,10 +172,11 @@ class PipelinedModel:
                 weight_options,
             )
             if clip is not None:
-                self._clipper = self._make_clipper(clip, canon, modules, groups, clip_group)
-                self.policy.before_step = self._clip
+                self._clipper = self._make_clipper(clip, canon, modules, groups, update_group)
+            if clip is not None or self._scaler is not None:
+                self.policy.before_step = self._before_step
             transport = Transport(self.rank, runtime.timeout, self.device, self._watch)
-            self._executor = Executor(runtime_stages, self.policy, transport)
+            self._executor = Executor(runtime_stages, self.policy, transport, self._precision)
         else:
             self.optimizer = optimizer([nn.Parameter(torch.zeros(0))])
         self._weights = weights
@@ -198,6 +209,8 @@ class PipelinedModel:
         ops = self._program(self._calls)
         with posted("step"):
             if self._executor is not None:
+                if self._scaler is not None:
+                    self._executor.grad_scale = self._scaler.scale
                 self._executor.losses.clear()
                 self._executor.training = True
                 with self._timed(self._executor):
@@ -499,8 +512,39 @@ class PipelinedModel:
                     seen.add(id(p))
         return GradClipper(clip[0], clip[1], params, counted, group)
 
-    def _clip(self) -> None:
-        self._clipper(self.device)
+    def _make_scaler(self, group: dist.ProcessGroup | None) -> LossScaler:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+
+        def all_reduce_max(flag: torch.Tensor) -> None:
+            guarded(
+                "the all-reduce of the found-inf flag",
+                lambda: dist.all_reduce(flag, dist.ReduceOp.MAX, group),
+                ranks,
+            )
+
+        return LossScaler(all_reduce_max)
+
+    def _before_step(self) -> bool:
+        """After the gradient sums: unscale (fp16; False skips the step), then clip."""
+        if self._scaler is not None:
+            assert self.module is not None
+            finite = self._scaler.unscale(list(self.module.parameters()), self.device)
+            self._scaler.update(finite)
+            if not finite:
+                return False
+        if getattr(self, "_clipper", None) is not None:
+            self._clipper(self.device)
+        return True
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale, the same on every rank (None without fp16)."""
+        return None if self._scaler is None else self._scaler.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped because a gradient overflowed somewhere (fp16)."""
+        return 0 if self._scaler is None else self._scaler.skipped
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -1,0 +1,132 @@
+"""Mixed precision: autocast per stage, half-width values between stages, fp16 loss scaling.
+
+    pm = graphpipe.compile(model, x, ..., precision="bf16")   # or "fp16", or None (fp32)
+
+- Each stage's forward runs under `torch.autocast` with the chosen dtype; parameters and the
+  optimizer state stay float32 (the master weights).
+- A float32 value that crosses to another stage is cast to that dtype inside the autograd
+  graph, so the message is half as large and its gradient comes back in the same dtype. The
+  cast saturates: an additive attention mask made with `torch.finfo(float32).min` becomes
+  fp16's most negative finite value, not -inf (which would give NaN rows after a softmax).
+- fp16 only: a `LossScaler`, as `torch.amp.GradScaler` does it. The loss of every micro-batch
+  is multiplied by the scale before its backward; at the update the gradients are unscaled,
+  a found-inf flag is all-reduced over every rank that holds a stage (MAX), and on an inf or
+  NaN anywhere every rank skips the optimizer step and halves the scale. After `interval`
+  good steps in a row the scale doubles. All stages therefore always agree on the scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from graphpipe.errors import ConfigError
+
+__all__ = ["DTYPES", "LossScaler", "Precision", "check_precision", "saturating_cast"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ITEM_BYTES = {None: 4, "bf16": 2, "fp16": 2}  # bytes of a floating value between stages
+
+
+def check_precision(precision: str | None, weights: str = "flush") -> None:
+    """Refuse an unknown precision, or fp16 under a policy that cannot skip a step.
+
+    Raises:
+        ConfigError: naming the value.
+    """
+    if precision is not None and precision not in DTYPES:
+        raise ConfigError(f"precision must be 'bf16', 'fp16' or None, got {precision!r}")
+    if precision == "fp16" and weights != "flush":
+        raise ConfigError(
+            f"precision='fp16' needs weights='flush', got weights={weights!r}: its loss "
+            "scaler skips a whole step on every rank when a gradient overflows, and an "
+            "asynchronous policy has no whole step to skip (use precision='bf16')"
+        )
+
+
+def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in `dtype`, clamped to its finite range first (differentiable)."""
+    info = torch.finfo(dtype)
+    if torch.finfo(x.dtype).max > info.max:
+        x = x.clamp(info.min, info.max)
+    return x.to(dtype)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How one rank's stages compute: the autocast dtype (None: float32 throughout)."""
+
+    name: str | None = None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype."""
+        return DTYPES.get(self.name) if self.name else None
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
+        """The context a stage's forward runs in."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.dtype)
+
+    def crossing(self, x: torch.Tensor) -> torch.Tensor:
+        """A value as it leaves its stage: float32 becomes the autocast dtype."""
+        if self.dtype is None or x.dtype != torch.float32:
+            return x
+        return saturating_cast(x, self.dtype)
+
+    def spec_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a value of `dtype` crosses stages in."""
+        return self.dtype if self.dtype is not None and dtype == torch.float32 else dtype
+
+
+class LossScaler:
+    """fp16 loss scaling agreed by every rank (see the module docstring).
+
+    Args:
+        all_reduce_max: Reduces a one-element float tensor with MAX over the ranks that
+            hold stages (a collective).
+        scale: The first scale.
+        growth: Factor after `interval` good steps.
+        backoff: Factor after a step with an inf or NaN.
+        interval: Good steps between two growths.
+    """
+
+    def __init__(
+        self,
+        all_reduce_max: Callable[[torch.Tensor], None],
+        scale: float = 2.0**16,
+        growth: float = 2.0,
+        backoff: float = 0.5,
+        interval: int = 2000,
+    ) -> None:
+        self.all_reduce_max = all_reduce_max
+        self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+        self.good = 0  # good steps since the last change of scale
+        self.skipped = 0  # steps skipped so far
+
+    def unscale(self, params: Sequence[torch.Tensor], device: torch.device) -> bool:
+        """Divide the gradients by the scale; whether every rank's are finite (collective)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        flag = torch.zeros(1, device=device)
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+            bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
+            flag = bad.to(torch.float32).reshape(1).to(device)
+        self.all_reduce_max(flag)
+        return bool(flag.item() == 0)
+
+    def update(self, finite: bool) -> None:
+        """The next scale after a step whose gradients were `finite`."""
+        if not finite:
+            self.scale *= self.backoff
+            self.good = 0
+            self.skipped += 1
+            return
+        self.good += 1
+        if self.good >= self.interval:
+            self.scale *= self.growth
+            self.good = 0
