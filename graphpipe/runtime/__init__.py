@@ -6,6 +6,9 @@
     backward.py  whole backward, or split into input and weight halves (zero bubble)
     weights.py   weight policies: which weights each pass uses, when to step
     sync.py      gradient sums over data-parallel replicas and tied copies
+    failures.py  the failure board and the watch every wait runs under
+    precision.py autocast, half-width values between stages, fp16 loss scaling
+    emulate.py   emulated devices: stage compute replaced by waits of the plan's times
 
 `graphpipe.compile` wires them together; `graphpipe.launch` starts local processes.
 """

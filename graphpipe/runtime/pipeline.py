@@ -26,6 +26,7 @@ from graphpipe.profiling import profile_actions, spans_from_profiler
 from graphpipe.program import Comm, Op, Program, lower
 from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.comm import Transport
+from graphpipe.runtime.emulate import Emulate, EmulatedStage, emulated_specs
 from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor, StageRuntime
 from graphpipe.runtime.failures import guarded, install_watch, posted, set_collective_timeout
 from graphpipe.runtime.materialize import InitFn, materialize, names_by_id
@@ -52,6 +53,7 @@ class RuntimeConfig:
     timer: str | None = None  # how: "host" ranges or "profiler"; None: profiler on CUDA only
     plan_timeout: float = 1800.0  # seconds ranks wait for rank 0's plan (profiling included)
     prefetch: bool | None = None  # post every receive of a call first; None: on gloo only
+    emulate: Emulate | None = None  # stages wait the plan's times instead of computing
 
     def __post_init__(self) -> None:
         if self.timeout <= 0 or self.plan_timeout <= 0:
@@ -120,15 +122,18 @@ class PipelinedModel:
         self._orphans = _orphans(model, [m for m, _ in modules.values()])
         canon = {n: names[0] for names in names_by_id(model).values() for n in names}
         self._precision = Precision(precision)
+        specs = micro_shapes(gm, example_inputs, plan.micro_batch_size) if stages else {}
+        if runtime.emulate is not None:  # every stage's compute becomes a wait
+            modules = self._emulated(modules, specs, runtime.emulate)
+            specs = emulated_specs(specs, runtime.emulate)
         specs = {  # what crosses stages, in the precision's dtype
             name: (shape, self._precision.spec_dtype(dtype))
-            for name, (shape, dtype) in (
-                micro_shapes(gm, example_inputs, plan.micro_batch_size) if stages else {}
-            ).items()
+            for name, (shape, dtype) in specs.items()
         }
         materialized = [
             t
             for s in stages
+            if runtime.emulate is None
             for t in materialize(model, modules[s.index][0], self.device, init_weights, checkpoint)
         ]
         self._aliases = names_by_id(model)  # every name of each tensor, tied ones too
@@ -151,7 +156,8 @@ class PipelinedModel:
             runtime_stages = {}
             for s in stages:
                 module, io = modules[s.index]
-                retarget(module, self.device)
+                if runtime.emulate is None:
+                    retarget(module, self.device)
                 module.to(self.device)
                 if compile_stages:  # in place: the module and its state dict keys stay
                     module.compile()
@@ -511,6 +517,27 @@ class PipelinedModel:
                     counted.append(p)
                     seen.add(id(p))
         return GradClipper(clip[0], clip[1], params, counted, group)
+
+    def _emulated(
+        self, modules: dict[int, Any], specs: dict[str, Any], emulate: Emulate
+    ) -> dict[int, Any]:
+        """Each stage's stand-in (`graphpipe.runtime.emulate`); other ranks' on meta."""
+        mine = set(self._stage_indices)
+        return {
+            i: (
+                EmulatedStage(
+                    self._gm,
+                    self.plan,
+                    i,
+                    io,
+                    specs,
+                    emulate,
+                    self.device if i in mine else torch.device("meta"),
+                ),
+                io,
+            )
+            for i, (_, io) in modules.items()
+        }
 
     def _make_scaler(self, group: dist.ProcessGroup | None) -> LossScaler:
         ranks = None if group is None else dist.get_process_group_ranks(group)

@@ -1,0 +1,163 @@
+"""Emulated devices: the real runtime, with each stage's compute replaced by a wait.
+
+    pm = graphpipe.compile(model_on_meta, x, ..., plan=the_plan,
+                           runtime=RuntimeConfig(emulate=Emulate(time_scale=20, byte_scale=64)))
+
+Everything but the arithmetic is what a real run does: the schedule lowered to programs, the
+fused point-to-point groups, the gradient sums of replicas, the weight policy, the optimizer
+step. Each stage module is swapped for an `EmulatedStage` whose forward sleeps the plan's
+`forward_time` and whose backward sleeps its `backward_time` (split between the input half
+and the weight half in the simulator's proportions, `simulate.weight_share`), each times
+`time_scale`. Sleeping does not contend for the cores, so 8 emulated ranks run on a 2-core
+machine as 8 devices would.
+
+Sizes: a value crossing stages keeps its dtype and is sent as a flat tensor of
+`numel // byte_scale` elements (at least one); a replicated stage's weight, which replicas
+all-reduce, holds `param_bytes // byte_scale` bytes. So the loopback link carries the plan's
+bytes divided by `byte_scale`: to compare with the simulator, give it a link whose bandwidth
+is the loopback's times `byte_scale` and compute times times `time_scale`
+(`benchmarks/emulated.py` does). The model output keeps its real shape (the loss needs it);
+its values are zeros, so losses mean nothing here: step times do.
+
+A stage with no floating input has no input half: its whole backward runs where the runtime
+puts the weight half (W), as in a real run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from graphpipe.errors import ConfigError
+from graphpipe.ir import Plan
+from graphpipe.runtime.stage import OUTPUT, StageIO
+from graphpipe.simulate import weight_share
+
+__all__ = ["Emulate", "EmulatedStage", "emulated_specs"]
+
+Spec = tuple[tuple[int, ...], torch.dtype]
+
+
+@dataclass(frozen=True)
+class Emulate:
+    """Run with emulated devices (see the module docstring)."""
+
+    time_scale: float = 1.0  # sleep this many times the plan's compute seconds
+    byte_scale: int = 1  # values crossing stages and replicated weights shrink by this
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0 or self.byte_scale < 1:
+            raise ConfigError(
+                f"Emulate needs time_scale > 0 and byte_scale >= 1, got "
+                f"time_scale={self.time_scale}, byte_scale={self.byte_scale}"
+            )
+
+
+def emulated_specs(specs: dict[str, Spec], emulate: Emulate) -> dict[str, Spec]:
+    """The specs of values as they cross stages: flat, `numel // byte_scale` elements."""
+    out: dict[str, Spec] = {}
+    for name, (shape, dtype) in specs.items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        out[name] = ((max(1, numel // emulate.byte_scale),), dtype)
+    return out
+
+
+class _Compute(torch.autograd.Function):
+    """Sleep the forward; make the outputs; the backward sleeps the input half."""
+
+    @staticmethod
+    def forward(ctx: Any, stage: EmulatedStage, *inputs: torch.Tensor) -> Any:
+        time.sleep(stage.seconds["F"])
+        ctx.stage = stage
+        ctx.specs = [(x.shape, x.dtype, x.device) for x in inputs]
+        outs = tuple(torch.zeros(s, dtype=d, device=stage.device) for s, d in stage.out_specs)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        time.sleep(ctx.stage.seconds["I"])
+        zeros = [
+            torch.zeros(s, dtype=d, device=dev) if d.is_floating_point else None
+            for s, d, dev in ctx.specs
+        ]
+        return (None, *zeros)
+
+
+class _WeightHalf(torch.autograd.Function):
+    """A zero that depends on the weight: its backward sleeps the weight half."""
+
+    @staticmethod
+    def forward(ctx: Any, stage: EmulatedStage, weight: torch.Tensor) -> torch.Tensor:
+        ctx.stage = stage
+        return weight.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        time.sleep(ctx.stage.seconds["W"])
+        stage = ctx.stage
+        return None, torch.zeros_like(stage.get_parameter(stage.weight_name))
+
+
+class EmulatedStage(nn.Module):
+    """Stands in for stage `index`'s module: same inputs, outputs of the sizes that cross.
+
+    Args:
+        gm: The traced graph (for the model output's structure).
+        plan: The plan (the stage's times and parameter bytes).
+        index: The stage.
+        io: The real stage's inputs and outputs.
+        specs: Real micro-batch shapes and dtypes of every value, by name.
+        emulate: The scales.
+        device: Where its tensors live.
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        plan: Plan,
+        index: int,
+        io: StageIO,
+        specs: dict[str, Spec],
+        emulate: Emulate,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        stage = plan.stages[index]
+        share = weight_share(stage) if stage.param_bytes > 0 else 0.0
+        total = stage.backward_time * emulate.time_scale
+        has_inputs = any(specs[n][1].is_floating_point for n in io.received if n in specs)
+        self.seconds = {
+            "F": stage.forward_time * emulate.time_scale,
+            "I": total * (1 - share) if has_inputs else 0.0,
+            "W": total * share if has_inputs else total,
+        }
+        self.device, self.io = device, io
+        sent = emulated_specs({n: specs[n] for n in io.sent}, emulate)
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        self._output_names: list[str] = []
+        if io.has_output:
+            fx.node.map_arg(output.args[0], lambda a: self._output_names.append(a.name))
+        self.out_specs = [sent[n] for n in io.sent] + [specs[n] for n in self._output_names]
+        self._output = output.args[0]
+        self.weight_name = f"stage{index}"
+        numel = max(1, stage.param_bytes // 4 // emulate.byte_scale)
+        self.register_parameter(self.weight_name, nn.Parameter(torch.zeros(numel, device=device)))
+
+    def forward(self, *args: torch.Tensor) -> dict[str, Any]:
+        """The sent values under their names, and the model output under OUTPUT."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        outs = list(_Compute.apply(self, *tensors))
+        weight = _WeightHalf.apply(self, self.get_parameter(self.weight_name))
+        outs = [o + weight.to(o.dtype) if o.is_floating_point() else o for o in outs]
+        results: dict[str, Any] = dict(zip(self.io.sent, outs, strict=False))
+        if self.io.has_output:
+            made = dict(zip(self._output_names, outs[len(self.io.sent) :], strict=True))
+            results[OUTPUT] = fx.node.map_arg(self._output, lambda a: made[a.name])
+        return results

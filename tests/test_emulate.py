@@ -1,0 +1,84 @@
+"""Emulated devices: the real runtime with each stage's compute replaced by a wait.
+
+The step time of an emulated 2-stage chain must equal the schedule's analytic value, the
+same number the simulator gives for the plan's times; the emulation sleeps, so the test holds
+on a busy machine (only host overhead, a few ms per step, comes on top).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import ConfigError
+from graphpipe.ir import Plan
+from graphpipe.launch import launch
+from graphpipe.partition import plan
+from graphpipe.runtime.emulate import Emulate, emulated_specs
+from graphpipe.schedule import make_schedule
+from graphpipe.simulate import simulate
+
+M, F, B, SCALE = 4, 0.004, 0.008, 10.0  # per-stage seconds before scaling (40 and 80 ms after)
+
+
+def _model() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)), torch.randn(16, 32)
+
+
+def _timed_plan() -> Plan:
+    model, x = _model()
+    p = plan(model, x, devices=2, micro_batches=M, pins={"0": 0, "1": 0, "2": 1})
+    assert len(p.stages) == 2
+    stages = tuple(dataclasses.replace(s, forward_time=F, backward_time=B) for s in p.stages)
+    return dataclasses.replace(p, stages=stages)
+
+
+def _emulated_steps(schedules: list[str], the_plan: Plan) -> dict[str, float]:
+    return {s: _seconds_per_step(s, the_plan) for s in schedules}
+
+
+def _seconds_per_step(schedule: str, the_plan: Plan) -> float:
+    model, x = _model()
+    pm = gp_compile(
+        model,
+        x,
+        loss_fn=lambda out, t: ((out - t) ** 2).mean(),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        schedule=schedule,
+        plan=the_plan,
+        runtime=RuntimeConfig(timeout=60, emulate=Emulate(time_scale=SCALE, byte_scale=4)),
+    )
+    pm.step(x, target=x)  # warm-up
+    start = time.perf_counter()
+    for _ in range(3):
+        pm.step(x, target=x)
+    return (time.perf_counter() - start) / 3
+
+
+def test_an_emulated_two_stage_chain_steps_in_its_analytic_time() -> None:
+    the_plan, schedules = _timed_plan(), ["1f1b", "gpipe"]
+    analytic = (M + 2 - 1) * (F + B) * SCALE  # both schedules, equal stages, N = 2
+    for schedule in schedules:
+        sim = simulate(the_plan, make_schedule(the_plan, schedule, M)).iteration_time * SCALE
+        assert sim == pytest.approx(analytic, rel=0.01)  # the link is negligible here
+    for rank in launch(_emulated_steps, 2, args=(schedules, the_plan), timeout=240):
+        for schedule, seconds in rank.items():
+            assert analytic * 0.99 <= seconds <= analytic * 1.2, (schedule, seconds, analytic)
+
+
+def test_emulated_values_shrink_by_the_byte_scale_and_bad_scales_are_refused() -> None:
+    specs = {"h": ((4, 32), torch.float32), "ids": ((4,), torch.int64)}
+    assert emulated_specs(specs, Emulate(byte_scale=16)) == {
+        "h": ((8,), torch.float32),
+        "ids": ((1,), torch.int64),
+    }
+    with pytest.raises(ConfigError, match="time_scale=0"):
+        Emulate(time_scale=0)
