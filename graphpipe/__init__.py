@@ -22,7 +22,8 @@ Plans and schedules are plain data: `Plan.to_json()`, `Plan.from_json(text)`,
 
 Modules: trace, profile, partition, schedule, simulate, render and timeline (pictures),
 runtime (the per-rank executor), compile, launch; `graphpipe plan` and `graphpipe run` on the
-command line.
+command line;
+`graphpipe export CKPT OUT` turns a checkpoint (`pm.save`) into a plain state dict.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from graphpipe.ir import Plan, Schedule
 from graphpipe.launch import launch
 from graphpipe.partition import plan
 from graphpipe.render import render
+from graphpipe.runtime.checkpoint import export_checkpoint
 from graphpipe.schedule import make_schedule
 from graphpipe.simulate import simulate
 from graphpipe.trace import trace
@@ -56,6 +58,7 @@ __all__ = [
     "ScheduleError",
     "TraceError",
     "compile",
+    "export_checkpoint",
     "launch",
     "make_schedule",
     "plan",

@@ -37,6 +37,7 @@ from graphpipe.report import (
     schedule_summary,
     schedule_table,
 )
+from graphpipe.runtime.checkpoint import export_checkpoint
 from graphpipe.schedule import ANY_PLACEMENT, PLACED, SCHEDULES
 from graphpipe.simulate import SimResult, simulate
 from graphpipe.timeline import chrome_trace, timeline_svg
@@ -181,7 +182,22 @@ def _parser() -> argparse.ArgumentParser:
         help="autocast each stage; values cross stages in that dtype; fp16 scales the loss",
     )
     run.set_defaults(func=_run_command)
+    export = commands.add_parser(
+        "export",
+        help="a checkpoint directory (pm.save) as a plain state_dict file",
+        description="Write the model of a checkpoint directory saved by pm.save as a "
+        "torch.save state dict that loads into the unpipelined model (strict).",
+    )
+    export.add_argument("checkpoint", type=Path, help="the directory pm.save wrote")
+    export.add_argument("out", type=Path, help="the state dict file to write")
+    export.set_defaults(func=_export_command)
     return parser
+
+
+def _export_command(args: argparse.Namespace) -> int:
+    out = export_checkpoint(args.checkpoint, args.out)
+    _log(f"wrote {out}")
+    return 0
 
 
 def _run_command(args: argparse.Namespace) -> int:

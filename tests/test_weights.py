@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -310,7 +311,9 @@ def test_the_simulator_counts_the_same_weight_copies() -> None:
         assert extra == s.param_bytes * (weight_copies("stash", warm[s.index]) - 1)
 
 
-def _resume_worker(policy: str, options: PolicyOptions | None) -> list[dict[str, torch.Tensor]]:
+def _resume_worker(
+    policy: str, options: PolicyOptions | None, path: str
+) -> list[dict[str, torch.Tensor]]:
     """Two calls, a checkpoint, two more; and a fresh pipeline resumed from the checkpoint."""
     name = "skip_across"
     mbs = mini_batches(name)
@@ -330,18 +333,21 @@ def _resume_worker(policy: str, options: PolicyOptions | None) -> list[dict[str,
     first = build()
     for x, y in mbs[:2]:
         first.step(*x, target=y)
-    checkpoint = first.checkpoint()
+    first.save(path)
     for x, y in mbs[2:4]:
         first.step(*x, target=y)
     second = build()
-    second.load_checkpoint(checkpoint)
+    second.load(path)
     for x, y in mbs[2:4]:
         second.step(*x, target=y)
     return [first.state_dict(), second.state_dict()]
 
 
 @pytest.mark.parametrize(("policy", "options"), [("stash", None), ("pipemare", FIXES)])
-def test_a_checkpoint_resumes_exactly(policy: str, options: PolicyOptions | None) -> None:
-    uninterrupted, resumed = launch(_resume_worker, 3, args=(policy, options), timeout=300)[0]
+def test_a_checkpoint_resumes_exactly(
+    policy: str, options: PolicyOptions | None, tmp_path: Path
+) -> None:
+    args = (policy, options, str(tmp_path / "ckpt"))
+    uninterrupted, resumed = launch(_resume_worker, 3, args=args, timeout=300)[0]
     for key, value in uninterrupted.items():
         torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)

@@ -24,6 +24,7 @@ from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan, Schedule, Timeline
 from graphpipe.profiling import profile_actions, spans_from_profiler
 from graphpipe.program import Comm, Op, Program, lower
+from graphpipe.runtime import checkpoint
 from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.comm import Transport
 from graphpipe.runtime.emulate import Emulate, EmulatedStage, emulated_specs
@@ -113,6 +114,7 @@ class PipelinedModel:
         self._input_names = list(trace_info(gm).input_names)
         self._m = schedule.micro_batches
         self._calls = 0
+        self.steps_done = 0  # step() calls so far (a checkpoint records and restores it)
         stages = plan.stages_on(self.rank)
         self._stage_indices = tuple(s.index for s in stages)
         modules = {s.index: build_stage(gm, plan, s.index) for s in plan.stages}
@@ -222,6 +224,7 @@ class PipelinedModel:
                 with self._timed(self._executor):
                     self._executor.run(ops, batch)
             self._calls += 1
+            self.steps_done += 1
             return self._mean_loss()
 
     @property
@@ -372,24 +375,25 @@ class PipelinedModel:
             "backward": {j: k for kind, j, k in log if kind == "B"},
         }
 
-    def checkpoint(self) -> dict[str, Any]:
-        """Everything a resume needs, gathered on every rank: the model (after `drain`), every
-        rank's optimizer state and weight-policy state."""
-        self.drain()
-        model = self.state_dict()
-        mine = None
-        if self._executor is not None:
-            mine = {"optimizer": self.optimizer.state_dict(), "policy": self.policy.state()}
-        gathered = self._gather(tree_map(_cpu, mine), "the checkpoint")
-        return {"model": model, "ranks": gathered, "weights": self._weights}
+    def save(self, path: str | Path) -> Path:
+        """Write a checkpoint directory (a collective: call it on every rank).
 
-    def load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Resume from `checkpoint` (from a pipeline with the same plan and world size)."""
-        self.load_state_dict(checkpoint["model"])
-        mine = checkpoint["ranks"][self.rank]
-        if self._executor is not None and mine is not None:
-            self.optimizer.load_state_dict(mine["optimizer"])
-            self.policy.load_state(mine["policy"])
+        Each rank writes its shard with torch.distributed.checkpoint, keyed by parameter
+        name; the directory is replaced atomically, so a kill at any moment leaves the
+        previous checkpoint loadable (`graphpipe.runtime.checkpoint`).
+        """
+        return checkpoint.save(self, path)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Resume from the checkpoint at `path`, made under this plan or another one (a
+        collective). Returns its record: the plan, world size, policy and step it was
+        saved at.
+
+        Raises:
+            ConfigError: no complete checkpoint there, another weight policy, or keys this
+                rank's stages need that it lacks.
+        """
+        return checkpoint.load(self, path)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's state dict under the original names, gathered on every rank.

@@ -1,0 +1,325 @@
+"""Checkpoints as directories: torch.distributed.checkpoint (DCP) shards keyed by name.
+
+    pm.save("ckpt")                    # every rank, collectively; atomic
+    pm.load("ckpt")                    # under this plan, or another one, or another world size
+    graphpipe.export_checkpoint("ckpt", "model.pt")   # a plain state_dict, one process
+
+Every rank writes its own shard of one DCP checkpoint. Keys are names, never positions:
+
+    model/<name>             a parameter or buffer, under its first name in the model
+    optim/<name>/<key>       that parameter's optimizer state (Adam's exp_avg, step, ...)
+    optim_groups/rank<r>     rank r's param_groups settings (lr, betas, ...), pickled
+    policy/rank<r>           rank r's weight-policy state, pickled
+
+Copies of one tensor on several ranks (tied weights, replicas) write the same key and DCP
+keeps one. `graphpipe.json` records the plan, the world size, the weight policy, the step
+count, the precision's loss scale and every name of every tensor (tied aliases), so a load
+under another plan asks for the keys its own stages hold (resharding by name), and export
+writes a state dict that loads strictly into the unpipelined model. A weight policy that
+keeps per-stage state beyond its version (PipeMare's velocities) resumes only under the same
+plan; the error says so.
+
+Saves are atomic (`_publish`): DCP writes into `<path>.tmp` (files fsynced), rank 0 adds
+graphpipe.json, then renames `<path>` to `<path>.old`, the new one to `<path>`, and removes
+the old one. `load` takes `<path>`, or `<path>.old` when a kill came between the renames; a
+half-written `.tmp` is never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from graphpipe.errors import ConfigError
+from graphpipe.runtime.failures import guarded
+
+if TYPE_CHECKING:
+    from graphpipe.runtime.pipeline import PipelinedModel
+
+__all__ = ["export_checkpoint", "load", "resolve", "save"]
+
+META = "graphpipe.json"
+FORMAT = 1
+
+
+# -- the directory protocol -------------------------------------------------------------------
+
+
+def _complete(path: Path) -> bool:
+    return (path / ".metadata").is_file() and (path / META).is_file()
+
+
+def resolve(path: str | Path) -> Path:
+    """The complete checkpoint at `path` (or its `.old`, after a kill between the renames).
+
+    Raises:
+        ConfigError: neither is a complete checkpoint.
+    """
+    path = Path(path)
+    for candidate in (path, path.with_name(path.name + ".old")):
+        if _complete(candidate):
+            return candidate
+    raise ConfigError(
+        f"no complete checkpoint at {path} (a directory with .metadata and {META}; "
+        f"{path.name}.tmp, if there, is an unfinished save)"
+    )
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Swap the finished `tmp` in for `path` (rank 0; each step leaves a loadable one)."""
+    old = path.with_name(path.name + ".old")
+    if old.exists() and path.exists():
+        shutil.rmtree(old)  # a leftover of an earlier save: `path` is the newer one
+    if path.exists():
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+# -- what one rank holds ----------------------------------------------------------------------
+
+
+def _canonical(pm: PipelinedModel) -> dict[str, str]:
+    """Every name of every tensor of the model -> its first name."""
+    return {n: names[0] for names in pm._aliases.values() for n in names}
+
+
+def _model_items(pm: PipelinedModel) -> dict[str, torch.Tensor]:
+    """This rank's parameters and buffers by `model/<first name>`, as live tensors."""
+    canon = _canonical(pm)
+    items = {}
+    if pm.module is not None:
+        for name, value in pm.module.state_dict(keep_vars=True).items():
+            items[f"model/{canon.get(name, name)}"] = value.detach()
+    if pm.rank == 0:
+        for name, value in pm._orphans.items():
+            items[f"model/{canon.get(name, name)}"] = value.detach()
+    return items
+
+
+def _param_names(pm: PipelinedModel) -> list[str]:
+    """First names of the optimizer's parameters, in its order."""
+    assert pm.module is not None
+    canon = _canonical(pm)
+    by_id = {id(p): canon.get(n, n) for n, p in pm.module.named_parameters()}
+    return [by_id[id(p)] for g in pm.optimizer.param_groups for p in g["params"]]
+
+
+def _optim_items(pm: PipelinedModel) -> dict[str, Any]:
+    """This rank's optimizer state by parameter name, its settings and its policy state."""
+    if pm.module is None:
+        return {}
+    names = _param_names(pm)
+    state = pm.optimizer.state_dict()
+    items: dict[str, Any] = {}
+    for index, entries in state["state"].items():
+        for key, value in entries.items():
+            is_tensor = isinstance(value, torch.Tensor)
+            items[f"optim/{names[index]}/{key}"] = value if is_tensor else pickle.dumps(value)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+    items[f"optim_groups/rank{pm.rank}"] = pickle.dumps(groups)
+    items[f"policy/rank{pm.rank}"] = pickle.dumps(pm.policy.state())
+    return items
+
+
+def _metadata(pm: PipelinedModel) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "plan": json.loads(pm.plan.to_json()),
+        "world_size": dist.get_world_size(),
+        "weights": pm._weights,
+        "step": pm.steps_done,
+        "micro_batches": pm._m,
+        "loss_scale": pm.loss_scale,
+        "names": list(pm._model.state_dict()),
+        "canonical": _canonical(pm),
+    }
+
+
+# -- save and load ----------------------------------------------------------------------------
+
+
+def save(pm: PipelinedModel, path: str | Path) -> Path:
+    """Write `pm`'s checkpoint to the directory `path`, atomically (a collective).
+
+    Returns:
+        The checkpoint's path.
+    """
+    pm.drain()  # an asynchronous pipeline's updates in flight land first
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if pm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    guarded("the checkpoint's barrier", dist.barrier)
+    items = {**_model_items(pm), **_optim_items(pm)}
+    guarded("the checkpoint save", lambda: dcp.save(items, checkpoint_id=tmp))
+    if pm.rank == 0:
+        meta = tmp / META
+        meta.write_text(json.dumps(_metadata(pm), indent=1))
+        _fsync(meta)
+        _publish(tmp, path)
+    guarded("the checkpoint's barrier", dist.barrier)
+    return path
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta = json.loads((path / META).read_text())
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{path} is checkpoint format {meta.get('format')}, not {FORMAT}")
+    return meta
+
+
+def load(pm: PipelinedModel, path: str | Path) -> dict[str, Any]:
+    """Load the checkpoint at `path` into `pm` (a collective), resharding by name.
+
+    Returns:
+        The checkpoint's graphpipe.json record.
+
+    Raises:
+        ConfigError: no complete checkpoint, another weight policy, keys this rank's stages
+            need that the checkpoint lacks, or per-stage policy state under another plan.
+    """
+    where = resolve(path)
+    meta = _read_meta(where)
+    if meta["weights"] != pm._weights:
+        raise ConfigError(
+            f"{where} was saved with weights={meta['weights']!r}; this pipeline runs "
+            f"weights={pm._weights!r}"
+        )
+    saved = dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata
+    same_plan = meta["plan"] == json.loads(pm.plan.to_json())
+    model = _model_items(pm)
+    missing = sorted(k[len("model/") :] for k in model if k not in saved)
+    if missing:
+        raise ConfigError(f"{where} lacks {missing}, held by stages {list(pm._stage_indices)}")
+    optim = _optim_template(pm, saved, same_plan)
+    template = {**model, **optim}
+    guarded("the checkpoint load", lambda: dcp.load(template, checkpoint_id=str(where)))
+    _restore(pm, template, saved, same_plan, meta)
+    return meta
+
+
+def _optim_template(pm: PipelinedModel, saved: dict[str, Any], same_plan: bool) -> dict[str, Any]:
+    """Buffers for this rank's optimizer state, settings and policy state."""
+    if pm.module is None:
+        return {}
+    mine = set(_param_names(pm))
+    template: dict[str, Any] = {}
+    for key, info in saved.items():
+        if key.startswith("optim/") and key[len("optim/") :].rsplit("/", 1)[0] in mine:
+            if isinstance(info, TensorStorageMetadata):
+                template[key] = torch.empty(info.size, dtype=info.properties.dtype)
+            elif isinstance(info, BytesStorageMetadata):
+                template[key] = b""
+    settings = (
+        f"optim_groups/rank{pm.rank}" if same_plan else _first_rank_key(saved, "optim_groups/")
+    )
+    policy = f"policy/rank{pm.rank}" if same_plan else _first_rank_key(saved, "policy/")
+    for key in (settings, policy):
+        if key in saved:
+            template[key] = b""
+    return template
+
+
+def _first_rank_key(saved: dict[str, Any], prefix: str) -> str:
+    return min((k for k in saved if k.startswith(prefix)), default=prefix + "none")
+
+
+def _restore(
+    pm: PipelinedModel,
+    template: dict[str, Any],
+    saved: dict[str, Any],
+    same_plan: bool,
+    meta: dict[str, Any],
+) -> None:
+    """Put what DCP read into the optimizer, the policy and the counters."""
+    pm.steps_done = int(meta["step"])
+    if pm._scaler is not None and meta.get("loss_scale"):
+        pm._scaler.scale = float(meta["loss_scale"])
+    if pm.module is None:
+        return
+    names = _param_names(pm)
+    state: dict[int, dict[str, Any]] = {}
+    for index, name in enumerate(names):
+        prefix = f"optim/{name}/"
+        entries = {
+            k[len(prefix) :]: v if isinstance(v, torch.Tensor) else pickle.loads(v)
+            for k, v in template.items()
+            if k.startswith(prefix)
+        }
+        if entries:
+            state[index] = entries
+    current = pm.optimizer.state_dict()
+    groups = current["param_groups"]
+    settings = next((v for k, v in template.items() if k.startswith("optim_groups/")), None)
+    if settings:
+        loaded = pickle.loads(settings)
+        groups = [{**g, **loaded[min(i, len(loaded) - 1)]} for i, g in enumerate(groups)]
+    pm.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    policy = next((v for k, v in template.items() if k.startswith("policy/")), None)
+    if policy:
+        _restore_policy(pm, pickle.loads(policy), same_plan)
+
+
+def _restore_policy(pm: PipelinedModel, state: dict[str, Any], same_plan: bool) -> None:
+    if same_plan:
+        pm.policy.load_state(state)
+        return
+    if set(state) != {"version"}:
+        raise ConfigError(
+            f"the {pm._weights} policy keeps per-stage state ({sorted(set(state) - {'version'})})"
+            " that cannot be resharded: resume it under the plan it was saved with"
+        )
+    pm.policy.version = int(state["version"])
+
+
+# -- export -----------------------------------------------------------------------------------
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    """Write the model of the checkpoint at `path` as a plain `torch.save` state dict.
+
+    One process, no process group. Every name of the unpipelined model's `state_dict()` is
+    there (tied weights under each of their names), in the model's order, so
+    `model.load_state_dict(torch.load(out), strict=True)` works.
+
+    Returns:
+        `out`.
+    """
+    where = resolve(path)
+    meta = _read_meta(where)
+    saved = dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata
+    template = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in saved.items()
+        if k.startswith("model/") and isinstance(v, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "no process group: loading in one process", as meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, checkpoint_id=str(where), no_dist=True)
+    canonical = meta["canonical"]
+    state = {n: template[f"model/{canonical.get(n, n)}"] for n in meta["names"]}
+    out = Path(out)
+    torch.save(state, out)
+    return out
