@@ -34,16 +34,17 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from graphpipe.annotate import is_meta
-from graphpipe.bind import batch_of, normalise
+from graphpipe.bind import batch_of, check_output, normalise
 from graphpipe.dryrun import check_run
 from graphpipe.errors import ConfigError, GraphPipeError, PlanError
 from graphpipe.ir import Plan
-from graphpipe.opgraph import graph_hash
+from graphpipe.opgraph import graph_hash, input_shapes
 from graphpipe.partition import PlanConfig, micro_batch_size, partition
 from graphpipe.partition.recompute import RecomputeSpec, choose_recompute
 from graphpipe.profile import ProfileConfig, profile
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.materialize import InitFn
+from graphpipe.runtime.nancheck import check_nan_check
 from graphpipe.runtime.pipeline import (
     OptimizerFactory,
     PipelinedModel,
@@ -82,6 +83,7 @@ def compile(
     grad_norm_type: float = 2.0,
     compile_stages: bool = False,
     recompute: RecomputeSpec = False,
+    nan_check: bool = False,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -133,6 +135,11 @@ def compile(
         compile_stages: `torch.compile` each of this rank's stage modules (in place: state
             dict keys stay). Not with zero-bubble schedules (zb, zbv), whose backward is
             split into input and weight halves, which a compiled backward cannot do.
+        nan_check: Stop a step at its first non-finite loss or gradient: every rank raises
+            the same PipelineError naming the stage, the micro-batch and (for a gradient)
+            the parameter, before the optimizer update, which is skipped and the gradients
+            dropped. Costs one all-reduce per step. weights="flush" only
+            (`graphpipe.runtime.nancheck`).
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...).
 
     Returns:
@@ -150,11 +157,11 @@ def compile(
             "functools.partial(torch.optim.Adam, lr=1e-3); each rank owns "
             "only its stage's parameters"
         )
-    if micro_batches is not None and micro_batches < 1:
-        raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
+    _check_micro_batches(micro_batches)
     asked = schedule
     schedule = _schedule_for(weights, schedule)
     check_clipping(max_grad_norm, grad_norm_type, weights)
+    check_nan_check(nan_check, weights)
     if compile_stages and schedule in SPLIT_BACKWARD:
         raise ConfigError(
             f"compile_stages=True cannot run schedule={schedule!r}: it splits each backward "
@@ -174,6 +181,7 @@ def compile(
     _ensure_process_group(runtime)
     runtime_device(runtime)  # NCCL's object collectives below need the rank's GPU current
     gm = trace(model, example_inputs, leaf_modules=leaf_modules, micro_batch_size=b)
+    check_output(gm)
     inputs = tuple(flat_inputs(gm, *args, **_tensor_items(kwargs)))
     the_plan = (
         _checked_plan(given, gm)
@@ -206,7 +214,23 @@ def compile(
         checkpoint,
         None if max_grad_norm is None else (max_grad_norm, grad_norm_type),
         compile_stages,
+        nan_check,
     )
+
+
+def _check_micro_batches(micro_batches: Any) -> None:
+    """M must be a positive int (or None for the default).
+
+    Raises:
+        ConfigError: naming the value.
+    """
+    if micro_batches is None:
+        return
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ConfigError(
+            f"micro_batches={micro_batches!r}: it must be a positive integer (or None for the "
+            "plan's, or 4)"
+        )
 
 
 def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -286,7 +310,7 @@ def _checked_plan(plan: Plan, gm: fx.GraphModule) -> Plan:
 
     Raises:
         PlanError: the plan was made for another graph, or is invalid for this one.
-        ConfigError: the plan was made for another micro-batch size.
+        ConfigError: the plan was made for another micro-batch size or input shapes.
     """
     b = trace_info(gm).micro_batch_size
     if plan.micro_batch_size != b:
@@ -295,6 +319,13 @@ def _checked_plan(plan: Plan, gm: fx.GraphModule) -> Plan:
             f"this batch of {trace_info(gm).batch_size} in {plan.micro_batches} "
             f"micro-batches gives {b}"
         )
+    traced = input_shapes(gm)
+    for name, shape in plan.input_shapes.items():
+        if name in traced and traced[name] != shape:
+            raise ConfigError(
+                f"the plan was made for input {name} of shape {list(shape)} per micro-batch, "
+                f"but this batch traces it at {list(traced[name])}; plan again for these shapes"
+            )
     if plan.graph_hash != graph_hash(gm):
         raise PlanError(
             f"the plan was made for another graph (hash {plan.graph_hash}, "

@@ -37,6 +37,7 @@ from graphpipe.ir import Action, Plan, Span
 from graphpipe.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
+from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
 from graphpipe.runtime.sync import final_backwards
 from graphpipe.runtime.weights import WeightPolicy
@@ -113,6 +114,7 @@ class Executor:
         self.clock = {"wait": 0.0, "post": 0.0}  # with record: seconds waited, and posting
         self._is_final = False
         self.training = True
+        self.nancheck: NanCheck | None = None  # notes non-finite losses and gradients
         self._handlers: dict[str, Callable[[Action, Batch], None]] = {
             "F": self._forward,
             "B": self._backward,
@@ -267,8 +269,10 @@ class Executor:
                     mb.outputs[OUTPUT] = out
                     return
                 mb.target = batch.targets[j - batch.first]
-                mb.loss = _scalar(s.loss_fn(out, mb.target), j)
+                mb.loss = scalar(s.loss_fn(out, mb.target), j)
                 self.losses[j] = mb.loss.detach()
+                if self.nancheck is not None and self.training:
+                    self.nancheck.saw_loss(a.stage, j, mb.loss)
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -340,6 +344,8 @@ class Executor:
         return list(self.stages[stage].module.parameters()) if self._is_final else []
 
     def _finish_backward(self, stage: int, j: int) -> None:
+        if self.nancheck is not None:
+            self.nancheck.saw_grads(stage, j, self.stages[stage].module)
         self.state[(stage, j)].backward_done = True
         self._forget_when_done(stage, j)
 
@@ -367,7 +373,7 @@ class _LiveWeights:
 LIVE_WEIGHTS: Any = _LiveWeights()
 
 
-def _scalar(loss: Any, j: int) -> torch.Tensor:
+def scalar(loss: Any, j: int) -> torch.Tensor:
     """The loss of micro-batch j, which must be a real scalar tensor.
 
     Raises:

@@ -18,16 +18,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
+from graphpipe.bind import example_output
 from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Plan, Schedule, Timeline
 from graphpipe.profiling import profile_actions, spans_from_profiler
 from graphpipe.program import Comm, Op, Program, lower
 from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.comm import FailureBoard, Transport
-from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor, StageRuntime
+from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor, StageRuntime, scalar
 from graphpipe.runtime.materialize import InitFn, materialize, names_by_id
+from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
 from graphpipe.runtime.weights import PolicyOptions, WeightPolicy, make_policy
@@ -97,11 +99,12 @@ class PipelinedModel:
         checkpoint: str | Path | None = None,
         clip: tuple[float, float] | None = None,
         compile_stages: bool = False,
+        nan_check: bool = False,
     ) -> None:
         self.plan, self.schedule, self.runtime = plan, schedule, runtime
         self.rank = dist.get_rank()
         self.device = runtime_device(runtime)
-        self._model, self._gm = model, gm
+        self._model, self._gm, self._loss_fn = model, gm, loss_fn
         self._shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
         self._input_names = list(trace_info(gm).input_names)
         self._m = schedule.micro_batches
@@ -123,6 +126,14 @@ class PipelinedModel:
         self._aliases = names_by_id(model)  # every name of each tensor, tied ones too
         groups = self._groups(canon, modules)
         clip_group = self._clip_group() if clip is not None else None
+        self._nancheck: NanCheck | None = None
+        if nan_check:  # every rank names every stage's parameters alike
+            names = [
+                [canon.get(n, n) for n, _ in m.named_parameters()] for m, _ in modules.values()
+            ]
+            self._nancheck = NanCheck(names, self._m, self.device)
+        self._problem: str | None = None
+        self._loss_checked = False
         if materialized:
             groups.sync.broadcast()  # tied copies and replicas start equal on every holder
         self.module: nn.Module | None = None
@@ -160,10 +171,12 @@ class PipelinedModel:
             )
             if clip is not None:
                 self._clipper = self._make_clipper(clip, canon, modules, groups, clip_group)
-                self.policy.before_step = self._clip
+            if clip is not None or nan_check:
+                self.policy.before_step = self._before_step
             board = FailureBoard(dist.get_world_size())
             transport = Transport(self.rank, runtime.timeout, self.device, board)
             self._executor = Executor(runtime_stages, self.policy, transport)
+            self._executor.nancheck = self._nancheck
         else:
             self.optimizer = optimizer([nn.Parameter(torch.zeros(0))])
         self._weights = weights
@@ -185,22 +198,65 @@ class PipelinedModel:
             The mean of the micro-batch losses of this call, on every rank.
 
         Raises:
-            ConfigError: a missing target or inputs of the wrong shape, before any
-                communication.
-            PipelineError: a failure while running (a timeout, a dead peer).
+            ConfigError: a missing target, inputs or a target of the wrong kind or shape, a
+                loss_fn that does not return a real scalar: before any communication, on
+                every rank.
+            PipelineError: a failure while running (a timeout, a dead peer), or with
+                nan_check a non-finite loss or gradient (on every rank, the update skipped).
         """
         if target is None:
             raise ConfigError("step() needs target=...: the loss is computed on the last stage")
         first = self._calls * self._m if self._async else 0
         batch = self._batch(inputs, kw_inputs, target, first=first)
+        self._check_loss(target)
         ops = self._program(self._calls)
+        self._problem = None
         if self._executor is not None:
             self._executor.losses.clear()
             self._executor.training = True
             with self._timed(self._executor):
                 self._executor.run(ops, batch)
+        elif self._nancheck is not None:  # a rank without a stage takes part in the agreement
+            self._problem = self._nancheck.agree()
         self._calls += 1
-        return self._mean_loss()
+        loss = self._mean_loss()
+        if self._problem is not None:
+            raise PipelineError(self._problem)
+        return loss
+
+    def _before_step(self) -> bool:
+        """Before the optimizer step, after the gradient sums: nan_check's agreement (False:
+        skip the step), then clipping."""
+        if self._nancheck is not None:
+            self._problem = self._nancheck.agree()
+            if self._problem is not None:
+                return False
+        if hasattr(self, "_clipper"):
+            self._clip()
+        return True
+
+    def _check_loss(self, target: Any) -> None:
+        """Once, on every rank alike: loss_fn on the model's output for one micro-batch as
+        meta tensors (no memory, no values) and the target's first micro-batch must give a
+        real scalar. A loss_fn that cannot run on the meta device is left to the stage that
+        computes the loss.
+
+        Raises:
+            ConfigError: the loss is not a real scalar tensor, naming what it is.
+        """
+        if self._loss_checked:
+            return
+        out = example_output(self._gm)
+        first = tree_map(
+            lambda t: t.to("meta").chunk(self._m)[0] if isinstance(t, torch.Tensor) else t,
+            target,
+        )
+        try:
+            loss = self._loss_fn(out, first)
+        except Exception:  # e.g. reads values; the loss's stage still checks every loss
+            loss = torch.zeros((), device="meta")
+        scalar(loss, 0)
+        self._loss_checked = True
 
     @property
     def _async(self) -> bool:
@@ -305,6 +361,7 @@ class PipelinedModel:
                 "eval_step() needs target=...: the loss is computed on the last stage"
             )
         batch = self._batch(inputs, kw_inputs, target, first=0)
+        self._check_loss(target)
         return self._mean_loss(self._forward_only(batch))
 
     def _forward_only(self, batch: Batch) -> Executor | None:
@@ -575,17 +632,22 @@ def _check_target(target: Any, batch: int) -> None:
     """Every tensor in `target` must have the batch on dim 0.
 
     Raises:
-        ConfigError: naming the shapes that do not.
+        ConfigError: no tensor at all, or naming the first tensor that does not.
     """
-    leaves, _ = tree_flatten(target)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    leaves, _ = tree_flatten_with_path(target)
+    tensors = [(keystr(path), x) for path, x in leaves if isinstance(x, torch.Tensor)]
     if not tensors:
-        raise ConfigError(f"target must hold tensors (batch on dim 0), got {type(target).__name__}")
-    bad = [list(x.shape) for x in tensors if x.dim() == 0 or x.shape[0] != batch]
-    if bad:
         raise ConfigError(
-            f"every tensor of the target must have the batch ({batch}) on dim 0, got shapes {bad}"
+            f"target holds no tensor (it is a {type(target).__name__}); it must be a tensor, "
+            "or a tuple/dict of tensors, with the batch on dim 0"
         )
+    for path, x in tensors:
+        if x.dim() == 0:
+            raise ConfigError(
+                f"target{path} is a scalar, the batch has {batch} rows; dim 0 must be the batch"
+            )
+        if x.shape[0] != batch:
+            raise ConfigError(f"target{path} has {x.shape[0]} rows, the batch has {batch}")
 
 
 def _moved(op: Any, shift: int) -> Any:

@@ -125,7 +125,8 @@ class WeightPolicy:
         self._names = {id(p): n for n, p in self.params.items()}  # kept by swap_tensors
         parts = list(module) if isinstance(module, nn.ModuleList) else [module]
         self.finals = FinalGrads(sync, parts)
-        self.before_step: Callable[[], None] | None = None  # e.g. clipping, after the sums
+        # after the sums, e.g. clipping; returning False skips the step and drops the gradients
+        self.before_step: Callable[[], bool] | None = None
 
     def loss_scale(self) -> float:
         """What each micro-batch's loss is multiplied by before its backward."""
@@ -193,8 +194,9 @@ class WeightPolicy:
         self.note_copies()
         self.finals.clear()
         self.sync()
-        if self.before_step is not None:
-            self.before_step()
+        if self.before_step is not None and not self.before_step():
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
