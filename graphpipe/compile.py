@@ -55,7 +55,7 @@ from graphpipe.runtime.weights import POLICIES, PolicyOptions
 from graphpipe.schedule import ANY_PLACEMENT, ASYNC, PLACED, make_schedule
 from graphpipe.trace import LeafSpec, flat_inputs, trace, trace_info
 
-__all__ = ["PipelinedModel", "RuntimeConfig", "compile"]
+__all__ = ["PipelinedModel", "RuntimeConfig", "compile", "schedule_for"]
 
 SPLIT_BACKWARD = frozenset({"zb", "zbv"})  # schedules with input/weight backward halves
 
@@ -159,7 +159,7 @@ def compile(
         )
     _check_micro_batches(micro_batches)
     asked = schedule
-    schedule = _schedule_for(weights, schedule)
+    schedule = schedule_for(weights, schedule)
     check_clipping(max_grad_norm, grad_norm_type, weights)
     check_nan_check(nan_check, weights)
     if compile_stages and schedule in SPLIT_BACKWARD:
@@ -276,8 +276,12 @@ def _micro_batches(micro_batches: int | None, plan: Plan | None) -> int:
 SCHEDULE_FOR = {"stash": "async", "pipemare": "async", "2bw": "2bw"}
 
 
-def _schedule_for(weights: str, schedule: str | None) -> str:
-    """The schedule to run: the one given, checked against the policy, or the policy's."""
+def schedule_for(weights: str, schedule: str | None) -> str:
+    """The schedule to run: the one given, checked against the policy, or the policy's.
+
+    Raises:
+        ConfigError: an unknown policy, or a schedule it cannot run with.
+    """
     if weights not in POLICIES:
         raise ConfigError(f"unknown weight policy {weights!r}; known: {sorted(POLICIES)}")
     wanted = SCHEDULE_FOR.get(weights)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from zoo import ZOO, dict_loss
 
+from graphpipe.cli import main
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, PipelineError
@@ -203,6 +204,32 @@ def test_a_good_step_still_runs_after_refusals(pm: Any) -> None:
     loss = pm.step(x, target=y)
     assert torch.isfinite(torch.tensor(loss))
     assert loss == pytest.approx(F.mse_loss(pm(x), y).item(), rel=0.2)
+
+
+# -- graphpipe run -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--weights", "bogus"], "unknown weight policy 'bogus'"),
+        (["-m", "0"], "micro_batches=0 must be a positive integer"),
+        (["-m", "3"], "a batch of 8 does not split into 3 equal micro-batches"),
+        (["--steps", "0"], "steps=0 must be positive"),
+        (["--timeout", "-1"], "timeout=-1.0 must be positive"),
+        (["--max-grad-norm", "-1"], "max_grad_norm must be positive, got -1.0"),
+        (["--preset", "bogus"], "nbranch: unknown preset 'bogus'"),
+        (["--weights", "stash", "--schedule", "1f1b"], "runs with async, not schedule='1f1b'"),
+    ],
+)
+def test_graphpipe_run_refuses_a_bad_flag_in_one_line(
+    flags: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused in the launching process, before any rank starts: one line, exit status 2."""
+    status = main(["run", "models.nbranch", "--preset", "tiny", "--profile", "flops", *flags])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert err.startswith("graphpipe: error: ") and line in err and "\n" not in err, err
 
 
 # -- two ranks ------------------------------------------------------------------------------
