@@ -257,10 +257,14 @@ def _runtime_loss_worker() -> None:
 def test_a_loss_only_its_stage_can_check_is_named_by_that_rank() -> None:
     with pytest.raises(PipelineError) as err:
         launch(_runtime_loss_worker, 2, timeout=TIMEOUT, comm_timeout=20)
+    lines = err.value.problems
+    culprit = "loss_fn returned a torch.float32 tensor of shape [2, 4] for micro-batch 0"
+    assert any(line.startswith("rank 1: ConfigError: " + culprit) for line in lines), lines
+    waiting = [line for line in lines if line.startswith("rank 0:")]  # left waiting for rank 1
     assert (
-        "rank 1: ConfigError: loss_fn returned a torch.float32 tensor of shape [2, 4] for "
-        "micro-batch 0" in str(err.value)
-    )
+        waiting
+        and f"(first failure reported: rank 1 failed at 1F0: ConfigError: {culprit}" in waiting[0]
+    ), lines
 
 
 # -- nan_check, two ranks --------------------------------------------------------------------

@@ -242,13 +242,13 @@ class Transport:
         message = f"rank {self.rank}, action {what}, peer rank {peer}: "
         if "closed" in text.lower() or "reset" in text.lower():
             message += f"rank {peer} closed its connection: it has probably died"
-            first = self.board.first(exclude=self.rank) if self.board else None
-            if first is not None:
-                message += f" (first failure reported: {first})"
         elif "timed out" in text.lower() or "timeout" in text.lower():
             message += f"rank {peer} did not answer within {self.timeout:g} s"
         else:
             message += f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"
+        first = self.board.first(exclude=self.rank) if self.board else None
+        if first is not None:
+            message += f" (first failure reported: {first})"
         if self.board is not None:
             self.board.post(self.rank, message)
         return PipelineError(message)

@@ -141,17 +141,26 @@ class Executor:
                 start = time.perf_counter()
                 with torch.profiler.record_function(f"graphpipe::{op}"):
                     self._handlers[op.kind](op, batch)
-            except (PipelineError, ConfigError):
+            except PipelineError:
+                raise
+            except ConfigError as exc:
+                self._post(f"rank {self.rank} failed at {op}: ConfigError: {exc}")
                 raise
             except Exception as exc:
-                raise PipelineError(
-                    f"rank {self.rank} failed at {op}: {type(exc).__name__}: {exc}"
-                ) from exc
+                message = f"rank {self.rank} failed at {op}: {type(exc).__name__}: {exc}"
+                self._post(message)
+                raise PipelineError(message) from exc
             if self.record:
                 self.spans.append(Span(self.rank, str(op), start, time.perf_counter()))
         start = time.perf_counter()
         self.transport.finish_sends()
         self._tick("wait", start)
+
+    def _post(self, message: str) -> None:
+        """Tell the other ranks why this one stops (`FailureBoard`): a peer left waiting for
+        it names this failure, not only its own timeout or the closed connection."""
+        if self.transport.board is not None:
+            self.transport.board.post(self.rank, message)
 
     def _tick(self, kind: str, start: float) -> None:
         """With record, add the time since `start` to `clock[kind]`."""
