@@ -129,6 +129,15 @@ def test_a_model_output_that_is_not_tensors_is_refused_at_compile(what: Any, nam
         _compile(Returns(what), torch.randn(8, 16))
 
 
+def test_a_nested_output_with_none_entries_is_accepted() -> None:
+    pm = _compile(
+        Returns(lambda h: (h, {"aux": None, "ids": h.argmax(-1)})),
+        torch.randn(8, 16),
+        loss_fn=lambda out, t: F.mse_loss(out[0], t),
+    )
+    assert pm.step(torch.randn(8, 16), target=torch.randn(8, 16)) > 0
+
+
 def test_nan_check_needs_the_flush_policy() -> None:
     model, inputs = ZOO["two_branch"]()
     with pytest.raises(ConfigError, match="nan_check=True.*weights='stash'"):
