@@ -16,16 +16,26 @@ Every tensor input has the batch on dim 0; `rows` cuts the example down to the m
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from graphpipe.annotate import TensorSpec
 from graphpipe.errors import ConfigError
 
-__all__ = ["batch_of", "concrete_args", "flat_inputs", "model_output", "normalise", "rows"]
+__all__ = [
+    "batch_of",
+    "check_output",
+    "concrete_args",
+    "example_output",
+    "flat_inputs",
+    "model_output",
+    "normalise",
+    "rows",
+]
 
 Args = tuple[torch.Tensor, ...]
 Kwargs = dict[str, Any]
@@ -174,13 +184,82 @@ def flat_inputs(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> list[torch.Ten
         )
     flat = [args[s] if isinstance(s, int) else kwargs[s] for s in info.sources]
     bad = [
-        f"{name}: {type(x).__name__}"
-        for name, x in zip(info.input_names, flat, strict=True)
+        (f"input {s} ({name})" if isinstance(s, int) else f"keyword input {s!r}")
+        + f" is a {type(x).__name__}, not a tensor"
+        for s, name, x in zip(info.sources, info.input_names, flat, strict=True)
         if not isinstance(x, torch.Tensor)
     ]
     if bad:
-        raise ConfigError("every input must be a tensor", bad)
+        raise ConfigError("; ".join(bad))
     return flat
+
+
+def _output_leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """(path, leaf) of the output node's argument: fx nodes and constants in tuples, lists
+    and dicts."""
+    if isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            yield from _output_leaves(v, f"{path}[{i}]")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _output_leaves(v, f"{path}[{k!r}]")
+    else:
+        yield path, value
+
+
+def _output_arg(gm: fx.GraphModule) -> Any:
+    return next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+
+def check_output(gm: fx.GraphModule) -> None:
+    """The model's output must be a tensor, or a (nested) tuple, list or dict of tensors
+    (None entries allowed), with a floating-point tensor among them for the loss's gradient.
+
+    Raises:
+        ConfigError: naming what the model returned and the first leaf that is not a tensor.
+    """
+    value = _output_arg(gm)
+    need = "its output must be a tensor or a (nested) tuple/dict of tensors"
+    if value is None:
+        raise ConfigError(f"the model returned NoneType; {need}")
+    kind = "dict" if isinstance(value, Mapping) else type(value).__name__
+    dtypes = {}
+    for path, leaf in _output_leaves(value, "output"):
+        if leaf is None:
+            continue
+        spec = leaf.meta.get("gp_outputs") if isinstance(leaf, fx.Node) else None
+        if not isinstance(spec, TensorSpec):
+            what = (
+                f"non-tensor (node {leaf.name})"
+                if isinstance(leaf, fx.Node)
+                else f"{type(leaf).__name__} ({leaf!r})"
+            )
+            raise ConfigError(f"the model returned {kind} whose {path} is a {what}; {need}")
+        dtypes[path] = spec.dtype.removeprefix("torch.")
+    if not any(_dtype(d).is_floating_point for d in dtypes.values()):
+        raise ConfigError(
+            f"the model's output holds no floating-point tensor ({dtypes or 'nothing'}), so "
+            "no loss on it has a gradient; return the scores, not labels"
+        )
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def example_output(gm: fx.GraphModule, device: torch.device | str = "meta") -> Any:
+    """The model's output for one micro-batch as empty tensors of the traced shapes and dtypes
+    on `device` (by default the meta device: no memory), nested as the model returns it."""
+
+    def fake(leaf: Any) -> Any:
+        spec = leaf.meta.get("gp_outputs") if isinstance(leaf, fx.Node) else None
+        if not isinstance(spec, TensorSpec):
+            return leaf
+        return torch.empty(spec.shape, dtype=_dtype(spec.dtype), device=device)
+
+    return model_output(gm, fx.node.map_aggregate(_output_arg(gm), fake))
 
 
 def model_output(gm: fx.GraphModule, value: Any) -> Any:

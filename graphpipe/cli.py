@@ -140,7 +140,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Train MODEL on synthetic data, one process per device (see graphpipe.train).",
     )
     _model_arguments(run, devices_default=2)
-    run.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    run.add_argument(
+        "--schedule",
+        choices=sorted(SCHEDULES),
+        help="default: 1f1b, or the one the weight policy needs (async, 2bw)",
+    )
     run.add_argument("--weights", default="flush", help="weight policy (default: flush)")
     run.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
     run.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default: 3e-3)")

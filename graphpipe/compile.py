@@ -34,17 +34,18 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from graphpipe.annotate import is_meta
-from graphpipe.bind import batch_of, normalise
+from graphpipe.bind import batch_of, check_output, normalise
 from graphpipe.dryrun import check_run
 from graphpipe.errors import ConfigError, GraphPipeError, PlanError
 from graphpipe.ir import Plan
-from graphpipe.opgraph import graph_hash
+from graphpipe.opgraph import graph_hash, input_shapes
 from graphpipe.partition import PlanConfig, micro_batch_size, partition
 from graphpipe.partition.recompute import RecomputeSpec, choose_recompute
 from graphpipe.profile import ProfileConfig, profile
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.failures import guarded, install_watch, posted
 from graphpipe.runtime.materialize import InitFn
+from graphpipe.runtime.nancheck import check_nan_check
 from graphpipe.runtime.pipeline import (
     OptimizerFactory,
     PipelinedModel,
@@ -56,7 +57,7 @@ from graphpipe.runtime.weights import POLICIES, PolicyOptions
 from graphpipe.schedule import ANY_PLACEMENT, ASYNC, PLACED, make_schedule
 from graphpipe.trace import LeafSpec, flat_inputs, trace, trace_info
 
-__all__ = ["PipelinedModel", "RuntimeConfig", "compile"]
+__all__ = ["PipelinedModel", "RuntimeConfig", "compile", "schedule_for"]
 
 SPLIT_BACKWARD = frozenset({"zb", "zbv"})  # schedules with input/weight backward halves
 
@@ -85,6 +86,7 @@ def compile(
     compile_stages: bool = False,
     recompute: RecomputeSpec = False,
     precision: str | None = None,
+    nan_check: bool = False,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -141,6 +143,11 @@ def compile(
             counts them so), and for fp16 a loss scale agreed by every rank: an overflow
             anywhere skips the step everywhere (`pm.loss_scale`, `pm.skipped_steps`;
             weights="flush" only). None: float32 (`graphpipe.runtime.precision`).
+        nan_check: Stop a step at its first non-finite loss or gradient: every rank raises
+            the same PipelineError naming the stage, the micro-batch and (for a gradient)
+            the parameter, before the optimizer update, which is skipped and the gradients
+            dropped. Costs one all-reduce per step. weights="flush" only
+            (`graphpipe.runtime.nancheck`).
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...).
 
     Returns:
@@ -158,12 +165,17 @@ def compile(
             "functools.partial(torch.optim.Adam, lr=1e-3); each rank owns "
             "only its stage's parameters"
         )
-    if micro_batches is not None and micro_batches < 1:
-        raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
+    _check_micro_batches(micro_batches)
     asked = schedule
-    schedule = _schedule_for(weights, schedule)
+    schedule = schedule_for(weights, schedule)
     check_clipping(max_grad_norm, grad_norm_type, weights)
     check_precision(precision, weights)
+    check_nan_check(nan_check, weights)
+    if nan_check and precision == "fp16":
+        raise ConfigError(
+            "nan_check=True with precision='fp16': fp16's loss scaler already skips a step "
+            "whose gradients overflow (pm.skipped_steps); use one or the other"
+        )
     if compile_stages and schedule in SPLIT_BACKWARD:
         raise ConfigError(
             f"compile_stages=True cannot run schedule={schedule!r}: it splits each backward "
@@ -185,6 +197,7 @@ def compile(
     install_watch(runtime.timeout)  # every wait from here on stops when another rank fails
     runtime_device(runtime)  # NCCL's object collectives below need the rank's GPU current
     gm = trace(model, example_inputs, leaf_modules=leaf_modules, micro_batch_size=b)
+    check_output(gm)
     inputs = tuple(flat_inputs(gm, *args, **_tensor_items(kwargs)))
     the_plan = (
         _checked_plan(given, gm)
@@ -219,6 +232,22 @@ def compile(
             None if max_grad_norm is None else (max_grad_norm, grad_norm_type),
             compile_stages,
             precision,
+            nan_check,
+        )
+
+
+def _check_micro_batches(micro_batches: Any) -> None:
+    """M must be a positive int (or None for the default).
+
+    Raises:
+        ConfigError: naming the value.
+    """
+    if micro_batches is None:
+        return
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ConfigError(
+            f"micro_batches={micro_batches!r}: it must be a positive integer (or None for the "
+            "plan's, or 4)"
         )
 
 
@@ -265,8 +294,12 @@ def _micro_batches(micro_batches: int | None, plan: Plan | None) -> int:
 SCHEDULE_FOR = {"stash": "async", "pipemare": "async", "2bw": "2bw"}
 
 
-def _schedule_for(weights: str, schedule: str | None) -> str:
-    """The schedule to run: the one given, checked against the policy, or the policy's."""
+def schedule_for(weights: str, schedule: str | None) -> str:
+    """The schedule to run: the one given, checked against the policy, or the policy's.
+
+    Raises:
+        ConfigError: an unknown policy, or a schedule it cannot run with.
+    """
     if weights not in POLICIES:
         raise ConfigError(f"unknown weight policy {weights!r}; known: {sorted(POLICIES)}")
     wanted = SCHEDULE_FOR.get(weights)
@@ -299,7 +332,7 @@ def _checked_plan(plan: Plan, gm: fx.GraphModule) -> Plan:
 
     Raises:
         PlanError: the plan was made for another graph, or is invalid for this one.
-        ConfigError: the plan was made for another micro-batch size.
+        ConfigError: the plan was made for another micro-batch size or input shapes.
     """
     b = trace_info(gm).micro_batch_size
     if plan.micro_batch_size != b:
@@ -308,6 +341,13 @@ def _checked_plan(plan: Plan, gm: fx.GraphModule) -> Plan:
             f"this batch of {trace_info(gm).batch_size} in {plan.micro_batches} "
             f"micro-batches gives {b}"
         )
+    traced = input_shapes(gm)
+    for name, shape in plan.input_shapes.items():
+        if name in traced and traced[name] != shape:
+            raise ConfigError(
+                f"the plan was made for input {name} of shape {list(shape)} per micro-batch, "
+                f"but this batch traces it at {list(traced[name])}; plan again for these shapes"
+            )
     if plan.graph_hash != graph_hash(gm):
         raise PlanError(
             f"the plan was made for another graph (hash {plan.graph_hash}, "

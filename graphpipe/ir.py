@@ -93,6 +93,8 @@ class Plan:
         bottleneck: Predicted seconds per micro-batch of the slowest stage or link.
         search_time: Seconds the partitioner spent.
         graph_hash: Digest of the traced graph the plan is for (`opgraph.graph_hash`).
+        input_shapes: Each model input's shape per micro-batch, as traced for the plan
+            (`opgraph.input_shapes`); empty in plans written before it was recorded.
         info: Free-form facts about the search, for people (JSON-able).
     """
 
@@ -104,6 +106,7 @@ class Plan:
     bottleneck: float
     search_time: float
     graph_hash: str
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -226,6 +229,9 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
         bottleneck=float(data["bottleneck"]),
         search_time=float(data["search_time"]),
         graph_hash=str(data["graph_hash"]),
+        input_shapes={
+            str(k): tuple(int(d) for d in v) for k, v in data.get("input_shapes", {}).items()
+        },
         info=dict(data.get("info", {})),
     )
 

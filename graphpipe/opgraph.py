@@ -38,7 +38,7 @@ from torch import fx
 from graphpipe.profile import NodeTime, Profile
 from graphpipe.trace import TensorSpec, has_float_output, trace_info
 
-__all__ = ["graph_hash", "op_graph", "target_name", "value_kind"]
+__all__ = ["graph_hash", "input_shapes", "op_graph", "target_name", "value_kind"]
 
 _COMPARISONS = (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge)
 _INT_METHODS = ("dim", "numel", "nelement", "ndimension")
@@ -182,3 +182,14 @@ def graph_hash(gm: fx.GraphModule) -> str:
         inputs = ",".join(n.name for n in node.all_input_nodes)
         h.update(f"{node.name}|{node.op}|{target_name(node)}|{inputs};".encode())
     return h.hexdigest()[:16]
+
+
+def input_shapes(gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
+    """Each placeholder's shape as traced (per micro-batch), by name: what a plan is for
+    besides its graph (`graph_hash` covers no shapes)."""
+    shapes = {}
+    for node in gm.graph.nodes:
+        spec = node.meta.get("gp_outputs")
+        if node.op == "placeholder" and hasattr(spec, "shape"):
+            shapes[node.name] = tuple(int(d) for d in spec.shape)
+    return shapes

@@ -30,12 +30,15 @@ from tqdm import tqdm
 
 from graphpipe._units import format_time
 from graphpipe.calibrate import calibrated, measure_link
-from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import RuntimeConfig, schedule_for
 from graphpipe.compile import compile as pipeline
+from graphpipe.errors import ConfigError
 from graphpipe.launch import launch
+from graphpipe.partition import micro_batch_size
 from graphpipe.profile import ProfileConfig
 from graphpipe.render import render
 from graphpipe.report import modules_of, plan_summary, plan_table
+from graphpipe.runtime.clip import check_clipping
 from graphpipe.simulate import simulate
 from graphpipe.timeline import chrome_trace, timeline_svg
 from graphpipe.trace import trace
@@ -43,6 +46,7 @@ from graphpipe.workload import load_workload
 
 __all__ = ["TrainConfig", "TrainResult", "train"]
 
+PROFILES = ("measure", "flops")
 RECORDED_STEPS = 2  # the last steps whose actions the measured timeline shows
 
 
@@ -54,7 +58,7 @@ class TrainConfig:
     preset: str = "cpu"  # the workload preset
     options: dict[str, Any] = field(default_factory=dict)  # workload options
     devices: int = 2  # processes, one stage (or replica) each
-    schedule: str = "1f1b"
+    schedule: str | None = None  # None: 1f1b, or the one the weight policy needs
     weights: str = "flush"
     steps: int = 40
     lr: float = 3e-3  # Adam's learning rate
@@ -69,6 +73,25 @@ class TrainConfig:
     recompute: bool | str = False  # activation checkpointing: True, False or "auto"
     compile_stages: bool = False  # torch.compile each stage
     precision: str | None = None  # "bf16" or "fp16" (compile's argument); None: float32
+
+    def __post_init__(self) -> None:
+        """Refuse bad settings here, in the launching process: one error, not one per rank.
+
+        Raises:
+            ConfigError: the first bad setting, naming its value.
+        """
+        positive = {"devices": self.devices, "steps": self.steps, "lr": self.lr}
+        positive |= {"timeout": self.timeout, "deadline": self.deadline}
+        for name, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"{name}={value!r} must be positive")
+        m = self.micro_batches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ConfigError(f"micro_batches={m!r} must be a positive integer")
+        if self.profile not in PROFILES:
+            raise ConfigError(f"profile={self.profile!r}; known: {list(PROFILES)}")
+        schedule_for(self.weights, self.schedule)
+        check_clipping(self.max_grad_norm, 2.0, self.weights)
 
 
 @dataclass(frozen=True)
@@ -85,8 +108,11 @@ def train(config: TrainConfig) -> TrainResult:
     """Run the example on `config.devices` local processes.
 
     Raises:
+        ConfigError: a bad model, preset, option or micro-batch count (checked here once,
+            on the meta device, before any process starts).
         PipelineError: a rank failed (the message says which and why).
     """
+    _check_workload(config)
     results = launch(
         _rank_main,
         config.devices,
@@ -96,6 +122,24 @@ def train(config: TrainConfig) -> TrainResult:
     )
     result: TrainResult = results[0]
     return result
+
+
+def _check_workload(config: TrainConfig) -> None:
+    """Build the workload on the meta device (no memory, no values) to refuse a bad preset,
+    option or micro-batch count in one line. A factory that cannot build on the meta device
+    is left to the ranks.
+
+    Raises:
+        ConfigError: what the factory or the micro-batch split refuses.
+    """
+    try:
+        with torch.device("meta"):
+            w = load_workload(config.model, config.preset, seed=config.seed, **config.options)
+    except ConfigError:
+        raise
+    except Exception:
+        return
+    micro_batch_size(w.batch_size, config.micro_batches or w.micro_batches)
 
 
 def _rank_main(config: TrainConfig) -> TrainResult | None:

@@ -39,7 +39,7 @@ from graphpipe.bind import batch_of, normalise
 from graphpipe.cost import CostModel, LinkModel, MemoryModel
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan
-from graphpipe.opgraph import graph_hash, op_graph
+from graphpipe.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.partition.assemble import assemble
 from graphpipe.partition.fold import folded_groups
 from graphpipe.partition.interleave import interleavings
@@ -199,7 +199,8 @@ def partition(gm: fx.GraphModule, prof: Profile, config: PlanConfig) -> Plan:
             value that is not a single tensor from its users.
     """
     cost = cost_model(config, prof.micro_batch_size, prof.mode, prof.device)
-    return partition_op_graph(op_graph(gm, prof, config.precision), cost, config, graph_hash(gm))
+    made = partition_op_graph(op_graph(gm, prof, config.precision), cost, config, graph_hash(gm))
+    return replace(made, input_shapes=input_shapes(gm))
 
 
 def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str) -> Plan:

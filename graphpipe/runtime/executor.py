@@ -38,6 +38,7 @@ from graphpipe.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
 from graphpipe.runtime.failures import first_line
+from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import Precision
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
 from graphpipe.runtime.sync import final_backwards
@@ -121,6 +122,7 @@ class Executor:
         self.clock = {"wait": 0.0, "post": 0.0}  # with record: seconds waited, and posting
         self._is_final = False
         self.training = True
+        self.nancheck: NanCheck | None = None  # notes non-finite losses and gradients
         self._handlers: dict[str, Callable[[Action, Batch], None]] = {
             "F": self._forward,
             "B": self._backward,
@@ -149,6 +151,9 @@ class Executor:
                     self._handlers[op.kind](op, batch)
             except PipelineError:
                 raise  # posted where it was raised
+            except ConfigError as exc:  # a refusal only this stage could make: posted, kept
+                self._failed(op, exc)
+                raise
             except Exception as exc:  # the stage's own error: posted, so no peer waits for it
                 raise self._failed(op, exc) from exc
             if self.record:
@@ -158,6 +163,7 @@ class Executor:
         self._tick("wait", start)
 
     def _failed(self, op: Op, exc: Exception) -> PipelineError:
+        """Post why this rank stops, so a peer left waiting for it names this failure."""
         text = f"rank {self.rank}, action {op}: {first_line(exc)}"
         watch = self.transport.watch
         return watch.raised(text, "cause") if watch is not None else PipelineError(text)
@@ -280,8 +286,10 @@ class Executor:
                     mb.outputs[OUTPUT] = out
                     return
                 mb.target = batch.targets[j - batch.first]
-                mb.loss = _scalar(s.loss_fn(out, mb.target), j)
+                mb.loss = scalar(s.loss_fn(out, mb.target), j)
                 self.losses[j] = mb.loss.detach()
+                if self.nancheck is not None and self.training:
+                    self.nancheck.saw_loss(a.stage, j, mb.loss)
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -362,6 +370,8 @@ class Executor:
         return list(self.stages[stage].module.parameters()) if self._is_final else []
 
     def _finish_backward(self, stage: int, j: int) -> None:
+        if self.nancheck is not None:
+            self.nancheck.saw_grads(stage, j, self.stages[stage].module)
         self.state[(stage, j)].backward_done = True
         self._forget_when_done(stage, j)
 
@@ -389,7 +399,7 @@ class _LiveWeights:
 LIVE_WEIGHTS: Any = _LiveWeights()
 
 
-def _scalar(loss: Any, j: int) -> torch.Tensor:
+def scalar(loss: Any, j: int) -> torch.Tensor:
     """The loss of micro-batch j, which must be a real scalar tensor.
 
     Raises:

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
-from graphpipe.errors import ConfigError
+from graphpipe.bind import example_output
+from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Plan, Schedule, Timeline
 from graphpipe.profiling import profile_actions, spans_from_profiler
 from graphpipe.program import Comm, Op, Program, lower
@@ -28,9 +29,10 @@ from graphpipe.runtime import checkpoint
 from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.comm import Transport
 from graphpipe.runtime.emulate import Emulate, EmulatedStage, emulated_specs
-from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor, StageRuntime
+from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor, StageRuntime, scalar
 from graphpipe.runtime.failures import guarded, install_watch, posted, set_collective_timeout
 from graphpipe.runtime.materialize import InitFn, materialize, names_by_id
+from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import LossScaler, Precision
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
@@ -103,13 +105,14 @@ class PipelinedModel:
         clip: tuple[float, float] | None = None,
         compile_stages: bool = False,
         precision: str | None = None,
+        nan_check: bool = False,
     ) -> None:
         self.plan, self.schedule, self.runtime = plan, schedule, runtime
         self.rank = dist.get_rank()
         self._watch = install_watch(runtime.timeout)
         set_collective_timeout(runtime.timeout)
         self.device = runtime_device(runtime)
-        self._model, self._gm = model, gm
+        self._model, self._gm, self._loss_fn = model, gm, loss_fn
         self._shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
         self._input_names = list(trace_info(gm).input_names)
         self._m = schedule.micro_batches
@@ -143,6 +146,14 @@ class PipelinedModel:
         # the ranks that agree on each update's clipping and loss scale (a collective)
         update_group = self._clip_group() if clip is not None or precision == "fp16" else None
         self._scaler = self._make_scaler(update_group) if precision == "fp16" else None
+        self._nancheck: NanCheck | None = None
+        if nan_check:  # every rank names every stage's parameters alike
+            names = [
+                [canon.get(n, n) for n, _ in m.named_parameters()] for m, _ in modules.values()
+            ]
+            self._nancheck = NanCheck(names, self._m, self.device)
+        self._problem: str | None = None
+        self._loss_checked = False
         if materialized:
             groups.sync.broadcast()  # tied copies and replicas start equal on every holder
         self.module: nn.Module | None = None
@@ -181,10 +192,11 @@ class PipelinedModel:
             )
             if clip is not None:
                 self._clipper = self._make_clipper(clip, canon, modules, groups, update_group)
-            if clip is not None or self._scaler is not None:
+            if clip is not None or self._scaler is not None or nan_check:
                 self.policy.before_step = self._before_step
             transport = Transport(self.rank, runtime.timeout, self.device, self._watch)
             self._executor = Executor(runtime_stages, self.policy, transport, self._precision)
+            self._executor.nancheck = self._nancheck
         else:
             self.optimizer = optimizer([nn.Parameter(torch.zeros(0))])
         self._weights = weights
@@ -206,15 +218,19 @@ class PipelinedModel:
             The mean of the micro-batch losses of this call, on every rank.
 
         Raises:
-            ConfigError: a missing target or inputs of the wrong shape, before any
-                communication.
-            PipelineError: a failure while running (a timeout, a dead peer).
+            ConfigError: a missing target, inputs or a target of the wrong kind or shape, a
+                loss_fn that does not return a real scalar: before any communication, on
+                every rank.
+            PipelineError: a failure while running (a timeout, a dead peer), or with
+                nan_check a non-finite loss or gradient (on every rank, the update skipped).
         """
         if target is None:
             raise ConfigError("step() needs target=...: the loss is computed on the last stage")
         first = self._calls * self._m if self._async else 0
         batch = self._batch(inputs, kw_inputs, target, first=first)
+        self._check_loss(target)
         ops = self._program(self._calls)
+        self._problem = None
         with posted("step"):
             if self._executor is not None:
                 if self._scaler is not None:
@@ -223,9 +239,37 @@ class PipelinedModel:
                 self._executor.training = True
                 with self._timed(self._executor):
                     self._executor.run(ops, batch)
+            elif self._nancheck is not None:  # a rank without a stage takes part in the agreement
+                self._problem = self._nancheck.agree()
             self._calls += 1
             self.steps_done += 1
-            return self._mean_loss()
+            loss = self._mean_loss()
+        if self._problem is not None:
+            raise PipelineError(self._problem)
+        return loss
+
+    def _check_loss(self, target: Any) -> None:
+        """Once, on every rank alike: loss_fn on the model's output for one micro-batch as
+        meta tensors (no memory, no values) and the target's first micro-batch must give a
+        real scalar. A loss_fn that cannot run on the meta device is left to the stage that
+        computes the loss.
+
+        Raises:
+            ConfigError: the loss is not a real scalar tensor, naming what it is.
+        """
+        if self._loss_checked:
+            return
+        out = example_output(self._gm)
+        first = tree_map(
+            lambda t: t.to("meta").chunk(self._m)[0] if isinstance(t, torch.Tensor) else t,
+            target,
+        )
+        try:
+            loss = self._loss_fn(out, first)
+        except Exception:  # e.g. reads values; the loss's stage still checks every loss
+            loss = torch.zeros((), device="meta")
+        scalar(loss, 0)
+        self._loss_checked = True
 
     @property
     def _async(self) -> bool:
@@ -330,6 +374,7 @@ class PipelinedModel:
                 "eval_step() needs target=...: the loss is computed on the last stage"
             )
         batch = self._batch(inputs, kw_inputs, target, first=0)
+        self._check_loss(target)
         return self._mean_loss(self._forward_only(batch))
 
     def _forward_only(self, batch: Batch) -> Executor | None:
@@ -556,12 +601,17 @@ class PipelinedModel:
         return LossScaler(all_reduce_max)
 
     def _before_step(self) -> bool:
-        """After the gradient sums: unscale (fp16; False skips the step), then clip."""
+        """After the gradient sums: unscale (fp16), nan_check's agreement, then clipping.
+        False skips the step (an fp16 overflow, or a non-finite value under nan_check)."""
         if self._scaler is not None:
             assert self.module is not None
             finite = self._scaler.unscale(list(self.module.parameters()), self.device)
             self._scaler.update(finite)
             if not finite:
+                return False
+        if self._nancheck is not None:
+            self._problem = self._nancheck.agree()
+            if self._problem is not None:
                 return False
         if getattr(self, "_clipper", None) is not None:
             self._clipper(self.device)
@@ -650,17 +700,22 @@ def _check_target(target: Any, batch: int) -> None:
     """Every tensor in `target` must have the batch on dim 0.
 
     Raises:
-        ConfigError: naming the shapes that do not.
+        ConfigError: no tensor at all, or naming the first tensor that does not.
     """
-    leaves, _ = tree_flatten(target)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    leaves, _ = tree_flatten_with_path(target)
+    tensors = [(keystr(path), x) for path, x in leaves if isinstance(x, torch.Tensor)]
     if not tensors:
-        raise ConfigError(f"target must hold tensors (batch on dim 0), got {type(target).__name__}")
-    bad = [list(x.shape) for x in tensors if x.dim() == 0 or x.shape[0] != batch]
-    if bad:
         raise ConfigError(
-            f"every tensor of the target must have the batch ({batch}) on dim 0, got shapes {bad}"
+            f"target holds no tensor (it is a {type(target).__name__}); it must be a tensor, "
+            "or a tuple/dict of tensors, with the batch on dim 0"
         )
+    for path, x in tensors:
+        if x.dim() == 0:
+            raise ConfigError(
+                f"target{path} is a scalar, the batch has {batch} rows; dim 0 must be the batch"
+            )
+        if x.shape[0] != batch:
+            raise ConfigError(f"target{path} has {x.shape[0]} rows, the batch has {batch}")
 
 
 def _moved(op: Any, shift: int) -> Any:

@@ -125,7 +125,8 @@ class WeightPolicy:
         self._names = {id(p): n for n, p in self.params.items()}  # kept by swap_tensors
         parts = list(module) if isinstance(module, nn.ModuleList) else [module]
         self.finals = FinalGrads(sync, parts)
-        # after the sums, before the step: unscaling, clipping; False skips the step
+        # after the sums, before the step: unscaling, clipping, the nan check; False skips
+        # the step and drops the gradients
         self.before_step: Callable[[], bool] | None = None
 
     def loss_scale(self) -> float:
