@@ -84,7 +84,7 @@ class FailureBoard:
                 store = store.underlying_store
             # a connection of its own: a TCPStore client serves one call at a time, and the
             # process group's own blocking calls on it must not hold the board up
-            store = store.clone()
+            store = store.clone()  # type: ignore[attr-defined]
         return cls(dist.get_rank(), dist.get_world_size(), store)
 
     # -- failures -----------------------------------------------------------------------------
