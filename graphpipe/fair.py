@@ -13,11 +13,14 @@ step time, within a per-device memory budget. Here:
   exceeds the budget. When no run of a variant fits, it is planned again with the budget
   (the DP then keeps every stage within it at graph 1F1B's in-flight counts).
 - sequential: PipeDream's DP (`partitioner="sequential"`), the best of its variants.
+  Its candidates also hold every chain the graph search returns (a chain of convex stages
+  is a sequential plan, for some topological order): the DP's probes of the "pipeline"
+  objective can miss, say, one replicated stage at M = 1 that the graph search finds.
 - graph: GraphPipe's series-parallel search (`partitioner="graph"`), whose search space holds
   every sequential plan: its candidates are its own plans and the sequential ones, and the
   fastest simulated run is kept (the partitioner keeps the sequential plan by its score too).
-  So graph is never slower than sequential; `Choice.plan.info["chosen"]` and `stage_dag`
-  say whether a stage DAG won.
+  So graph is never slower than sequential; `Choice.stage_dag` says whether a stage DAG
+  (depth below the stage count) won.
 
 The step time is the simulated flushed step (`simulate`), so throughput is B / step.
 
@@ -29,7 +32,6 @@ Cost per strategy: (#M values) x (#variants) searches and x #schedules simulatio
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -59,7 +61,7 @@ class FairConfig:
 
     budget: float | None = 80 * GIB  # bytes per device (None: unlimited)
     preset: str = "a100"  # roofline device preset (graphpipe.devices.DEVICES)
-    max_micro_batches: int = 64  # M runs over the powers of two up to this that divide B
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # M tried, those dividing B
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "zb")  # flushed schedules tried
     link: LinkModel = field(default_factory=LinkModel)  # between devices
     variants: tuple[tuple[bool, str], ...] = VARIANTS  # (replication, objective) pairs
@@ -67,10 +69,10 @@ class FairConfig:
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget <= 0:
             raise ConfigError(f"memory budget must be positive, got {self.budget}")
-        if self.max_micro_batches < 1 or not self.schedules or not self.variants:
+        if min(self.micro_batches, default=0) < 1 or not self.schedules or not self.variants:
             raise ConfigError(
-                f"need max_micro_batches >= 1, schedules and variants, got "
-                f"{self.max_micro_batches}, {self.schedules} and {self.variants}"
+                f"need micro_batches >= 1, schedules and variants, got "
+                f"{self.micro_batches}, {self.schedules} and {self.variants}"
             )
 
 
@@ -92,8 +94,8 @@ class Choice:
 
     @property
     def stage_dag(self) -> bool:
-        """Whether the plan is a stage DAG (not a chain)."""
-        return self.plan.info.get("chosen", self.plan.partitioner) == "graph"
+        """Whether the plan is a stage DAG, not a chain (its depth is below its stage count)."""
+        return _is_dag(self.plan)
 
 
 @dataclass(frozen=True)
@@ -110,15 +112,16 @@ class Comparison:
         return self.sequential.step_time / self.graph.step_time
 
 
-def micro_batch_counts(batch: int, largest: int = 64) -> list[int]:
-    """The powers of two up to `largest` that divide `batch`.
+def micro_batch_counts(
+    batch: int, candidates: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)
+) -> list[int]:
+    """The candidate micro-batch counts that divide `batch`, in increasing order.
 
     Example:
         >>> micro_batch_counts(48)
         [1, 2, 4, 8, 16]
     """
-    powers = (2**i for i in range(int(math.log2(max(largest, 1))) + 1))
-    return [m for m in powers if batch % m == 0]
+    return sorted(m for m in set(candidates) if batch % m == 0)
 
 
 def choose(
@@ -155,15 +158,19 @@ def compare(
     example_inputs: Sequence[torch.Tensor],
     devices: int,
     config: FairConfig | None = None,
+    explain_above: float = 0.0,
 ) -> Comparison:
     """Both strategies under the fair protocol, and the sequential plan's binding constraint.
 
     Sequential plans are searched once and shared: they are the sequential candidates and
-    part of the graph ones.
+    part of the graph ones. `binding` is computed when the ratio exceeds `explain_above`
+    (e.g. the paper's 1.6), else left empty.
     """
     config = config or FairConfig()
     graph, seq = _choose_all(gm, example_inputs, devices, config, STRATEGIES)
-    return Comparison(graph, seq, binding(gm, example_inputs, devices, seq, config))
+    explain = seq.step_time / graph.step_time > explain_above
+    why = binding(gm, example_inputs, devices, seq, config) if explain else ""
+    return Comparison(graph, seq, why)
 
 
 def binding(
@@ -207,7 +214,7 @@ def _choose_all(
     best: dict[str, Choice | None] = {s: None for s in strategies}
     start = time.perf_counter()
     runs = 0
-    for m in micro_batch_counts(batch, config.max_micro_batches):
+    for m in micro_batch_counts(batch, config.micro_batches):
         plans = _plans(gm, inputs, devices, m, config, strategies)
         for strategy in strategies:
             for plan, variant in plans[strategy]:
@@ -221,7 +228,7 @@ def _choose_all(
         found = best[strategy]
         if found is None:
             raise PlanError(
-                f"no {strategy} configuration of M <= {config.max_micro_batches} on {devices} "
+                f"no {strategy} configuration of M in {config.micro_batches} on {devices} "
                 f"devices fits the memory budget of {config.budget} bytes per device"
             )
         chosen.append(replace(found, runs=runs, search_time=time.perf_counter() - start))
@@ -265,8 +272,13 @@ def _plans(
                 out[kind].append((plan, variant))
                 if _fits(plan, config.budget):  # else plan again within the budget
                     break
-    out["graph"] += out["sequential"]
+    out["sequential"] += [(p, v) for p, v in out["graph"] if not _is_dag(p)]
+    out["graph"] += [(p, v) for p, v in out["sequential"] if p.partitioner == "sequential"]
     return out
+
+
+def _is_dag(plan: Plan) -> bool:
+    return plan.depth < len(plan.stages)
 
 
 def _fits(plan: Plan, budget: float | None) -> bool:

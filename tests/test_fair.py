@@ -69,7 +69,7 @@ def test_bad_presets_and_devices_are_named() -> None:
 def test_micro_batch_counts_are_the_powers_of_two_dividing_the_batch() -> None:
     assert micro_batch_counts(48) == [1, 2, 4, 8, 16]
     assert micro_batch_counts(2048) == [1, 2, 4, 8, 16, 32, 64]
-    assert micro_batch_counts(2048, 8) == [1, 2, 4, 8]
+    assert micro_batch_counts(2048, (8, 1, 4096, 2)) == [1, 2, 8]
 
 
 def _tiny(name: str) -> tuple[torch.fx.GraphModule, tuple[torch.Tensor, ...]]:
