@@ -1,6 +1,6 @@
 """Run every benchmark and write BENCHMARKS.md (and the convergence plot) at the top level.
 
-python -m benchmarks            # or: tox -e bench   (about five minutes on 2 cores)
+python -m benchmarks            # or: tox -e bench   (about eight minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks import convergence, interleave, planner, real_models, runtime
+from benchmarks import convergence, fair, interleave, planner, real_models, runtime
 from benchmarks._common import log
 
 HEADER = """# Benchmarks
@@ -25,6 +25,7 @@ def main() -> int:
     sections = []
     for name, run in (
         ("planner", planner.report),
+        ("fair planner", fair.report),
         ("real-model planning", real_models.report),
         ("graph interleaving", interleave.report),
         ("runtime", runtime.report),

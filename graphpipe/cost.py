@@ -20,6 +20,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from graphpipe.errors import ConfigError
 
 __all__ = ["CostModel", "LinkModel", "MemoryModel", "weight_copies"]
@@ -118,6 +120,19 @@ class CostModel:
         m = self.micro_batches
         share = math.ceil(m / replicas) / m
         return compute * share + self.link.allreduce(param_bytes, replicas) / m
+
+    def stage_times(self, compute: float, param_bytes: float, replicas: int) -> np.ndarray:
+        """`stage_time` on 1..`replicas` replicas, as one array (the same operations per
+        element, so the same values)."""
+        m, link = self.micro_batches, self.link
+        r = np.arange(1, replicas + 1, dtype=np.float64)
+        share = np.ceil(m / r) / m
+        steps = 2 * (r - 1)
+        allreduce = steps / r * param_bytes / link.bandwidth + steps * link.latency
+        if param_bytes <= 0:
+            allreduce[:] = 0.0
+        allreduce[0] = 0.0
+        return compute * share + allreduce / m
 
     def stage_memory(
         self, param_bytes: float, activation_bytes: float, in_flight: int, replicas: int

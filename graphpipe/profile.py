@@ -9,6 +9,16 @@ Two ways, chosen by `ProfileConfig.mode`:
   kept so that indices stay valid), and takes the median of `repeats` runs after `warmup`.
   The forward is timed as training runs it, recording for autograd; the backward is the
   forward-and-backward time minus that.
+- "roofline": the roofline of a device preset (`graphpipe.devices`, `preset`), aware of the
+  micro-batch size b. A node's forward is one kernel with
+      flops = gp_flops * b
+      bytes = weights read + b * (input bytes + output bytes), per sample as traced
+  where the weights read are its parameters and buffers in full, except for an embedding
+  lookup (nn.Embedding(Bag), F.embedding(_bag)), which reads the rows it gathers:
+  b * indices per sample * row bytes. Its backward (nodes on the gradient path) takes twice
+  the FLOPs and twice the bytes (gradients of the inputs and of the weights), in two kernels
+  when the node has weights, one otherwise. Views and size queries (`VIEWS`) cost nothing.
+  Weight reads and launches do not shrink with b, so small micro-batches are less efficient.
 
 Measured profiles are cached as JSON under `cache_dir`, keyed by the graph's code, the input
 shapes, the micro-batch size, the device, the settings and the torch version, so planning a
@@ -33,10 +43,22 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
+from graphpipe.annotate import TensorSpec
+from graphpipe.devices import DEVICES, device_preset, roofline
 from graphpipe.errors import ConfigError
 from graphpipe.trace import has_float_output, trace_info
 
-__all__ = ["NodeTime", "Profile", "ProfileConfig", "profile"]
+__all__ = ["VIEWS", "NodeTime", "Profile", "ProfileConfig", "profile"]
+
+MODES = ("flops", "measure", "roofline")
+# ops that alias or describe their input without a kernel: free under the roofline
+VIEWS = frozenset(
+    {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand",
+     "getitem", "getattr", "size", "dim", "chunk", "split", "unflatten", "t", "narrow",
+     "select", "unbind", "view_as", "expand_as"}
+)  # fmt: skip
+_EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+_EMBEDDING_FNS = ("embedding", "embedding_bag")
 
 Log = Callable[[str], None]
 
@@ -45,8 +67,9 @@ Log = Callable[[str], None]
 class ProfileConfig:
     """How to obtain per-node times."""
 
-    mode: str = "flops"  # "flops" (estimate) or "measure" (time every node)
+    mode: str = "flops"  # "flops" (estimate), "measure" (time every node) or "roofline"
     device: str = "cpu"  # where "measure" runs; recorded either way
+    preset: str = "a100"  # "roofline": the device preset (graphpipe.devices.DEVICES)
     device_flops: float = 50e12  # FLOP/s the estimate assumes
     node_overhead: float = 2e-6  # seconds per node and pass the estimate adds
     warmup: int = 2  # untimed runs before measuring
@@ -54,8 +77,10 @@ class ProfileConfig:
     cache_dir: str | None = None  # where measured profiles are cached; None disables the cache
 
     def __post_init__(self) -> None:
-        if self.mode not in ("flops", "measure"):
-            raise ConfigError(f"profile mode must be 'flops' or 'measure', got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"profile mode must be one of {MODES}, got {self.mode!r}")
+        if self.preset not in DEVICES:
+            raise ConfigError(f"unknown device preset {self.preset!r}; known: {sorted(DEVICES)}")
         if self.repeats < 1 or self.warmup < 0 or self.device_flops <= 0:
             raise ConfigError(
                 f"need repeats >= 1, warmup >= 0 and device_flops > 0, got repeats="
@@ -131,6 +156,8 @@ def profile(
         raise ConfigError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if config.mode == "flops":
         return _estimate(gm, micro_batch_size, config)
+    if config.mode == "roofline":
+        return _roofline(gm, micro_batch_size, config)
     if any(x.device.type == "meta" for x in example_inputs):
         raise ConfigError(
             "cannot measure a model on the meta device (e.g. a paper preset): "
@@ -165,6 +192,68 @@ def _estimate(gm: fx.GraphModule, b: int, config: ProfileConfig) -> Profile:
         bwd = 2 * (fwd - config.node_overhead) + config.node_overhead if _on_grad_path(node) else 0
         times[node.name] = NodeTime(fwd, bwd)
     return Profile(b, "flops", config.device, times)
+
+
+def _roofline(gm: fx.GraphModule, b: int, config: ProfileConfig) -> Profile:
+    device = device_preset(config.preset)
+    times = {}
+    for node in gm.graph.nodes:
+        if not _is_compute(node) or _short_name(node) in VIEWS:
+            times[node.name] = NodeTime(0.0, 0.0)
+            continue
+        flops = node.meta.get("gp_flops", 0) * b
+        nbytes = _weights_read(gm, node, b) + b * _activation_bytes(node)
+        fwd = roofline(flops, nbytes, device)
+        kernels = 2 if node.meta.get("gp_params") else 1
+        bwd = roofline(2 * flops, 2 * nbytes, device, kernels) if _on_grad_path(node) else 0.0
+        times[node.name] = NodeTime(fwd, bwd)
+    return Profile(b, "roofline", config.preset, times)
+
+
+def _short_name(node: fx.Node) -> str:
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.rsplit(".", 1)[-1]
+
+
+def _activation_bytes(node: fx.Node) -> int:
+    """Bytes per sample the node reads (its inputs, not weights) and writes (its outputs)."""
+    inputs = sum(a.meta.get("gp_out_bytes", 0) for a in node.all_input_nodes if a.op != "get_attr")
+    return inputs + node.meta.get("gp_out_bytes", 0)
+
+
+def _weights_read(gm: fx.GraphModule, node: fx.Node, b: int) -> float:
+    """Parameter bytes the node reads for a micro-batch of b: all of them, or for an
+    embedding lookup the rows it gathers (indices per sample x row bytes x b)."""
+    params = node.meta.get("gp_params", {})
+    table = _embedding_table(gm, node)
+    if table is None or not node.all_input_nodes:
+        return float(sum(params.values()))
+    indices = node.all_input_nodes[0]  # the first argument of a module call and F.embedding
+    return b * _elements_per_sample(indices) * table
+
+
+def _embedding_table(gm: fx.GraphModule, node: fx.Node) -> float | None:
+    """Bytes per row of the table an embedding node looks up in, else None."""
+    weight: Any = None
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        weight = module.weight if isinstance(module, _EMBEDDINGS) else None
+    elif node.op == "call_function" and _short_name(node) in _EMBEDDING_FNS and len(node.args) > 1:
+        arg = node.args[1]
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            weight = gm.get_parameter(str(arg.target))
+    if weight is None:
+        return None
+    return float(weight.shape[1] * weight.element_size())
+
+
+def _elements_per_sample(node: fx.Node) -> float:
+    spec = node.meta.get("gp_outputs")
+    if not isinstance(spec, TensorSpec):
+        return 0.0
+    itemsize = getattr(torch, spec.dtype.removeprefix("torch.")).itemsize
+    return node.meta.get("gp_out_bytes", 0) / itemsize
 
 
 def _cache_path(

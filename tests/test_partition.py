@@ -239,6 +239,31 @@ def test_graph_partitioner_never_worse_than_sequential_on_random_dags(objective:
     assert own >= 36 and shallower >= 3
 
 
+@pytest.mark.parametrize("objective", ["pipeline", "bottleneck"])
+def test_unbudgeted_array_recursions_plan_as_the_budgeted_loops(objective: str) -> None:
+    # without a budget the series rows are min-plus convolutions over numpy arrays; a budget
+    # that never binds takes the per-(k, d) loops instead: the plans must be the same
+    for seed in range(16):
+        rng = random.Random(300 + seed)
+        g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(6, 14))
+        devices = rng.randint(2, min(6, g.number_of_nodes()))
+        options = {"devices": devices, "replication": seed % 4 < 2, "objective": objective}
+        free = partition_op_graph(g, cost(micro_batches=4), PlanConfig(**options), "x")
+        roomy = cost(micro_batches=4, budget=1e30)
+        loops = partition_op_graph(g, roomy, PlanConfig(**options), "x")
+        assert [(s.nodes, s.devices) for s in free.stages] == [
+            (s.nodes, s.devices) for s in loops.stages
+        ], seed
+        assert free.bottleneck == loops.bottleneck
+
+
+def test_stage_times_array_equals_stage_time_per_replica_count() -> None:
+    for m, pbytes in itertools.product((1, 3, 8, 64), (0.0, 12345.0, 7e9)):
+        c = CostModel(1, m, LinkModel(bandwidth=3e9, latency=7e-6))
+        expected = [c.stage_time(0.0123, pbytes, r) for r in range(1, 41)]
+        assert c.stage_times(0.0123, pbytes, 40).tolist() == expected  # bit for bit
+
+
 def test_memory_budget_is_respected_and_infeasible_budget_is_an_error() -> None:
     rng = random.Random(7)
     g = random_dag(rng, 10)

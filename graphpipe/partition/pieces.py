@@ -101,15 +101,10 @@ class Pieces:
 
     def stage_times(self, stats: Stats) -> np.ndarray:
         """The stage time of a piece on 1..R replicas."""
-        r_range = range(1, self.max_replicas + 1)
-        return np.array(
-            [
-                self.cost.stage_time(stats.time, stats.pbytes, r)
-                if r == 1 or not stats.stateful
-                else np.inf
-                for r in r_range
-            ]
-        )
+        times = self.cost.stage_times(stats.time, stats.pbytes, self.max_replicas)
+        if stats.stateful:  # never replicated
+            times[1:] = np.inf
+        return times
 
     def candidates(self, floor: float) -> list[float]:
         """Every stage time of every piece and replica count, and every cut time, >= floor."""

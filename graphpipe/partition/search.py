@@ -55,14 +55,18 @@ and drain grow with the depth.
 Implementation: piece statistics and stage times are computed once (`pieces`). Per tau, a
 series row G(p, .) takes its merge options for every end q at once, as array operations over
 the stage times (without a memory budget r is the fewest replicas whose stage time meets
-tau); only the value of G is tabulated, and a solution is rebuilt by finding, at each step,
-the first option (in the order the rows consider them) that reaches the tabulated value. The
-tables of the last feasible tau are kept: the binary search ends on it.
+tau). Without a memory budget F(child, y, x) = F(child, 0, x - y), so a row's child and
+absorbing options are min-plus convolutions of the child's table with G, one array operation
+over the (x, y) grid each (`_convolve`). Only the value of G is tabulated, and a solution
+is rebuilt by finding, at each step, the first option (in the order the rows consider them)
+that reaches the tabulated value. The tables of the last feasible tau are kept: the binary
+search ends on it.
 
 Complexity per tau: O(sum over series nodes of n^2 D + L D^2, plus sum over parallel nodes of
 L^2 D), times D with a memory budget; n is a series node's unit count and L a node's child
-count; the n^2 D part runs as array operations. There are O(log #candidates) values of tau,
-plus the probes of the "pipeline" objective. `sptree.condense` bounds n.
+count; the n^2 D part, and without a budget the D^2 part, run as array operations. There
+are O(log #candidates) values of tau, plus the probes of the "pipeline" objective.
+`sptree.condense` bounds n.
 """
 
 from __future__ import annotations
@@ -276,9 +280,12 @@ class _Search:
         child, end = self.pieces.series[id(node)].children.get(p, (None, 0))
         if child is None or not t.cut_ok[end]:
             return row
-        after = t.g[end].tolist()
-        for x in range(t.k + 1, self.depth_bound + 1):
-            row[x] = min(self.f(child, y, x) + after[y] for y in range(t.k, x))
+        if self.budgeted:
+            after = t.g[end].tolist()
+            for x in range(t.k + 1, self.depth_bound + 1):
+                row[x] = min(self.f(child, y, x) + after[y] for y in range(t.k, x))
+        else:  # F(child, y, x) = F(child, 0, x - y): a min-plus convolution
+            row = self._convolve(np.array(self._table(child, 0)[0]), t.g[end], t.k, 0)
         if isinstance(child, Parallel):
             row = np.minimum(row, self._absorb_row(node, child, p, t))
         return row
@@ -292,12 +299,30 @@ class _Search:
             stage = self.pieces.series[id(node)].absorb[(p, a)][1][ends]
             key_of = _absorb_key(node, p, a)
             rows = self._replica_rows(key_of, np.array(ends), stage, t.k)
-            best = (rows + t.g[ends]).min(axis=0).tolist()
+            best = (rows + t.g[ends]).min(axis=0)
+            if not self.budgeted:  # Fpre(y + 1, x) = Fpre(0, x - y - 1)
+                prefix = self._table(parallel, 0)[1]
+                costs = np.array([prefix[d][0][count - a] for d in range(self.depth_bound + 1)])
+                row = np.minimum(row, self._convolve(costs, best, t.k, 1))
+                continue
             for x in range(t.k + 2, self.depth_bound + 1):
                 c = min(
                     self._prefix(parallel, y + 1, x, count - a) + best[y] for y in range(t.k, x - 1)
                 )
                 row[x] = min(row[x], c)
+        return row
+
+    def _convolve(self, inner: np.ndarray, after: np.ndarray, k: int, gap: int) -> np.ndarray:
+        """Per x: the least inner[x - y - gap] + after[y] over k <= y < x - gap, with
+        inner[0] = INF (no in-flight room): the unbudgeted series recursions, as one array
+        operation over the (x, y) grid (the same sums the loops form, so the same values)."""
+        top = self.depth_bound
+        xs, ys = np.arange(top + 1)[:, None], np.arange(top + 1)[None, :]
+        span = xs - ys - gap
+        valid = (ys >= k) & (span >= 1)
+        sums = inner[np.clip(span, 0, top)] + after[None, :]
+        row = np.where(valid, sums, INF).min(axis=1)
+        row[: k + 1 + gap] = INF
         return row
 
     def _absorb_ends(self, node: Series, p: int, cut_ok: list[bool]) -> list[tuple[int, list[int]]]:
