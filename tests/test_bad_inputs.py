@@ -271,8 +271,7 @@ def test_a_loss_only_its_stage_can_check_is_named_by_that_rank() -> None:
     assert any(line.startswith("rank 1: ConfigError: " + culprit) for line in lines), lines
     waiting = [line for line in lines if line.startswith("rank 0:")]  # left waiting for rank 1
     assert (
-        waiting
-        and f"another rank failed: rank 1, action 1F0: ConfigError: {culprit}" in waiting[0]
+        waiting and f"another rank failed: rank 1, action 1F0: ConfigError: {culprit}" in waiting[0]
     ), lines
 
 
