@@ -26,10 +26,12 @@ no process outlives the launcher.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
 import queue
+import signal
 import socket
 import threading
 import time
@@ -222,6 +224,8 @@ def _stop(workers: list[Any], outcomes: dict[int, tuple[str, Any]], why: str) ->
     for rank, w in enumerate(workers):
         if w.is_alive():
             w.terminate()
+            with contextlib.suppress(OSError):  # a stopped process takes its SIGTERM now
+                os.kill(w.pid, signal.SIGCONT)
             w.join(timeout=3)
             if w.is_alive():
                 w.kill()

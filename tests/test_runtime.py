@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import sys
 import time
 from typing import Any
@@ -22,7 +21,6 @@ from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
-from graphpipe.errors import PipelineError
 from graphpipe.ir import Action
 from graphpipe.launch import launch
 from graphpipe.opgraph import graph_hash, op_graph
@@ -328,48 +326,3 @@ def _slow_plan_worker(delay: float) -> int:
 
 def test_the_plan_broadcast_waits_as_long_as_planning_takes() -> None:
     assert launch(_slow_plan_worker, 2, args=(6.0,), timeout=TIMEOUT, comm_timeout=2) == [2, 2]
-
-
-# -- failures ------------------------------------------------------------------------------------
-
-
-def _dying_worker(victim: int) -> None:
-    pm = _pipeline("two_branch", timeout=10)
-    inputs, target = batch("two_branch", 0)
-    pm.step(*inputs, target=target)
-    if pm.rank == victim:
-        os._exit(7)  # dies mid-run, between two steps of the others
-    pm.step(*inputs, target=target)
-
-
-def test_a_dead_rank_is_named_by_the_others_within_the_timeout() -> None:
-    start = time.monotonic()
-    with pytest.raises(PipelineError) as err:
-        launch(_dying_worker, 3, args=(1,), timeout=TIMEOUT, grace=20)
-    assert time.monotonic() - start < 60
-    lines = err.value.problems
-    assert lines[0] == "rank 1: exited with code 7 without reporting an error"
-    survivors = [line for line in lines[1:] if line.startswith(("rank 0:", "rank 2:"))]
-    assert len(survivors) == 2
-    # both quote the launcher's post of the death, not the neighbour that went down with it
-    assert all("another rank failed: rank 1: exited with code 7" in line for line in survivors)
-
-
-def _stalling_worker() -> None:
-    pm = _pipeline("two_branch", timeout=3)
-    if pm.rank == 0:
-        time.sleep(120)  # hangs instead of working
-    inputs, target = batch("two_branch", 0)
-    pm.step(*inputs, target=target)
-
-
-def test_a_receive_that_waits_too_long_names_the_stalled_rank_whoever_times_out_first() -> None:
-    """Rank 2 waits for stalled rank 0 and rank 1 for rank 2: whichever times out first, both
-    follow who waits for whom on the board and name rank 0, never the waiting rank 2."""
-    with pytest.raises(PipelineError) as err:
-        launch(_stalling_worker, 3, timeout=TIMEOUT, grace=5)
-    lines = {line.split(":")[0]: line for line in err.value.problems if line.startswith("rank ")}
-    assert lines["rank 0"] == "rank 0: stopped: it was still running when the launcher gave up"
-    for r in (1, 2):
-        assert "no answer within 3 s" in lines[f"rank {r}"], err.value.problems
-        assert "rank 0 waits for no rank and posted no failure" in lines[f"rank {r}"]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from graphpipe.errors import PipelineError
-from graphpipe.runtime.failures import Watch, first_line
+from graphpipe.runtime.failures import BACKSTOP, Watch, first_line
 
 __all__ = [
     "Incoming",
@@ -183,12 +183,11 @@ class Transport:
     def _posted(self, ops: list[dist.P2POp], peers: list[int], what: str) -> list[dist.Work]:
         try:
             return list(dist.batch_isend_irecv(ops))
-        except RuntimeError as exc:
-            text = f"rank {self.rank}, action {what}, peer rank {sorted(set(peers))}: "
-            error = PipelineError(text + first_line(exc))
+        except RuntimeError as exc:  # e.g. a peer that died closed its connection
             if self.watch is not None:
-                error = self.watch.raised(str(error), "cause")
-            raise error from exc
+                raise self.watch.failed(sorted(set(peers)), f"action {what}", exc) from exc
+            text = f"rank {self.rank}, action {what}, peer rank {sorted(set(peers))}: "
+            raise PipelineError(text + first_line(exc)) from exc
 
     def _wait(self, works: list[dist.Work], peer: int, what: str) -> None:
         for work in works:
@@ -196,7 +195,7 @@ class Transport:
                 work.wait()  # timeout and watchdog bound it
                 continue
             # gloo's own limit comes after the watch's, which diagnoses the timeout
-            limit = datetime.timedelta(seconds=self.timeout + 10)
+            limit = datetime.timedelta(seconds=self.timeout + BACKSTOP)
             if self.watch is not None:
                 self.watch.wait(functools.partial(work.wait, limit), [peer], f"action {what}")
                 continue

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from graphpipe.errors import ConfigError, PipelineError
 
 __all__ = [
+    "BACKSTOP",
     "FailureBoard",
     "Watch",
     "current_watch",
@@ -52,6 +53,7 @@ T = TypeVar("T")
 POLL = 0.05  # seconds between two looks at the board while a wait lasts
 WAITING_AFTER = 0.3  # a wait longer than this is published (who waits for whom)
 SETTLE = 5.0  # seconds a rank whose peer closed its connection waits for the cause's post
+BACKSTOP = 10.0  # seconds the backend's own timeouts come after the watch's
 # torchrun's agent keeps its store across restarts: each attempt gets keys of its own
 PREFIX = f"graphpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
@@ -149,8 +151,9 @@ class FailureBoard:
         """Follow who waits for whom from `peers` to the ranks that wait for nobody.
 
         Returns:
-            Those ranks (empty when every rank reached waits: mismatched calls), and the
-            waits passed on the way, as text.
+            Those ranks, less any that posted a failure (a rank whose own wait timed out
+            stops waiting to post it); empty when every rank reached waits (mismatched
+            calls). And the waits passed on the way, as text.
         """
         seen, chain, ends = set(), [], []
         todo = [p for p in peers if p != self.rank]
@@ -163,13 +166,14 @@ class FailureBoard:
             if state is None:
                 time.sleep(WAITING_AFTER * 2)  # it may have started waiting just now
                 state = self.waiting(r)
-            if state is None:
+            if state is None:  # an end, unless it stopped waiting to post a failure
                 ends.append(r)
                 continue
             ranks, what = state
             chain.append(f"rank {r} waits for rank {','.join(map(str, ranks))} ({what})")
             todo.extend(p for p in ranks if p != r)
-        return sorted(ends), chain
+        posted = self.posts()
+        return sorted(r for r in ends if r not in posted), chain
 
 
 class Watch:
@@ -222,7 +226,7 @@ class Watch:
         except concurrent.futures.TimeoutError:
             pass
         except Exception as exc:
-            raise self._failed(peers, what, exc) from exc
+            raise self.failed(peers, what, exc) from exc
         self.board.set_waiting(peers, what)
         try:
             return self._poll(future, peers, what, limit)
@@ -239,25 +243,34 @@ class Watch:
             except concurrent.futures.TimeoutError:
                 pass
             except Exception as exc:
-                raise self._failed(peers, what, exc) from exc
+                raise self.failed(peers, what, exc) from exc
             other = self.board.first()
             if other is not None:
                 raise self.raised(
                     f"rank {self.rank}, {what}: stopped, another rank failed: {other}", "echo"
                 )
             if time.monotonic() > deadline:
-                raise self.raised(self._diagnose(peers, what, limit), "cause")
+                diagnosis = self._diagnose(peers, what, limit)
+                other = self.board.first()  # a peer that timed out first has the same story
+                if other is not None:
+                    raise self.raised(
+                        f"rank {self.rank}, {what}: stopped, another rank failed: {other}", "echo"
+                    )
+                raise self.raised(diagnosis, "cause")
 
-    def _failed(self, peers: Sequence[int], what: str, exc: Exception) -> PipelineError:
-        """A wait that raised: a peer closed its connection (died), or the call's own error."""
+    def failed(self, peers: Sequence[int], what: str, exc: Exception) -> PipelineError:
+        """The posted error for a call that raised: when a peer closed its connection (it
+        died), the cause another rank or the launcher posts, else the call's own error."""
         text = str(exc).lower()
         head = f"rank {self.rank}, {what}, peer rank {_ranks(peers)}: "
         if not any(w in text for w in ("closed", "reset", "broken pipe", "timed out", "timeout")):
             return self.raised(head + first_line(exc), "cause")
-        cause = self._settled_cause()
+        timed_out = "timed out" in text or "timeout" in text
+        # a closed connection: a death, whose post the launcher makes within moments
+        cause = self.board.first() if timed_out else self._settled_cause()
         if cause is not None:
             return self.raised(f"{head}stopped, another rank failed: {cause}", "echo")
-        if "timed out" in text or "timeout" in text:
+        if timed_out:
             return self.raised(self._diagnose(peers, what, self.timeout), "cause")
         return self.raised(
             f"{head}rank {_ranks(peers)} closed its connection: it has probably died", "cause"
@@ -345,8 +358,10 @@ def guarded(
     try:
         return fn()
     except RuntimeError as exc:
+        if watch is not None:
+            raise watch.failed(others, what, exc) from exc
         text = f"rank {rank}, {what}, peer rank {_ranks(others)}: {first_line(exc)}"
-        raise (watch.raised(text, "cause") if watch else PipelineError(text)) from exc
+        raise PipelineError(text) from exc
 
 
 @contextlib.contextmanager
@@ -368,6 +383,12 @@ def posted(where: str) -> Iterator[None]:
 
 
 def set_collective_timeout(seconds: float) -> None:
-    """Make `seconds` the default process group's timeout for its collectives."""
+    """Make `seconds` the limit of the default process group's collectives.
+
+    On NCCL the process group's own timeout (and watchdog) is the limit. Elsewhere the watch
+    enforces `seconds` and diagnoses who stalls; the process group's timeout comes
+    `BACKSTOP` s later, so that its bare "timed out" never races the diagnosis.
+    """
+    backstop = 0.0 if dist.get_backend() == "nccl" else BACKSTOP
     with contextlib.suppress(AttributeError, RuntimeError, ValueError):
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds + backstop))
