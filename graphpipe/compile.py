@@ -383,14 +383,16 @@ def _plan_on_rank_0(
 
     The broadcast runs on a group of its own whose timeout is `runtime.plan_timeout`: the other
     ranks wait as long as planning may take, not the step's timeout, and still fail at once
-    if rank 0 dies.
+    if rank 0 dies. The group's rendezvous (before planning) and rank 0's side of the
+    broadcast (after it: the others wait already) are bounded by `runtime.timeout`, so a rank
+    that stalls in compile is named as a stall in a step would be.
     """
     group = guarded(  # its rendezvous, too, stops when a rank dies
         "the plan broadcast's group",
         lambda: dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=runtime.plan_timeout)
         ),
-        timeout=runtime.plan_timeout,
+        timeout=runtime.timeout,
     )
     message: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -407,7 +409,7 @@ def _plan_on_rank_0(
         guarded(
             "the plan broadcast",
             lambda: dist.broadcast_object_list(message, src=0, group=group),
-            timeout=runtime.plan_timeout,
+            timeout=runtime.timeout if dist.get_rank() == 0 else runtime.plan_timeout,
         )
     finally:
         dist.destroy_process_group(group)

@@ -139,6 +139,8 @@ KILLS = [(w, v, m) for w in (2, 3) for v in range(w) for m in ("compile", "p2p",
 STOPS = [(w, v, m) for w in (2, 3) for v in range(w) for m in ("p2p",)] + [
     (3, 0, "save"),
     (2, 1, "loss"),
+    (3, 1, "compile"),
+    (2, 0, "compile"),
 ]
 
 
@@ -166,12 +168,13 @@ def _matrix_worker(world: int, victim: int, moment: str, how: str, out: str) -> 
 
     A survivor writes the seconds between the halt's step (or compile) and its error, and the
     error, to out/rank<r> before raising it."""
-    rank, start = int(os.environ["RANK"]), time.monotonic()
+    rank = int(os.environ["RANK"])
     if moment == "compile" and rank == victim:
-        _halt(how)  # the others wait in the plan broadcast
+        _halt(how)  # the others wait in the plan broadcast's rendezvous
     timeout = STALL if how == "stop" else SLOW
+    model, inputs = ZOO["two_branch"]()
+    start = time.monotonic()
     try:
-        model, inputs = ZOO["two_branch"]()
         pm = gp_compile(
             model,
             inputs,
