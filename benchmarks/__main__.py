@@ -1,6 +1,6 @@
 """Run every benchmark and write BENCHMARKS.md (and the convergence plot) at the top level.
 
-python -m benchmarks            # or: tox -e bench   (about eight minutes on 2 cores)
+python -m benchmarks            # or: tox -e bench   (about 35 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks import convergence, fair, interleave, planner, real_models, runtime
+from benchmarks import convergence, emulated, fair, interleave, planner, real_models, runtime
 from benchmarks._common import log
 
 HEADER = """# Benchmarks
@@ -26,6 +26,7 @@ def main() -> int:
     for name, run in (
         ("planner", planner.report),
         ("fair planner", fair.report),
+        ("emulated devices", emulated.report),
         ("real-model planning", real_models.report),
         ("graph interleaving", interleave.report),
         ("runtime", runtime.report),

@@ -12,12 +12,16 @@ and the weight half in the simulator's proportions, `simulate.weight_share`), ea
 machine as 8 devices would.
 
 Sizes: a value crossing stages keeps its dtype and is sent as a flat tensor of
-`numel // byte_scale` elements (at least one); a replicated stage's weight, which replicas
-all-reduce, holds `param_bytes // byte_scale` bytes. So the loopback link carries the plan's
-bytes divided by `byte_scale`: to compare with the simulator, give it a link whose bandwidth
-is the loopback's times `byte_scale` and compute times times `time_scale`
-(`benchmarks/emulated.py` does). The model output keeps its real shape (the loss needs it);
-its values are zeros, so losses mean nothing here: step times do.
+`round(numel / byte_scale)` elements (at least one; a `byte_scale` below 1 makes it larger,
+so that a slow loopback can stand for a fast link at a large `time_scale`). A replicated
+stage's weight, which replicas all-reduce, holds `param_bytes / byte_scale` bytes; an
+unreplicated stage's weight is one element: no link carries it, and a real-sized zero
+gradient per backward would be host work (a memset and an accumulation on contended cores)
+that the emulated device does not do. So the loopback link carries the plan's bytes divided
+by `byte_scale`: to compare with the simulator, give it a link whose bandwidth is the
+loopback's times `byte_scale` and compute times times `time_scale` (`benchmarks/emulated.py`
+does). The model output keeps its real shape (the loss needs it); its values are zeros, so
+losses mean nothing here: step times do.
 
 A stage with no floating input has no input half: its whole backward runs where the runtime
 puts the weight half (W), as in a real run.
@@ -47,24 +51,24 @@ class Emulate:
     """Run with emulated devices (see the module docstring)."""
 
     time_scale: float = 1.0  # sleep this many times the plan's compute seconds
-    byte_scale: int = 1  # values crossing stages and replicated weights shrink by this
+    byte_scale: float = 1.0  # values crossing stages and replicated weights shrink by this
 
     def __post_init__(self) -> None:
-        if self.time_scale <= 0 or self.byte_scale < 1:
+        if not (self.time_scale > 0 and self.byte_scale > 0):
             raise ConfigError(
-                f"Emulate needs time_scale > 0 and byte_scale >= 1, got "
+                f"Emulate needs time_scale > 0 and byte_scale > 0, got "
                 f"time_scale={self.time_scale}, byte_scale={self.byte_scale}"
             )
 
 
 def emulated_specs(specs: dict[str, Spec], emulate: Emulate) -> dict[str, Spec]:
-    """The specs of values as they cross stages: flat, `numel // byte_scale` elements."""
+    """The specs of values as they cross stages: flat, `round(numel / byte_scale)` elements."""
     out: dict[str, Spec] = {}
     for name, (shape, dtype) in specs.items():
         numel = 1
         for d in shape:
             numel *= d
-        out[name] = ((max(1, numel // emulate.byte_scale),), dtype)
+        out[name] = ((max(1, round(numel / emulate.byte_scale)),), dtype)
     return out
 
 
@@ -147,7 +151,8 @@ class EmulatedStage(nn.Module):
         self.out_specs = [sent[n] for n in io.sent] + [specs[n] for n in self._output_names]
         self._output = output.args[0]
         self.weight_name = f"stage{index}"
-        numel = max(1, stage.param_bytes // 4 // emulate.byte_scale)
+        numel = max(1, round(stage.param_bytes / 4 / emulate.byte_scale))
+        numel = numel if stage.replicas > 1 else 1
         self.register_parameter(self.weight_name, nn.Parameter(torch.zeros(numel, device=device)))
 
     def forward(self, *args: torch.Tensor) -> dict[str, Any]:

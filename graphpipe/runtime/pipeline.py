@@ -127,7 +127,9 @@ class PipelinedModel:
         self._orphans = _orphans(model, [m for m, _ in modules.values()])
         canon = {n: names[0] for names in names_by_id(model).values() for n in names}
         self._precision = Precision(precision)
-        specs = micro_shapes(gm, example_inputs, plan.micro_batch_size) if stages else {}
+        # an emulated rank with no stage still builds every stage's stand-in (on meta)
+        shaped = stages or runtime.emulate is not None
+        specs = micro_shapes(gm, example_inputs, plan.micro_batch_size) if shaped else {}
         if runtime.emulate is not None:  # every stage's compute becomes a wait
             modules = self._emulated(modules, specs, runtime.emulate)
             specs = emulated_specs(specs, runtime.emulate)
