@@ -94,7 +94,11 @@ def report(models: Sequence[str] = MODELS, devices: Sequence[int] = DEVICES) -> 
     table = tabulate(rows(models, devices), headers=HEADERS, tablefmt="github")
     return (
         f"## Planner: graph vs sequential (simulated)\n\n{machine()}\n\n"
-        f"Command: `python -m benchmarks.planner`\n\n{table}\n"
+        f"Command: `python -m benchmarks.planner`. Both planners at a fixed M = 8 with "
+        f"unlimited memory and FLOP-estimated costs, linear in the micro-batch size: a "
+        f"comparison of the two searches, not of the best each strategy can do (a deep chain "
+        f"pays a bubble a user would shrink with more micro-batches). For that, see the fair "
+        f"protocol below.\n\n{table}\n"
     )
 
 
