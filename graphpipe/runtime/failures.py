@@ -246,17 +246,19 @@ class Watch:
                 raise self.failed(peers, what, exc) from exc
             other = self.board.first()
             if other is not None:
-                raise self.raised(
-                    f"rank {self.rank}, {what}: stopped, another rank failed: {other}", "echo"
-                )
+                raise self._echo(what, other)
             if time.monotonic() > deadline:
                 diagnosis = self._diagnose(peers, what, limit)
                 other = self.board.first()  # a peer that timed out first has the same story
                 if other is not None:
-                    raise self.raised(
-                        f"rank {self.rank}, {what}: stopped, another rank failed: {other}", "echo"
-                    )
+                    raise self._echo(what, other)
                 raise self.raised(diagnosis, "cause")
+
+    def _echo(self, what: str, other: str) -> PipelineError:
+        """Stop `what` because of another rank's post `other`."""
+        return self.raised(
+            f"rank {self.rank}, {what}: stopped, another rank failed: {other}", "echo"
+        )
 
     def failed(self, peers: Sequence[int], what: str, exc: Exception) -> PipelineError:
         """The posted error for a call that raised: when a peer closed its connection (it
