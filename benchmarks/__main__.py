@@ -20,7 +20,7 @@ model and simulator; measured sections run on this machine's CPU with gloo.
 
 
 def main() -> int:
-    """Run the three benchmarks and write the results."""
+    """Run every benchmark, in BENCHMARKS.md's order, and write the results."""
     root = Path(__file__).resolve().parent.parent
     sections = []
     for name, run in (
@@ -28,8 +28,8 @@ def main() -> int:
         ("fair planner", fair.report),
         ("emulated devices", emulated.report),
         ("real-model planning", real_models.report),
-        ("graph interleaving", interleave.report),
         ("runtime", runtime.report),
+        ("graph interleaving", interleave.report),
         ("convergence", lambda: convergence.report(root / "benchmarks")),
     ):
         log(f"running the {name} benchmark")

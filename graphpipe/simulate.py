@@ -7,9 +7,12 @@ Every rank runs its actions in order. Costs (seconds):
     F, B          the stage's forward_time and backward_time for one micro-batch
     I, W          the backward split: W takes `weight_share` of it on a stage with parameters
                   (none without), I the rest (`WEIGHT_SHARE`, one half, by default)
-    send          non-blocking; the message arrives link.transfer(bytes) after the send starts
-                  (at once between two stages of one device). With `contention`, a rank's
-                  sends queue on its one link.
+    send          non-blocking; the message arrives link.transfer(bytes) after it starts
+                  crossing (at once between two stages of one device). With `contention`,
+                  every rank has one link out and one link in; a message holds the sender's
+                  out and the receiver's in for its whole transfer, and starts in the earliest
+                  window, at or after the send, where both are free (`Links`). So a stage's
+                  sends queue behind each other, and so do the messages of a fan-in.
     receive       waits for the matching send's arrival (k-th receive of a channel matches its
                   k-th send)
     U             replicas of a stage meet, then all-reduce (link.allreduce(param_bytes, r))
@@ -25,6 +28,7 @@ The same engine, with unit costs, is the validator's dry run (`graphpipe.dryrun`
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,7 +105,8 @@ def simulate(
         schedule: The per-rank actions (e.g. from `graphpipe.schedule.make_schedule`), or a
             schedule name, generated for one step() call (asynchronous ones for
             `ASYNC_CALLS` calls, then drained).
-        contention: Queue each rank's sends on one link (else links are independent).
+        contention: Every rank has one link out and one link in, which its messages share
+            (else every message crosses at once, whatever else is in flight).
         weights: A weight policy ("flush", "stash", "2bw", "pipemare"): each stage then keeps
             `cost.weight_copies` copies of its weights; by default the plan's memory model.
 
@@ -205,6 +210,49 @@ def channel(a: Action) -> tuple[str, int, int, int]:
     return ("B", a.peer, a.stage, a.mb)
 
 
+class Links:
+    """Every rank's outbound and inbound link, as the sorted busy windows of each.
+
+    A message holds its sender's out-link and its receiver's in-link for its transfer time;
+    `reserve` places it in the earliest window where both are free. Ranks are run one after
+    another, not in time order, so a window left free before a later reservation can still
+    take an earlier message.
+    """
+
+    def __init__(self, ranks: int) -> None:
+        self.starts: dict[tuple[str, int], list[float]] = {}
+        self.ends: dict[tuple[str, int], list[float]] = {}
+        for r in range(ranks):
+            for side in ("out", "in"):
+                self.starts[(side, r)], self.ends[(side, r)] = [], []
+
+    def reserve(self, src: int, dst: int, ready: float, seconds: float) -> float:
+        """Book `seconds` on src's out-link and dst's in-link from the earliest common free
+        window at or after `ready`; returns the window's start."""
+        links = (("out", src), ("in", dst))
+        start = ready
+        moved = True
+        while moved:
+            moved = False
+            for link in links:
+                later = self._free_from(link, start, seconds)
+                moved, start = moved or later > start, later
+        for link in links:
+            i = bisect.bisect_right(self.starts[link], start)
+            self.starts[link].insert(i, start)
+            self.ends[link].insert(i, start + seconds)
+        return start
+
+    def _free_from(self, link: tuple[str, int], t: float, seconds: float) -> float:
+        """The earliest time >= t from which `link` is free for `seconds`."""
+        starts, ends = self.starts[link], self.ends[link]
+        i = bisect.bisect_right(ends, t)  # the first window still busy after t
+        while i < len(starts) and starts[i] < t + seconds:
+            t = max(t, ends[i])
+            i += 1
+        return t
+
+
 class Deadlock(ScheduleError):
     """No rank can make progress; `blocked` maps each unfinished rank to its action index."""
 
@@ -221,7 +269,7 @@ class Engine:
         schedule: The action lists.
         duration: Seconds a compute or update action takes.
         transfer: Seconds a send's message travels.
-        contention: Queue each rank's sends on its link.
+        contention: Messages share their sender's out-link and receiver's in-link (`Links`).
     """
 
     def __init__(
@@ -236,7 +284,7 @@ class Engine:
         self.duration, self.transfer, self.contention = duration, transfer, contention
         self.pc = [0] * len(self.lists)
         self.clock = [0.0] * len(self.lists)
-        self.link_free = [0.0] * len(self.lists)
+        self.links = Links(len(self.lists))
         self.messages: dict[tuple[str, int, int, int], deque[float]] = defaultdict(deque)
         self.updates: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
         self.update_count = [0] * len(self.lists)
@@ -271,14 +319,14 @@ class Engine:
         """Try the rank's next action; False when it must wait."""
         a = self.lists[rank][self.pc[rank]]
         if a.kind in ("SF", "SB"):
-            start = (
-                max(self.clock[rank], self.link_free[rank]) if self.contention else self.clock[rank]
-            )
-            arrive = start + self.transfer(a)
+            seconds = self.transfer(a)
+            start = self.clock[rank]
+            if self.contention and seconds > 0:
+                assert a.peer is not None and a.mb is not None
+                receiver = self.plan.stages[a.peer].device_for(a.mb)
+                start = self.links.reserve(rank, receiver, start, seconds)
             self.send_times[(rank, self.pc[rank])] = start
-            if self.contention:
-                self.link_free[rank] = arrive
-            self.messages[channel(a)].append(arrive)
+            self.messages[channel(a)].append(start + seconds)
             return True
         if a.kind in ("RF", "RB"):
             queue = self.messages[channel(a)]

@@ -7,17 +7,19 @@ import re
 
 import pytest
 import torch
+from test_partition import synthetic
 from test_schedule import chain_plan
 from zoo import TwoBranch
 
+from graphpipe.cost import CostModel, LinkModel
 from graphpipe.ir import Plan, Timeline
 from graphpipe.opgraph import op_graph
-from graphpipe.partition import PlanConfig, cost_model
+from graphpipe.partition import PlanConfig, cost_model, partition_op_graph
 from graphpipe.partition.assemble import assemble
 from graphpipe.partition.manual import groups_from_pins
 from graphpipe.profile import profile
 from graphpipe.schedule import make_schedule
-from graphpipe.simulate import simulate
+from graphpipe.simulate import Links, simulate
 from graphpipe.timeline import chrome_trace, timeline_svg
 from graphpipe.trace import trace
 
@@ -49,6 +51,31 @@ def test_latency_and_bandwidth_are_on_the_critical_path() -> None:
     assert hop == pytest.approx(5e-4 + 1000 / 1e12)
     result = simulate(plan, make_schedule(plan, "1f1b"))
     assert result.iteration_time == pytest.approx(F + hop + F + B + hop + B)
+
+
+def test_a_fan_in_shares_the_receivers_link_and_a_fan_out_the_senders() -> None:
+    names = ["a", "b", "c", "head"]  # three 1 ms hops into the head, three gradients back
+    edges = [(n, "head") for n in names[:3]]
+    g = synthetic(edges, dict.fromkeys(names, 3e-3), dict.fromkeys(names, 10**9))
+    c = CostModel(1, 1, LinkModel(bandwidth=1e12, latency=0.0))
+    plan = partition_op_graph(
+        g, c, PlanConfig(devices=4, micro_batches=1, replication=False), "fan-in"
+    )
+    assert [s.devices for s in plan.stages] == [(0,), (1,), (2,), (3,)]
+    hop = 1e-3
+    shared = simulate(plan, "1f1b").iteration_time
+    assert shared == pytest.approx(F + 3 * hop + F + B + 3 * hop + B)
+    free = simulate(plan, "1f1b", contention=False).iteration_time
+    assert free == pytest.approx(F + hop + F + B + hop + B)
+
+
+def test_links_book_the_earliest_window_free_on_both_ends() -> None:
+    links = Links(4)
+    assert links.reserve(0, 1, ready=10.0, seconds=1.0) == 10.0
+    assert links.reserve(2, 1, ready=0.0, seconds=1.0) == 0.0  # before it, on 1's in-link
+    assert links.reserve(3, 1, ready=9.5, seconds=1.0) == 11.0  # [10, 11] is taken
+    assert links.reserve(0, 2, ready=10.5, seconds=1.0) == 11.0  # 0's out-link until 11
+    assert links.reserve(3, 2, ready=0.5, seconds=0.25) == 0.5  # other links: no wait
 
 
 def test_throughput_counts_samples_per_second() -> None:
