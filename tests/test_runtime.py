@@ -28,6 +28,7 @@ from graphpipe.partition import PlanConfig, cost_model, plan
 from graphpipe.partition.assemble import assemble
 from graphpipe.partition.manual import groups_from_pins
 from graphpipe.profile import profile
+from graphpipe.runtime.comm import Buffers
 from graphpipe.runtime.sync import GradSync
 from graphpipe.trace import trace
 
@@ -208,19 +209,36 @@ def _count_host_syncs(pm: Any, name: str) -> int:
     return count
 
 
-def _sync_worker() -> dict[int, int]:
+def _sync_worker() -> dict[int, tuple[int, int]]:
     counts = {}
     for m in (2, 8):
         pm = _pipeline("two_branch", "zb", m=m)
         pm.step(*batch("two_branch", 1)[0], target=batch("two_branch", 1)[1])  # warm up
-        counts[m] = _count_host_syncs(pm, "two_branch")
+        buffers = pm._executor.transport.buffers
+        made = buffers.made
+        counts[m] = (_count_host_syncs(pm, "two_branch"), buffers.made - made)
     return counts
 
 
-def test_no_host_sync_per_micro_batch() -> None:
-    """The loss is read once per step, whatever M: nothing in the micro-batch loop syncs."""
+def test_a_warm_step_syncs_once_whatever_m_and_makes_no_message_buffer() -> None:
+    """The loss is read once per step, whatever M: nothing in the micro-batch loop syncs; and
+    every message buffer of a step after the first is one a finished message handed back."""
     for counts in launch(_sync_worker, 3, timeout=TIMEOUT):
-        assert counts[2] == counts[8] <= 2, counts
+        assert counts[2][0] == counts[8][0] <= 2, counts
+        assert counts[2][1] == counts[8][1] == 0, counts
+
+
+def test_cpu_message_buffers_are_reused_once_handed_back_and_device_ones_never() -> None:
+    pool = Buffers(torch.device("cpu"))
+    a = pool.take(1000)
+    assert pool.take(1000) is not a  # a is in use
+    pool.give(a)
+    assert pool.pooled_bytes == 1000
+    assert pool.take(1000) is a
+    assert pool.take(24).numel() == 24 and pool.made == 3
+    meta = Buffers(torch.device("meta"))  # the caching allocator's job on an accelerator
+    meta.give(meta.take(8))
+    assert meta.pooled_bytes == 0 and meta.take(8).numel() == 8 and meta.made == 2
 
 
 def _profiled_worker() -> dict[str, Any]:

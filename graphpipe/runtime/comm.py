@@ -7,6 +7,12 @@ communication group of the program (`graphpipe.program`) are issued together, as
 (`stage.micro_shapes`), so it allocates the buffer before the data arrives. An edge that
 carries nothing (a sequential chain's dependency) sends a one-byte token.
 
+On the CPU the transport keeps the byte buffers of finished messages (`Buffers`) and gives
+them to later messages of the same size: a fresh buffer of many megabytes is new memory from
+the operating system, whose every page faults and is zeroed at its first write, host work as
+long as the copy itself. A pipeline sends the same sizes every step, so after the first step
+no message buffer is new. On CUDA the caching allocator already reuses device memory.
+
 Tags keep channels apart on transports that match by tag (gloo): bits 20 and up name the edge
 and direction, the low 20 bits the micro-batch. NCCL ignores tags and matches the k-th send
 from a rank to a peer with the peer's k-th receive from it; the program issues every message
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +41,7 @@ from graphpipe.errors import PipelineError
 from graphpipe.runtime.failures import BACKSTOP, Watch, first_line
 
 __all__ = [
+    "Buffers",
     "Incoming",
     "Outgoing",
     "Pending",
@@ -69,11 +77,52 @@ def _offsets(specs: Sequence[Spec]) -> tuple[list[int], int]:
     return offsets, max(at, 1)
 
 
-def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The tensors' bytes in one aligned uint8 buffer (one byte for no tensors)."""
+class Buffers:
+    """Message buffers, handed back when their message is done and reused on the CPU.
+
+    The pool holds only buffers that were all in use at once, so it never holds more bytes
+    than the most that messages held at one time.
+
+    Args:
+        device: Where buffers live; only CPU buffers are reused (see the module docstring).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reuse = device.type == "cpu"
+        self.made = 0  # buffers allocated so far
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of `nbytes` (contents undefined)."""
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        self.made += 1
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """`buffer`'s message is done: keep it for the next message of its size."""
+        if self.reuse:
+            self._free[buffer.numel()].append(buffer)
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes held for reuse."""
+        return sum(b.numel() for free in self._free.values() for b in free)
+
+
+def pack(
+    tensors: Sequence[torch.Tensor], device: torch.device, buffers: Buffers | None = None
+) -> torch.Tensor:
+    """The tensors' bytes in one aligned uint8 buffer (one byte for no tensors), taken from
+    `buffers` when given."""
     specs = [(tuple(t.shape), t.dtype) for t in tensors]
     offsets, total = _offsets(specs)
-    buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+    if buffers is None:
+        buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+    else:
+        buffer = buffers.take(total)
     for t, at in zip(tensors, offsets, strict=True):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[at : at + raw.numel()] = raw
@@ -81,18 +130,14 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 def unpack(buffer: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
-    """Inverse of `pack`, given the shapes and dtypes."""
+    """Inverse of `pack`, given the shapes and dtypes: tensors of their own (the buffer can be
+    reused at once)."""
     offsets, _ = _offsets(specs)
     out = []
     for (shape, dtype), at in zip(specs, offsets, strict=True):
         size = _nbytes((shape, dtype))
         out.append(buffer[at : at + size].view(dtype).reshape(shape).clone())
     return out
-
-
-def empty_like_packed(specs: Sequence[Spec], device: torch.device) -> torch.Tensor:
-    """A receive buffer for a message of `specs`."""
-    return torch.empty(_offsets(specs)[1], dtype=torch.uint8, device=device)
 
 
 @dataclass
@@ -141,6 +186,7 @@ class Transport:
     ) -> None:
         self.rank, self.timeout, self.device, self.watch = rank, timeout, device, watch
         self._sends: list[tuple[list[dist.Work], int, str, torch.Tensor]] = []
+        self.buffers = Buffers(device)
 
     def exchange(self, sends: Sequence[Outgoing], receives: Sequence[Incoming]) -> list[Pending]:
         """Issue one communication group: every message in one `batch_isend_irecv`.
@@ -153,10 +199,10 @@ class Transport:
             return []
         ops, buffers = [], []
         for m in sends:
-            buffers.append(pack(m.tensors, self.device))
+            buffers.append(pack(m.tensors, self.device, self.buffers))
             ops.append(dist.P2POp(dist.isend, buffers[-1], m.peer, tag=m.tag))
         for r in receives:
-            buffers.append(empty_like_packed(r.specs, self.device))
+            buffers.append(self.buffers.take(_offsets(r.specs)[1]))
             ops.append(dist.P2POp(dist.irecv, buffers[-1], r.peer, tag=r.tag))
         messages: list[Outgoing | Incoming] = [*sends, *receives]
         what = ", ".join(m.what for m in messages)
@@ -172,13 +218,16 @@ class Transport:
         """The received tensors, once they arrive (on CUDA: once the compute stream has been
         made to wait for them; the host does not block)."""
         self._wait(pending.works, pending.peer, pending.what)
-        return unpack(pending.buffer, pending.specs)
+        tensors = unpack(pending.buffer, pending.specs)
+        self.buffers.give(pending.buffer)
+        return tensors
 
     def finish_sends(self) -> None:
         """Wait for every posted send; they hold their buffers until then."""
         sends, self._sends = self._sends, []
-        for works, peer, what, _ in sends:
+        for works, peer, what, buffer in sends:
             self._wait(works, peer, what)
+            self.buffers.give(buffer)
 
     def _posted(self, ops: list[dist.P2POp], peers: list[int], what: str) -> list[dist.Work]:
         try:
