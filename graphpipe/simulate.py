@@ -219,12 +219,9 @@ class Links:
     take an earlier message.
     """
 
-    def __init__(self, ranks: int) -> None:
-        self.starts: dict[tuple[str, int], list[float]] = {}
-        self.ends: dict[tuple[str, int], list[float]] = {}
-        for r in range(ranks):
-            for side in ("out", "in"):
-                self.starts[(side, r)], self.ends[(side, r)] = [], []
+    def __init__(self) -> None:
+        self.starts: dict[tuple[str, int], list[float]] = defaultdict(list)
+        self.ends: dict[tuple[str, int], list[float]] = defaultdict(list)
 
     def reserve(self, src: int, dst: int, ready: float, seconds: float) -> float:
         """Book `seconds` on src's out-link and dst's in-link from the earliest common free
@@ -248,7 +245,7 @@ class Links:
         starts, ends = self.starts[link], self.ends[link]
         i = bisect.bisect_right(ends, t)  # the first window still busy after t
         while i < len(starts) and starts[i] < t + seconds:
-            t = max(t, ends[i])
+            t = ends[i]  # after t, as every window from i on ends after it
             i += 1
         return t
 
@@ -284,7 +281,7 @@ class Engine:
         self.duration, self.transfer, self.contention = duration, transfer, contention
         self.pc = [0] * len(self.lists)
         self.clock = [0.0] * len(self.lists)
-        self.links = Links(len(self.lists))
+        self.links = Links()
         self.messages: dict[tuple[str, int, int, int], deque[float]] = defaultdict(deque)
         self.updates: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
         self.update_count = [0] * len(self.lists)

@@ -70,7 +70,7 @@ def test_a_fan_in_shares_the_receivers_link_and_a_fan_out_the_senders() -> None:
 
 
 def test_links_book_the_earliest_window_free_on_both_ends() -> None:
-    links = Links(4)
+    links = Links()
     assert links.reserve(0, 1, ready=10.0, seconds=1.0) == 10.0
     assert links.reserve(2, 1, ready=0.0, seconds=1.0) == 0.0  # before it, on 1's in-link
     assert links.reserve(3, 1, ready=9.5, seconds=1.0) == 11.0  # [10, 11] is taken

@@ -112,17 +112,12 @@ class Buffers:
         return sum(b.numel() for free in self._free.values() for b in free)
 
 
-def pack(
-    tensors: Sequence[torch.Tensor], device: torch.device, buffers: Buffers | None = None
-) -> torch.Tensor:
-    """The tensors' bytes in one aligned uint8 buffer (one byte for no tensors), taken from
-    `buffers` when given."""
+def pack(tensors: Sequence[torch.Tensor], buffers: Buffers) -> torch.Tensor:
+    """The tensors' bytes in one aligned uint8 buffer from `buffers` (one byte for no
+    tensors; padding bytes undefined)."""
     specs = [(tuple(t.shape), t.dtype) for t in tensors]
     offsets, total = _offsets(specs)
-    if buffers is None:
-        buffer = torch.zeros(total, dtype=torch.uint8, device=device)
-    else:
-        buffer = buffers.take(total)
+    buffer = buffers.take(total)
     for t, at in zip(tensors, offsets, strict=True):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[at : at + raw.numel()] = raw
@@ -199,7 +194,7 @@ class Transport:
             return []
         ops, buffers = [], []
         for m in sends:
-            buffers.append(pack(m.tensors, self.device, self.buffers))
+            buffers.append(pack(m.tensors, self.buffers))
             ops.append(dist.P2POp(dist.isend, buffers[-1], m.peer, tag=m.tag))
         for r in receives:
             buffers.append(self.buffers.take(_offsets(r.specs)[1]))
