@@ -228,12 +228,8 @@ class Links:
         window at or after `ready`; returns the window's start."""
         links = (("out", src), ("in", dst))
         start = ready
-        moved = True
-        while moved:
-            moved = False
-            for link in links:
-                later = self._free_from(link, start, seconds)
-                moved, start = moved or later > start, later
+        while (later := max(self._free_from(link, start, seconds) for link in links)) > start:
+            start = later  # free on one end from here; look again at both
         for link in links:
             i = bisect.bisect_right(self.starts[link], start)
             self.starts[link].insert(i, start)
