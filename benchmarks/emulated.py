@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,8 +137,10 @@ def _target(w: Any) -> torch.Tensor:
         out = w.model(*w.example_inputs)
     for shape, dtype in ((out.shape[:-1], torch.long), (out.shape, out.dtype)):
         try:
-            w.loss_fn(out, torch.zeros(shape, dtype=dtype, device="meta"))
-        except (RuntimeError, ValueError):
+            with warnings.catch_warnings():  # e.g. MSE broadcasting [B, 1] against [B]
+                warnings.simplefilter("error")
+                w.loss_fn(out, torch.zeros(shape, dtype=dtype, device="meta"))
+        except (RuntimeError, ValueError, UserWarning):
             continue
         return torch.zeros(shape, dtype=dtype)
     raise ValueError(f"no zero target fits the loss of an output shaped {list(out.shape)}")

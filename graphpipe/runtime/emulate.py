@@ -5,11 +5,16 @@
 
 Everything but the arithmetic is what a real run does: the schedule lowered to programs, the
 fused point-to-point groups, the gradient sums of replicas, the weight policy, the optimizer
-step. Each stage module is swapped for an `EmulatedStage` whose forward sleeps the plan's
-`forward_time` and whose backward sleeps its `backward_time` (split between the input half
-and the weight half in the simulator's proportions, `simulate.weight_share`), each times
-`time_scale`. Sleeping does not contend for the cores, so 8 emulated ranks run on a 2-core
-machine as 8 devices would.
+step. Each stage module is swapped for an `EmulatedStage` whose forward makes its outputs and
+then waits until the plan's `forward_time` has passed since it began, and whose backward does
+the same for its `backward_time` (split between the input half and the weight half in the
+simulator's proportions, `simulate.weight_share`), each times `time_scale`: making the
+outputs is part of a device's compute time, not added to it. Waiting does not contend for
+the cores, so 8 emulated ranks run on a 2-core machine as 8 devices would.
+
+The values a stage sends and the input gradients it returns are never read by the stand-ins
+that receive them, so they are not even written (`torch.empty`), nor copied to attach the
+weight half; the model output is zeros (the loss reads it).
 
 Sizes: a value crossing stages keeps its dtype and is sent as a flat tensor of
 `round(numel / byte_scale)` elements (at least one; a `byte_scale` below 1 makes it larger,
@@ -72,26 +77,44 @@ def emulated_specs(specs: dict[str, Spec], emulate: Emulate) -> dict[str, Spec]:
     return out
 
 
+def _sleep_until(deadline: float) -> None:
+    """Wait until `perf_counter()` reaches `deadline` (at once if it has)."""
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+def _made(specs: list[Spec], device: torch.device, unwritten: int) -> tuple[torch.Tensor, ...]:
+    """Tensors of `specs`: the first `unwritten` uninitialised, the rest zeros."""
+    return tuple(
+        (torch.empty if i < unwritten else torch.zeros)(s, dtype=d, device=device)
+        for i, (s, d) in enumerate(specs)
+    )
+
+
 class _Compute(torch.autograd.Function):
-    """Sleep the forward; make the outputs; the backward sleeps the input half."""
+    """The forward makes the outputs within the forward's time; the backward makes the input
+    gradients within the input half's."""
 
     @staticmethod
     def forward(ctx: Any, stage: EmulatedStage, *inputs: torch.Tensor) -> Any:
-        time.sleep(stage.seconds["F"])
+        deadline = time.perf_counter() + stage.seconds["F"]
         ctx.stage = stage
         ctx.specs = [(x.shape, x.dtype, x.device) for x in inputs]
-        outs = tuple(torch.zeros(s, dtype=d, device=stage.device) for s, d in stage.out_specs)
+        outs = _made(stage.out_specs, stage.device, unwritten=len(stage.io.sent))
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        _sleep_until(deadline)
         return outs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        time.sleep(ctx.stage.seconds["I"])
-        zeros = [
-            torch.zeros(s, dtype=d, device=dev) if d.is_floating_point else None
+        deadline = time.perf_counter() + ctx.stage.seconds["I"]
+        made = [  # unread by the stages that sent the inputs
+            torch.empty(s, dtype=d, device=dev) if d.is_floating_point else None
             for s, d, dev in ctx.specs
         ]
-        return (None, *zeros)
+        _sleep_until(deadline)
+        return (None, *made)
 
 
 class _WeightHalf(torch.autograd.Function):
@@ -104,9 +127,26 @@ class _WeightHalf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        time.sleep(ctx.stage.seconds["W"])
+        deadline = time.perf_counter() + ctx.stage.seconds["W"]
         stage = ctx.stage
-        return None, torch.zeros_like(stage.get_parameter(stage.weight_name))
+        made = torch.zeros_like(stage.get_parameter(stage.weight_name))
+        _sleep_until(deadline)
+        return None, made
+
+
+class _Attach(torch.autograd.Function):
+    """The outputs, unchanged (no copy), made to depend on the weight's zero: their
+    gradients pass through, and the zero's gradient starts the weight half."""
+
+    @staticmethod
+    def forward(ctx: Any, zero: torch.Tensor, *outs: torch.Tensor) -> Any:
+        ctx.zero = (zero.dtype, zero.device)
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        dtype, device = ctx.zero
+        return (torch.zeros((), dtype=dtype, device=device), *grads)
 
 
 class EmulatedStage(nn.Module):
@@ -159,8 +199,12 @@ class EmulatedStage(nn.Module):
         """The sent values under their names, and the model output under OUTPUT."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         outs = list(_Compute.apply(self, *tensors))
-        weight = _WeightHalf.apply(self, self.get_parameter(self.weight_name))
-        outs = [o + weight.to(o.dtype) if o.is_floating_point() else o for o in outs]
+        zero = _WeightHalf.apply(self, self.get_parameter(self.weight_name))
+        floating = [i for i, o in enumerate(outs) if o.is_floating_point()]
+        if floating:
+            attached = _Attach.apply(zero, *[outs[i] for i in floating])
+            for i, o in zip(floating, attached, strict=True):
+                outs[i] = o
         results: dict[str, Any] = dict(zip(self.io.sent, outs, strict=False))
         if self.io.has_output:
             made = dict(zip(self._output_names, outs[len(self.io.sent) :], strict=True))
