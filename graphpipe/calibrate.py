@@ -5,8 +5,11 @@
     plan = calibrated(pm.plan, timeline, link)
     simulate(plan, pm.schedule).iteration_time     # compare with the measured step time
 
-Per-action costs come from the measured timeline (the median span of each kind on each
-stage; the executor does not count waiting for peers as part of an action), the link's latency
+Per-action costs come from the measured timeline (by default the median span of each kind on
+each stage, robust to a slow first step; `statistic=statistics.mean` when every recorded step
+is a steady one: the simulated actions then add up to the compute the steps really did, where
+a skewed spread of backward times makes the median fall short; the executor does not count
+waiting for peers as part of an action), the link's latency
 and bandwidth from a ping-pong between ranks 0 and 1. What the simulator then adds, bubbles,
 transfers and the order of actions, is what the comparison tests.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -27,10 +31,21 @@ from graphpipe.ir import Action, Plan, Timeline
 __all__ = ["calibrated", "measure_link"]
 
 
-def calibrated(plan: Plan, timeline: Timeline, link: LinkModel | None = None) -> Plan:
+def calibrated(
+    plan: Plan,
+    timeline: Timeline,
+    link: LinkModel | None = None,
+    statistic: Callable[[list[float]], float] = statistics.median,
+) -> Plan:
     """`plan` with every stage's forward, backward and update times measured in `timeline`.
 
-    A full backward's time is the B spans' median; with zero bubble it is I's plus W's.
+    Args:
+        plan: The plan that ran.
+        timeline: Its measured timeline.
+        link: The measured link (None: the plan's).
+        statistic: Of each stage's spans of one kind (see the module docstring).
+
+    A full backward's time is the B spans' statistic; with zero bubble it is I's plus W's.
     """
     spans: dict[tuple[int, str], list[float]] = defaultdict(list)
     for span in timeline.spans:
@@ -39,7 +54,7 @@ def calibrated(plan: Plan, timeline: Timeline, link: LinkModel | None = None) ->
 
     def median(stage: int, kind: str, default: float) -> float:
         values = spans.get((stage, kind))
-        return statistics.median(values) if values else default
+        return statistic(values) if values else default
 
     stages = []
     for s in plan.stages:

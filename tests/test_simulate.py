@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ from test_partition import synthetic
 from test_schedule import chain_plan
 from zoo import TwoBranch
 
+from graphpipe.calibrate import calibrated
 from graphpipe.cost import CostModel, LinkModel
-from graphpipe.ir import Plan, Timeline
+from graphpipe.ir import Plan, Span, Timeline
 from graphpipe.opgraph import op_graph
 from graphpipe.partition import PlanConfig, cost_model, partition_op_graph
 from graphpipe.partition.assemble import assemble
@@ -128,3 +130,20 @@ def test_timeline_svg_and_chrome_trace() -> None:
     first = min(events, key=lambda e: e["ts"])
     assert first["name"] == "0F0" and first["dur"] == pytest.approx(F * 1e6)
     assert Timeline.from_json(timeline.to_json()) == timeline
+
+
+def test_calibration_takes_each_stages_median_span_or_the_statistic_asked_for() -> None:
+    plan = chain_plan(2, 4)
+    # stage 0: F spans 1, 1, 1, 5 ms; B 2 ms each; stage 1 runs zero bubble: I 1, W 3 ms
+    spans = [Span(0, f"0F{j}", 0.0, t) for j, t in enumerate((1e-3, 1e-3, 1e-3, 5e-3))]
+    spans += [Span(0, f"0B{j}", 0.0, 2e-3) for j in range(4)]
+    spans += [Span(1, f"1I{j}", 0.0, 1e-3) for j in range(4)]
+    spans += [Span(1, f"1W{j}", 0.0, 3e-3) for j in range(4)]
+    timeline = Timeline(tuple(spans), 2, "measured")
+    by_median = calibrated(plan, timeline)
+    assert by_median.stages[0].forward_time == pytest.approx(1e-3)
+    assert by_median.stages[0].backward_time == pytest.approx(2e-3)
+    assert by_median.stages[1].backward_time == pytest.approx(4e-3)  # I + W
+    assert by_median.stages[1].forward_time == plan.stages[1].forward_time  # none measured
+    by_mean = calibrated(plan, timeline, statistic=statistics.mean)
+    assert by_mean.stages[0].forward_time == pytest.approx(2e-3)  # what the 4 spans add to
