@@ -148,7 +148,8 @@ def compile(
             the parameter, before the optimizer update, which is skipped and the gradients
             dropped. Costs one all-reduce per step. weights="flush" only
             (`graphpipe.runtime.nancheck`).
-        **plan_options: More `PlanConfig` fields (memory_budget, replication, ...).
+        **plan_options: More `PlanConfig` fields (memory_budget, replication, ...);
+            devices, if given, must equal the world size (one device per rank).
 
     Returns:
         The pipelined model.
@@ -182,6 +183,7 @@ def compile(
             "into input and weight halves, which a compiled backward does not; use 1f1b, "
             "gpipe, interleaved or graph_interleaved"
         )
+    devices = plan_options.pop("devices", None)  # the world size; say so if it differs
     options = _plan_options(partitioner, plan_options)
     options.setdefault("precision", precision)  # values cross stages in its dtype
     if weights != "flush":
@@ -194,6 +196,12 @@ def compile(
     m = _micro_batches(micro_batches, given)
     b = micro_batch_size(batch_of(args, kwargs), m)
     _ensure_process_group(runtime)
+    if devices is not None and devices != dist.get_world_size():
+        raise ConfigError(
+            f"devices={devices!r}, but the process group has {dist.get_world_size()} ranks: "
+            "compile plans for one device per rank; launch that many processes (devices= is "
+            "only needed by plan(), without a process group)"
+        )
     install_watch(runtime.timeout)  # every wait from here on stops when another rank fails
     runtime_device(runtime)  # NCCL's object collectives below need the rank's GPU current
     gm = trace(model, example_inputs, leaf_modules=leaf_modules, micro_batch_size=b)

@@ -9,6 +9,7 @@ every rank must raise the same PipelineError and none may be left waiting.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,6 +89,13 @@ def test_a_plan_for_another_world_size_or_an_uneven_split_is_refused() -> None:
         _compile(model, inputs, plan=made, micro_batches=None)
     with pytest.raises(ConfigError, match="batch of 8 does not split into 3 equal micro-batches"):
         _compile(model, inputs, micro_batches=3)
+
+
+def test_devices_must_be_the_world_size() -> None:
+    model, inputs = ZOO["two_branch"]()
+    with pytest.raises(ConfigError, match="devices=2, but the process group has 1 ranks"):
+        _compile(model, inputs, devices=2)
+    assert _compile(model, inputs, devices=1).plan.num_devices == 1
 
 
 def test_pins_imply_the_manual_partitioner() -> None:
@@ -273,6 +281,30 @@ def test_a_loss_only_its_stage_can_check_is_named_by_that_rank() -> None:
     assert (
         waiting and f"another rank failed: rank 1, action 1F0: ConfigError: {culprit}" in waiting[0]
     ), lines
+
+
+def _tied_worker(policies: list[str]) -> dict[str, str]:
+    """Compile the tied model across 2 ranks under each policy: what each refusal says."""
+    said = {}
+    for policy in policies:
+        model, inputs = ZOO["tied"]()
+        try:
+            _compile(model, inputs, weights=policy, runtime=RuntimeConfig(timeout=60))
+        except ConfigError as exc:
+            said[policy] = str(exc)
+    return said
+
+
+def test_a_weight_tied_across_ranks_is_refused_under_asynchronous_policies_at_once() -> None:
+    policies = ["stash", "2bw", "pipemare"]
+    start = time.perf_counter()
+    results = launch(_tied_worker, 2, args=(policies,), timeout=TIMEOUT, comm_timeout=60)
+    assert time.perf_counter() - start < 60  # refused, not left to time out (it hung before)
+    for said in results:  # every rank alike, before any collective
+        assert set(said) == set(policies), said
+        for policy, text in said.items():
+            assert f"weights={policy!r} cannot keep a weight tied across ranks" in text
+            assert "embed.weight is held on ranks [0, 1]" in text
 
 
 # -- nan_check, two ranks --------------------------------------------------------------------

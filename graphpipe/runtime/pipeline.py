@@ -144,7 +144,7 @@ class PipelinedModel:
             for t in materialize(model, modules[s.index][0], self.device, init_weights, checkpoint)
         ]
         self._aliases = names_by_id(model)  # every name of each tensor, tied ones too
-        groups = self._groups(canon, modules)
+        groups = self._groups(canon, modules, weights)
         # the ranks that agree on each update's clipping and loss scale (a collective)
         update_group = self._clip_group() if clip is not None or precision == "fp16" else None
         self._scaler = self._make_scaler(update_group) if precision == "fp16" else None
@@ -635,12 +635,17 @@ class PipelinedModel:
         clipper = getattr(self, "_clipper", None)
         return None if clipper is None or clipper.last is None else float(clipper.last)
 
-    def _groups(self, canon: dict[str, str], modules: dict[int, Any]) -> _Groups:
+    def _groups(self, canon: dict[str, str], modules: dict[int, Any], weights: str) -> _Groups:
         """Process groups for replicas and tied copies; created in the same order everywhere.
 
         Args:
             canon: Every name of a parameter -> its canonical name.
             modules: Every stage's module, by stage index.
+            weights: The weight policy.
+
+        Raises:
+            ConfigError: a weight tied across ranks under an asynchronous schedule (on every
+                rank alike, before any collective).
         """
         holders: dict[str, set[int]] = {}
         for index, (module, _) in modules.items():
@@ -654,6 +659,15 @@ class PipelinedModel:
             for name, held in shared.items()
             if len(ranks := tuple(sorted({d for t in held for d in stages[t].devices}))) > 1
         ]
+        if tied and self._async:
+            ranks, label = tied[0]
+            raise ConfigError(
+                f"weights={weights!r} cannot keep a weight tied across ranks: {label[5:]} is "
+                f"held on ranks {list(ranks)}, whose stages update at different points of the "
+                f"{self.schedule.name} schedule, so its copies' gradients have no moment to be "
+                "summed; use weights='flush', which sums them before each update, or give "
+                "the modules that share it copies of their own"
+            )
         groups = make_groups(replicas + tied, self.rank, self.runtime.timeout)
         local = {
             canon.get(n, n): p
