@@ -28,7 +28,7 @@ from graphpipe.partition import PlanConfig, cost_model, plan
 from graphpipe.partition.assemble import assemble
 from graphpipe.partition.manual import groups_from_pins
 from graphpipe.profile import profile
-from graphpipe.runtime.comm import Buffers
+from graphpipe.runtime.comm import Buffers, outgoing, unpack
 from graphpipe.runtime.sync import GradSync
 from graphpipe.trace import trace
 
@@ -209,23 +209,27 @@ def _count_host_syncs(pm: Any, name: str) -> int:
     return count
 
 
-def _sync_worker() -> dict[int, tuple[int, int]]:
+def _sync_worker() -> dict[int, tuple[int, int, int]]:
     counts = {}
     for m in (2, 8):
-        pm = _pipeline("two_branch", "zb", m=m)
-        pm.step(*batch("two_branch", 1)[0], target=batch("two_branch", 1)[1])  # warm up
+        # masked: S0 sends S1 three tensors in one message, S1 sends back two gradients
+        pm = _pipeline("masked", "zb", m=m)
         buffers = pm._executor.transport.buffers
-        made = buffers.made
-        counts[m] = (_count_host_syncs(pm, "two_branch"), buffers.made - made)
+        pm.step(*batch("masked", 1)[0], target=batch("masked", 1)[1])  # warm up
+        first = buffers.made
+        counts[m] = (_count_host_syncs(pm, "masked"), first, buffers.made - first)
     return counts
 
 
 def test_a_warm_step_syncs_once_whatever_m_and_makes_no_message_buffer() -> None:
     """The loss is read once per step, whatever M: nothing in the micro-batch loop syncs; and
-    every message buffer of a step after the first is one a finished message handed back."""
-    for counts in launch(_sync_worker, 3, timeout=TIMEOUT):
+    every packing buffer of a step after the first is one a finished message handed back."""
+    results = launch(_sync_worker, 3, timeout=TIMEOUT)
+    for counts in results:
         assert counts[2][0] == counts[8][0] <= 2, counts
-        assert counts[2][1] == counts[8][1] == 0, counts
+        assert counts[2][2] == counts[8][2] == 0, counts
+    # the ranks of the 3-tensor edge pack (S0 its forwards, S1 its gradients); S2 never does
+    assert [counts[8][1] > 0 for counts in results] == [True, True, False], results
 
 
 def test_cpu_message_buffers_are_reused_once_handed_back_and_device_ones_never() -> None:
@@ -239,6 +243,21 @@ def test_cpu_message_buffers_are_reused_once_handed_back_and_device_ones_never()
     meta = Buffers(torch.device("meta"))  # the caching allocator's job on an accelerator
     meta.give(meta.take(8))
     assert meta.pooled_bytes == 0 and meta.take(8).numel() == 8 and meta.made == 2
+
+
+def test_one_tensor_goes_on_the_wire_as_its_own_bytes_and_several_are_packed() -> None:
+    pool = Buffers(torch.device("cpu"))
+    x = torch.randn(4, 8)
+    wire, pooled = outgoing([x], pool)
+    assert not pooled and wire.data_ptr() == x.data_ptr() and wire.numel() == x.nbytes
+    ids = torch.arange(4)
+    packed, pooled = outgoing([x, ids], pool)
+    assert pooled and pool.made == 1 and packed.numel() == x.nbytes + ids.nbytes
+    back = unpack(packed, [((4, 8), torch.float32), ((4,), torch.int64)])
+    assert torch.equal(back[0], x) and torch.equal(back[1], ids)
+    strided = x.t()  # not contiguous: its bytes in order, copied once
+    wire, _ = outgoing([strided], pool)
+    assert torch.equal(wire.view(torch.float32).reshape(8, 4), strided)
 
 
 def _profiled_worker() -> dict[str, Any]:

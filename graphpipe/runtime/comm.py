@@ -1,13 +1,15 @@
 """Communication: one message per stage edge and micro-batch, with timeouts that name the peer.
 
-A message packs every tensor an edge carries for one micro-batch (activations forward,
-gradients backward) into one byte buffer, each tensor 8-byte aligned. The messages of one
-communication group of the program (`graphpipe.program`) are issued together, as one
-`batch_isend_irecv`. The receiver knows the shapes and dtypes in advance
-(`stage.micro_shapes`), so it allocates the buffer before the data arrives. An edge that
-carries nothing (a sequential chain's dependency) sends a one-byte token.
+A message carries every tensor an edge carries for one micro-batch (activations forward,
+gradients backward). One tensor goes as its own bytes and is received into a tensor of its
+own: no copy on either side. Several are packed into one byte buffer, each tensor 8-byte
+aligned, and copied out of it on arrival. The messages of one communication group of the
+program (`graphpipe.program`) are issued together, as one `batch_isend_irecv`. The receiver
+knows the shapes and dtypes in advance (`stage.micro_shapes`), so it allocates the tensor or
+buffer before the data arrives. An edge that carries nothing (a sequential chain's
+dependency) sends a one-byte token.
 
-On the CPU the transport keeps the byte buffers of finished messages (`Buffers`) and gives
+On the CPU the transport keeps the packing buffers of finished messages (`Buffers`) and gives
 them to later messages of the same size: a fresh buffer of many megabytes is new memory from
 the operating system, whose every page faults and is zeroed at its first write, host work as
 long as the copy itself. A pipeline sends the same sizes every step, so after the first step
@@ -47,6 +49,7 @@ __all__ = [
     "Pending",
     "Spec",
     "Transport",
+    "outgoing",
     "pack",
     "tag_for",
     "unpack",
@@ -112,6 +115,19 @@ class Buffers:
         return sum(b.numel() for free in self._free.values() for b in free)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` as a flat uint8 view (a copy first if `t` is not contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def outgoing(tensors: Sequence[torch.Tensor], buffers: Buffers) -> tuple[torch.Tensor, bool]:
+    """What goes on the wire for a message: one tensor's own bytes (no copy), or several
+    packed into a buffer from `buffers`. Returns it and whether it is a pool buffer."""
+    if len(tensors) == 1:
+        return _bytes(tensors[0]), False
+    return pack(tensors, buffers), True
+
+
 def pack(tensors: Sequence[torch.Tensor], buffers: Buffers) -> torch.Tensor:
     """The tensors' bytes in one aligned uint8 buffer from `buffers` (one byte for no
     tensors; padding bytes undefined)."""
@@ -119,7 +135,7 @@ def pack(tensors: Sequence[torch.Tensor], buffers: Buffers) -> torch.Tensor:
     offsets, total = _offsets(specs)
     buffer = buffers.take(total)
     for t, at in zip(tensors, offsets, strict=True):
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        raw = _bytes(t)
         buffer[at : at + raw.numel()] = raw
     return buffer
 
@@ -137,13 +153,15 @@ def unpack(buffer: torch.Tensor, specs: Sequence[Spec]) -> list[torch.Tensor]:
 
 @dataclass
 class Pending:
-    """A posted receive: its buffer, the work handles that complete it, and what it is for."""
+    """A posted receive: its buffer, the work handles that complete it, and what it is for.
+    A one-tensor message is received into its tensor (`direct`), with no buffer to unpack."""
 
     buffer: torch.Tensor
     works: list[dist.Work]
     specs: list[Spec]
     peer: int
     what: str
+    direct: torch.Tensor | None = None
 
 
 @dataclass
@@ -180,7 +198,8 @@ class Transport:
         self, rank: int, timeout: float, device: torch.device, watch: Watch | None = None
     ) -> None:
         self.rank, self.timeout, self.device, self.watch = rank, timeout, device, watch
-        self._sends: list[tuple[list[dist.Work], int, str, torch.Tensor]] = []
+        # (works, peer, action, its pool buffer or None, what the send reads until done)
+        self._sends: list[tuple[list[dist.Work], int, str, torch.Tensor | None, torch.Tensor]] = []
         self.buffers = Buffers(device)
 
     def exchange(self, sends: Sequence[Outgoing], receives: Sequence[Incoming]) -> list[Pending]:
@@ -192,27 +211,42 @@ class Transport:
         """
         if not sends and not receives:
             return []
-        ops, buffers = [], []
+        ops: list[dist.P2POp] = []
+        buffers: list[torch.Tensor] = []
+        pooled: list[bool] = []
+        direct: list[torch.Tensor | None] = []
         for m in sends:
-            buffers.append(pack(m.tensors, self.buffers))
-            ops.append(dist.P2POp(dist.isend, buffers[-1], m.peer, tag=m.tag))
+            buffer, from_pool = outgoing(m.tensors, self.buffers)
+            buffers.append(buffer)
+            pooled.append(from_pool)
+            ops.append(dist.P2POp(dist.isend, buffer, m.peer, tag=m.tag))
         for r in receives:
-            buffers.append(self.buffers.take(_offsets(r.specs)[1]))
+            if len(r.specs) == 1:  # into its own tensor: nothing to unpack
+                shape, dtype = r.specs[0]
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                direct.append(tensor)
+                buffers.append(_bytes(tensor))
+            else:
+                direct.append(None)
+                buffers.append(self.buffers.take(_offsets(r.specs)[1]))
             ops.append(dist.P2POp(dist.irecv, buffers[-1], r.peer, tag=r.tag))
         messages: list[Outgoing | Incoming] = [*sends, *receives]
         what = ", ".join(m.what for m in messages)
         works = self._posted(ops, [m.peer for m in messages], what)
         # gloo answers one work per operation; NCCL one for the whole coalesced group
         per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
-        for m, buffer, w in zip(sends, buffers, per_op, strict=False):
-            self._sends.append((w, m.peer, m.what, buffer))
-        received = zip(receives, buffers[len(sends) :], per_op[len(sends) :], strict=True)
-        return [Pending(b, w, list(r.specs), r.peer, r.what) for r, b, w in received]
+        for m, buffer, from_pool, w in zip(sends, buffers, pooled, per_op, strict=False):
+            # a message's own tensor is held until its send completes, never pooled
+            self._sends.append((w, m.peer, m.what, buffer if from_pool else None, buffer))
+        received = zip(receives, buffers[len(sends) :], per_op[len(sends) :], direct, strict=True)
+        return [Pending(b, w, list(r.specs), r.peer, r.what, d) for r, b, w, d in received]
 
     def wait(self, pending: Pending) -> list[torch.Tensor]:
         """The received tensors, once they arrive (on CUDA: once the compute stream has been
         made to wait for them; the host does not block)."""
         self._wait(pending.works, pending.peer, pending.what)
+        if pending.direct is not None:
+            return [pending.direct]
         tensors = unpack(pending.buffer, pending.specs)
         self.buffers.give(pending.buffer)
         return tensors
@@ -220,9 +254,10 @@ class Transport:
     def finish_sends(self) -> None:
         """Wait for every posted send; they hold their buffers until then."""
         sends, self._sends = self._sends, []
-        for works, peer, what, buffer in sends:
+        for works, peer, what, pooled, _held in sends:
             self._wait(works, peer, what)
-            self.buffers.give(buffer)
+            if pooled is not None:
+                self.buffers.give(pooled)
 
     def _posted(self, ops: list[dist.P2POp], peers: list[int], what: str) -> list[dist.Work]:
         try:
