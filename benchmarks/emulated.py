@@ -27,9 +27,19 @@ Protocol, per model and N:
    cores took 6 s more than the link model's time, +156% on the step), which waits cannot
    stand for. Both comparisons use the protocol's variants without replication; the
    simulated fair table above has them all.
-3. Both sides run `--steps` timed steps after a warm-up step, on the same machine, one after
+3. Host memory as device memory. A device's caching allocator hands the same blocks back
+   step after step; glibc by default returns freed blocks of this size to the operating
+   system (its trim threshold follows its mmap threshold), so each message of tens of MB
+   arrived in new memory, every page faulted in and zeroed: measured, 13,312 page faults per
+   step on the rank receiving candle_uno's 29 MB concatenation at 8 ranks, host work on 2
+   cores shared by 8 processes that no device does (the sequential side then measured +10%
+   over the simulator). The emulated ranks start with glibc's MALLOC_MMAP_THRESHOLD_ at 32 MiB
+   and MALLOC_TRIM_THRESHOLD_ at 4 GiB (`KEEP_FREED`): no page faults on that rank, and
+   errors of a few percent. (Set by `mallopt` after start-up instead, measured, the faults
+   stay: 23,551.)
+4. Both sides run `--steps` timed steps after a warm-up step, on the same machine, one after
    the other, each step started by a barrier; the step time is the slowest rank's median.
-4. The simulator's prediction for the same runs: each side's plan with its compute times x
+5. The simulator's prediction for the same runs: each side's plan with its compute times x
    `time_scale` on the loopback link, simulated under its schedule and M.
 
 Columns: each side's choice (M / schedule / depth), the time scale, measured step seconds of
@@ -42,12 +52,14 @@ of measured over simulated step time. Where both sides chose the same plan, sche
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import os
 import statistics
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -173,11 +185,32 @@ def _steps(config: str, plan_json: str, schedule: str, emulate: Emulate, steps: 
     return statistics.median(times)
 
 
+# glibc, told at start-up to keep freed blocks of up to 32 MiB and never trim its heap: host
+# memory then behaves as a device's caching allocator does (see the module docstring)
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` set in os.environ (so processes started meanwhile inherit them), then undone."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def measured(config: str, choice: Choice, emulate: Emulate, steps: int) -> float:
     """Seconds per step of a fair choice run emulated on its devices (the slowest rank's
     median)."""
     args = (config, choice.plan.to_json(), choice.schedule, emulate, steps)
-    return max(launch(_steps, choice.plan.num_devices, args=args, timeout=1800))
+    with _environment(KEEP_FREED):
+        return max(launch(_steps, choice.plan.num_devices, args=args, timeout=1800))
 
 
 # -- the simulator's prediction --------------------------------------------------------------

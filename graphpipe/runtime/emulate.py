@@ -16,6 +16,13 @@ The values a stage sends and the input gradients it returns are never read by th
 that receive them, so they are not even written (`torch.empty`), nor copied to attach the
 weight half; the model output is zeros (the loss reads it).
 
+Host memory stands for device memory, whose caching allocator hands the same blocks back step
+after step. glibc by default gives freed blocks of tens of MB back to the operating system, so
+every large message arrives in new memory whose pages fault in, host work that no device does
+(and that 8 ranks on 2 cores feel). Start emulated ranks with `MALLOC_MMAP_THRESHOLD_=33554432`
+and `MALLOC_TRIM_THRESHOLD_=4294967296` in their environment, as `benchmarks/emulated.py`
+does; `mallopt` after start-up does not remove the faults (measured).
+
 Sizes: a value crossing stages keeps its dtype and is sent as a flat tensor of
 `round(numel / byte_scale)` elements (at least one; a `byte_scale` below 1 makes it larger,
 so that a slow loopback can stand for a fast link at a large `time_scale`). A replicated
