@@ -52,21 +52,21 @@ def calibrated(
         a = Action.parse(span.action)
         spans[(a.stage, a.kind)].append(span.end - span.start)
 
-    def median(stage: int, kind: str, default: float) -> float:
+    def measured(stage: int, kind: str, default: float) -> float:
         values = spans.get((stage, kind))
         return statistic(values) if values else default
 
     stages = []
     for s in plan.stages:
-        backward = median(s.index, "B", 0.0) or (
-            median(s.index, "I", 0.0) + median(s.index, "W", 0.0)
+        backward = measured(s.index, "B", 0.0) or (
+            measured(s.index, "I", 0.0) + measured(s.index, "W", 0.0)
         )
         stages.append(
             replace(
                 s,
-                forward_time=median(s.index, "F", s.forward_time),
+                forward_time=measured(s.index, "F", s.forward_time),
                 backward_time=backward or s.backward_time,
-                update_time=median(s.index, "U", s.update_time),
+                update_time=measured(s.index, "U", s.update_time),
             )
         )
     cost = plan.cost_model if link is None else replace(plan.cost_model, link=link)

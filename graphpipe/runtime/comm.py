@@ -198,8 +198,8 @@ class Transport:
         self, rank: int, timeout: float, device: torch.device, watch: Watch | None = None
     ) -> None:
         self.rank, self.timeout, self.device, self.watch = rank, timeout, device, watch
-        # (works, peer, action, its pool buffer or None, what the send reads until done)
-        self._sends: list[tuple[list[dist.Work], int, str, torch.Tensor | None, torch.Tensor]] = []
+        # (works, peer, action, what the send reads until done, whether it is a pool buffer)
+        self._sends: list[tuple[list[dist.Work], int, str, torch.Tensor, bool]] = []
         self.buffers = Buffers(device)
 
     def exchange(self, sends: Sequence[Outgoing], receives: Sequence[Incoming]) -> list[Pending]:
@@ -237,7 +237,7 @@ class Transport:
         per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
         for m, buffer, from_pool, w in zip(sends, buffers, pooled, per_op, strict=False):
             # a message's own tensor is held until its send completes, never pooled
-            self._sends.append((w, m.peer, m.what, buffer if from_pool else None, buffer))
+            self._sends.append((w, m.peer, m.what, buffer, from_pool))
         received = zip(receives, buffers[len(sends) :], per_op[len(sends) :], direct, strict=True)
         return [Pending(b, w, list(r.specs), r.peer, r.what, d) for r, b, w, d in received]
 
@@ -254,10 +254,10 @@ class Transport:
     def finish_sends(self) -> None:
         """Wait for every posted send; they hold their buffers until then."""
         sends, self._sends = self._sends, []
-        for works, peer, what, pooled, _held in sends:
+        for works, peer, what, buffer, pooled in sends:
             self._wait(works, peer, what)
-            if pooled is not None:
-                self.buffers.give(pooled)
+            if pooled:
+                self.buffers.give(buffer)
 
     def _posted(self, ops: list[dist.P2POp], peers: list[int], what: str) -> list[dist.Work]:
         try:
