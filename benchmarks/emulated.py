@@ -52,15 +52,15 @@ of measured over simulated step time. Where both sides chose the same plan, sche
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import os
 import statistics
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -190,26 +190,11 @@ def _steps(config: str, plan_json: str, schedule: str, emulate: Emulate, steps: 
 KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` set in os.environ (so processes started meanwhile inherit them), then undone."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def measured(config: str, choice: Choice, emulate: Emulate, steps: int) -> float:
     """Seconds per step of a fair choice run emulated on its devices (the slowest rank's
     median)."""
     args = (config, choice.plan.to_json(), choice.schedule, emulate, steps)
-    with _environment(KEEP_FREED):
+    with mock.patch.dict(os.environ, KEEP_FREED):  # the ranks inherit it
         return max(launch(_steps, choice.plan.num_devices, args=args, timeout=1800))
 
 
