@@ -21,14 +21,17 @@ Every schedule of each side runs on the same split:
 - one process with one thread, the whole batch at once (the most 2 processes can reach is
   twice its rate).
 
-For each graphpipe run, 5 more steps are recorded: the per-action compute times measured
+For each graphpipe run, 10 more steps are recorded: the per-action compute times measured
 there feed the simulator (`calibrated`, with a ping-pong of the link), so "overhead" is the
 measured step over the simulated one: what the runtime adds to the schedule's own critical
-path. "Where the time goes" splits each rank's step into compute (the actions' spans), wait
-(for messages to arrive or sends to finish), post (issuing sends and receives) and the rest
-(Python between actions, splitting the batch, the loss all-reduce). Two processes on 2 cores
-also slow each other's matmuls: the contention row times the chain in one process alone and
-then in two processes side by side.
+path. Two readings: each stage's mean time of each kind (one simulated step), and each
+recorded step replayed with its actions' own times (`replayed`), which keeps the spread of
+the steps (a backward slowed by the other process delays its successors in the simulated
+step as it did in the measured one). "Where the time goes" splits each rank's step into
+compute (the actions' spans), wait (for messages to arrive or sends to finish), post
+(issuing sends and receives) and the rest (Python between actions, splitting the batch, the
+loss all-reduce). Two processes on 2 cores also slow each other's matmuls: the contention
+row times the chain in one process alone and then in two processes side by side.
 """
 
 from __future__ import annotations
@@ -46,14 +49,14 @@ from tabulate import tabulate
 from torch import nn
 
 from benchmarks._common import log, machine, ratio
-from graphpipe.calibrate import calibrated, measure_link
+from graphpipe.calibrate import calibrated, measure_link, replayed
 from graphpipe.compile import compile as pipeline
 from graphpipe.launch import launch
 from graphpipe.partition import plan
 from graphpipe.profile import ProfileConfig
 from graphpipe.simulate import simulate
 
-BATCH, M, WARMUP, STEPS, RECORDED = 256, 8, 5, 20, 5
+BATCH, M, WARMUP, STEPS, RECORDED = 256, 8, 5, 20, 10
 GRAPHPIPE = {
     "chain": ("1f1b", "zb", "interleaved", "zbv"),
     "towers": ("1f1b", "zb", "graph_interleaved"),
@@ -155,7 +158,13 @@ def _graphpipe(name: str, schedule: str) -> dict[str, Any]:
     # the mean span: the simulated actions add up to the compute these steps did (a skewed
     # spread of backward times, slowed while the other process computes, puts the median
     # below it)
-    predicted = simulate(calibrated(pm.plan, timeline, link, statistics.mean), pm.schedule.name)
+    measured_plan = calibrated(pm.plan, timeline, link, statistics.mean)
+    predicted = simulate(measured_plan, pm.schedule.name)
+    # each recorded step replayed with its own actions' times: the steps' spread included
+    replays = [
+        simulate(measured_plan, pm.schedule.name, durations=times).iteration_time
+        for times in replayed(timeline)
+    ]
     wall = sum(walls)
     compute = sum(s.end - s.start for s in mine)
     split = {
@@ -167,6 +176,8 @@ def _graphpipe(name: str, schedule: str) -> dict[str, Any]:
     return {
         "step": measured,
         "simulated": predicted.iteration_time,
+        "recorded": wall / RECORDED,
+        "replayed": sum(replays) / RECORDED,
         "split": split,
         "compute": compute / RECORDED,
         "ran": f"{pm.schedule.name} on {len(pm.plan.stages)} stages",
@@ -342,6 +353,9 @@ def _overhead_rows(results: dict[str, Any]) -> list[list[str]]:
                 f"{r['step'] * 1e3:.1f}",
                 f"{r['simulated'] * 1e3:.1f}",
                 f"{r['step'] / r['simulated']:.2f}x",
+                f"{r['recorded'] * 1e3:.1f}",
+                f"{r['replayed'] * 1e3:.1f}",
+                f"{r['recorded'] / r['replayed']:.2f}x",
                 splits,
             ]
         )
@@ -375,11 +389,24 @@ def report() -> str:
             tablefmt="github",
         )
         + "\n\nOverhead: the measured step over the simulator's, fed with the compute times "
-        "measured in the same run (each stage's mean span of each kind). Where the time goes, "
-        "per rank (rank 0 / rank 1): compute, wait, post, rest.\n\n"
+        "measured in the same run (each stage's mean span of each kind). Replayed: each of "
+        f"the {RECORDED} recorded steps simulated with every action's own measured time "
+        "(`graphpipe.calibrate.replayed`), against the same steps' mean wall time (recorded): "
+        "a slow action delays its successors in both, so what is left is the runtime's own "
+        "cost (posting and waiting for messages, Python between actions). Where the time "
+        "goes, per rank (rank 0 / rank 1): compute, wait, post, rest.\n\n"
         + tabulate(
             _overhead_rows(results),
-            headers=["run", "measured ms", "simulated ms", "overhead", "where the time goes"],
+            headers=[
+                "run",
+                "measured ms",
+                "simulated ms",
+                "overhead",
+                "recorded ms",
+                "replayed ms",
+                "overhead, replayed",
+                "where the time goes",
+            ],
             tablefmt="github",
         )
         + f"\n\nContention: the chain's step in one process takes {alone * 1e3:.0f} ms alone "

@@ -12,6 +12,14 @@ a skewed spread of backward times makes the median fall short; the executor does
 waiting for peers as part of an action), the link's latency
 and bandwidth from a ping-pong between ranks 0 and 1. What the simulator then adds, bubbles,
 transfers and the order of actions, is what the comparison tests.
+
+    for step, times in zip(walls, replayed(timeline)):
+        simulate(plan, pm.schedule, durations=times).iteration_time   # vs this step's wall
+
+`replayed` gives every action of each recorded step its own measured time instead: the
+simulated step then has the measured steps' spread too (a backward slowed by the other
+process delays its successors as it did), and what the measured step adds to it is the
+runtime's own cost: posting and waiting for messages, and Python between actions.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch.distributed as dist
 from graphpipe.cost import LinkModel
 from graphpipe.ir import Action, Plan, Timeline
 
-__all__ = ["calibrated", "measure_link"]
+__all__ = ["calibrated", "measure_link", "replayed"]
 
 
 def calibrated(
@@ -71,6 +79,29 @@ def calibrated(
         )
     cost = plan.cost_model if link is None else replace(plan.cost_model, link=link)
     return replace(plan, stages=tuple(stages), cost_model=cost)
+
+
+def replayed(timeline: Timeline) -> list[dict[str, float]]:
+    """Each recorded step's actions with their measured seconds, by action text.
+
+    Every step runs the same actions, once each, so the k-th span of an action belongs to
+    the k-th recorded step.
+
+    Raises:
+        ValueError: the actions were not recorded the same number of times (a partly
+            recorded step), naming two that differ.
+    """
+    seen: dict[str, list[float]] = defaultdict(list)
+    for span in sorted(timeline.spans, key=lambda s: s.start):
+        seen[span.action].append(span.end - span.start)
+    counts = {action: len(times) for action, times in seen.items()}
+    if len(set(counts.values())) > 1:
+        low, high = min(counts, key=counts.get), max(counts, key=counts.get)  # type: ignore[arg-type]
+        raise ValueError(
+            f"actions recorded unequal times: {low} {counts[low]}, {high} {counts[high]}"
+        )
+    steps = next(iter(counts.values()), 0)
+    return [{action: times[k] for action, times in seen.items()} for k in range(steps)]
 
 
 def measure_link(sizes: tuple[int, int] = (8, 1 << 22), repeats: int = 20) -> LinkModel:

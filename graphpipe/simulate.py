@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from graphpipe.cost import weight_copies
@@ -96,7 +96,12 @@ class SimResult:
 
 
 def simulate(
-    plan: Plan, schedule: Schedule | str, *, contention: bool = True, weights: str | None = None
+    plan: Plan,
+    schedule: Schedule | str,
+    *,
+    contention: bool = True,
+    weights: str | None = None,
+    durations: Mapping[str, float] | None = None,
 ) -> SimResult:
     """Run `schedule` over `plan`'s costs.
 
@@ -109,6 +114,9 @@ def simulate(
             (else every message crosses at once, whatever else is in flight).
         weights: A weight policy ("flush", "stash", "2bw", "pipemare"): each stage then keeps
             `cost.weight_copies` copies of its weights; by default the plan's memory model.
+        durations: Seconds of individual actions, by their text (`"1B3"`), in place of their
+            stage's times: a measured step replayed action by action
+            (`graphpipe.calibrate.replayed`).
 
     Returns:
         The prediction.
@@ -118,7 +126,7 @@ def simulate(
     """
     if isinstance(schedule, str):
         schedule = steady_run(plan, schedule)
-    engine = Engine(plan, schedule, _durations(plan), _transfers(plan), contention)
+    engine = Engine(plan, schedule, _durations(plan, durations), _transfers(plan), contention)
     spans = engine.run()
     makespan = max((s.end for s in spans), default=0.0)
     calls = max(schedule.calls, 1)
@@ -175,8 +183,12 @@ def _peak_memory(plan: Plan, rank: int, held_bytes: float, policy: str | None) -
     return int(total)
 
 
-def _durations(plan: Plan) -> Callable[[Action], float]:
+def _durations(
+    plan: Plan, measured: Mapping[str, float] | None = None
+) -> Callable[[Action], float]:
     def duration(a: Action) -> float:
+        if measured is not None and str(a) in measured:
+            return measured[str(a)]
         stage = plan.stages[a.stage]
         if a.kind == "U":
             allreduce = plan.cost_model.link.allreduce(stage.param_bytes, stage.replicas)

@@ -12,7 +12,7 @@ from test_partition import synthetic
 from test_schedule import chain_plan
 from zoo import TwoBranch
 
-from graphpipe.calibrate import calibrated
+from graphpipe.calibrate import calibrated, replayed
 from graphpipe.cost import CostModel, LinkModel
 from graphpipe.ir import Plan, Span, Timeline
 from graphpipe.opgraph import op_graph
@@ -130,6 +130,31 @@ def test_timeline_svg_and_chrome_trace() -> None:
     first = min(events, key=lambda e: e["ts"])
     assert first["name"] == "0F0" and first["dur"] == pytest.approx(F * 1e6)
     assert Timeline.from_json(timeline.to_json()) == timeline
+
+
+def test_a_replayed_action_delays_what_depends_on_it_as_it_did() -> None:
+    plan = chain_plan(2, 2, latency=0.0)
+    schedule = make_schedule(plan, "1f1b")
+    # 0F0 0F1 | 1F0 1B0 | 0B0, 1F1 1B1 | 0B1: 1 + 1 + 2 + 2 + 1 + 2 + 2 = 9 ms
+    assert simulate(plan, schedule).iteration_time == pytest.approx(9e-3)
+    slow = simulate(plan, schedule, durations={"1B0": 5e-3})  # 3 ms more on the critical path
+    assert slow.iteration_time == pytest.approx(12e-3)
+    spans = {s.action: s for s in slow.timeline.spans}
+    assert spans["1B0"].end - spans["1B0"].start == pytest.approx(5e-3)
+    assert spans["0B0"].start == pytest.approx(7e-3)  # waited for the gradient
+    assert spans["1F1"].end - spans["1F1"].start == pytest.approx(F)  # not replayed: its stage's
+
+
+def test_replayed_gives_each_recorded_step_its_own_times() -> None:
+    spans = [Span(0, "0F0", 0.0, 1e-3), Span(1, "1F0", 1e-3, 3e-3)]
+    spans += [Span(0, "0F0", 5e-3, 9e-3), Span(1, "1F0", 9e-3, 10e-3)]
+    steps = replayed(Timeline(tuple(spans), 2, "measured"))
+    assert steps == [
+        {"0F0": pytest.approx(1e-3), "1F0": pytest.approx(2e-3)},
+        {"0F0": pytest.approx(4e-3), "1F0": pytest.approx(1e-3)},
+    ]
+    with pytest.raises(ValueError, match="0F0 1, 1F0 2"):
+        replayed(Timeline((spans[0], spans[1], spans[3]), 2, "measured"))
 
 
 def test_calibration_takes_each_stages_median_span_or_the_statistic_asked_for() -> None:
