@@ -123,3 +123,54 @@ def test_input_half_defers_the_weight_gradients() -> None:
     backward.input_half(outs, seeds, [x], list(model.parameters()))
     assert x.grad is not None
     assert all(p.grad is None for p in model.parameters())
+
+
+class Shared(nn.Module):
+    """Two offsets summed (the engine hands both one gradient tensor) and a weight sent on
+    transposed (its gradient is a view of the arriving seed), as a tied head's weight is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, D))
+        self.b = nn.Parameter(torch.randn(4, D))
+        self.w = nn.Parameter(torch.randn(D, D))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.tanh(x) + self.a + self.b, self.w.t()]
+
+
+def _shared(split: bool, micro_batches: int) -> tuple[Shared, list[torch.Tensor]]:
+    """Micro-batches' backwards through `Shared`, whole or split; returns the last seeds."""
+    torch.manual_seed(0)
+    model = Shared()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(micro_batches):
+        x = torch.randn(4, D, requires_grad=True)
+        roots = model(x)
+        seeds: list[torch.Tensor | None] = [torch.randn(r.shape, generator=gen) for r in roots]
+        kept = [s.clone() for s in seeds if s is not None]
+        if split:
+            _, half = backward.input_half(roots, seeds, [x], list(model.parameters()))
+            backward.weight_half(half)
+        else:
+            backward.full(roots, seeds)
+        for s, k in zip(seeds, kept, strict=True):
+            torch.testing.assert_close(s, k)  # the seeds were only read
+    return model, [s for s in seeds if s is not None]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_weight_half_gives_each_gradient_its_own_storage(micro_batches: int) -> None:
+    """After the split, no `.grad` shares memory with another or with a seed, so adding the
+    next micro-batch in place, or clipping one gradient, changes that gradient only."""
+    whole, _ = _shared(split=False, micro_batches=micro_batches)
+    split, seeds = _shared(split=True, micro_batches=micro_batches)
+    grads = {n: p.grad for n, p in split.named_parameters()}
+    assert all(g is not None for g in grads.values())
+    ptrs = [t.untyped_storage().data_ptr() for t in [*grads.values(), *seeds] if t is not None]
+    assert len(set(ptrs)) == len(ptrs)
+    for n, p in whole.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-6, atol=1e-7, msg=n)
+    before = {n: g.clone() for n, g in grads.items() if g is not None}
+    split.a.grad.mul_(0.5)  # type: ignore[union-attr]  # as a clip does
+    torch.testing.assert_close(split.b.grad, before["b"])

@@ -258,8 +258,33 @@ def weight_half(half: WeightHalf, on_grad: Callable[[torch.Tensor], None] | None
     if not outputs or not half.params:
         return
     results = torch.autograd.grad(outputs, half.params, seeds, allow_unused=True)
+    held = {id(t) for t in seeds if t is not None}
+    held.update(id(g) for b in half.boundaries for g in b.grads if g is not None)
     for p, g in zip(half.params, results, strict=True):
-        if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
-            if on_grad is not None:
-                on_grad(p)
+        if g is None:
+            continue
+        _accumulate(p, g, held)
+        if on_grad is not None:
+            on_grad(p)
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor, held: set[int]) -> None:
+    """Add `g` into `p.grad` in place, as autograd's own accumulation does.
+
+    The first gradient becomes `p.grad` only if nothing else holds it: the engine returns the
+    very same tensor for every parameter a node passes one gradient to (`a + b`), and a seed
+    or a view of one where a parameter's path is a view. Those are copied, so an in-place
+    add, a clip or an unscale of one `.grad` never writes into another or into a seed.
+
+    Args:
+        p: The parameter (or the version of it the backward ran on).
+        g: Its gradient from this weight half.
+        held: Ids of the tensors held elsewhere; `g` is added to it once taken.
+    """
+    if p.grad is not None:
+        p.grad.add_(g)
+        return
+    if id(g) in held or g._base is not None:
+        g = g.clone()
+    held.add(id(g))
+    p.grad = g
