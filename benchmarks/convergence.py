@@ -29,8 +29,8 @@ from torch import nn
 from benchmarks._common import log, machine
 from benchmarks._plot import line_chart, stacked
 from graphpipe.compile import compile as pipeline
-from graphpipe.launch import launch
-from graphpipe.partition import plan
+from graphpipe.planning.partition import plan
+from graphpipe.runtime.launch import launch
 from graphpipe.runtime.weights import PolicyOptions
 
 STEPS, BATCH, M, WIDTH = 150, 64, 4, 256

@@ -4,7 +4,7 @@
     python -m benchmarks.fair --quick                # M in 1, 4, 16, 64; 8 and 32 devices
     python -m benchmarks.fair --models dlrm --devices 32 --preset h100
 
-The protocol is `graphpipe.fair` (GraphPipe's, ASPLOS'25 section 6): the paper presets at
+The protocol is `graphpipe.tools.fair` (GraphPipe's, ASPLOS'25 section 6): the paper presets at
 their mini-batch B; op times from the roofline of an A100 (`--preset`) at each micro-batch
 size B / M; every strategy picks M (powers of two up to 64 dividing B), its variant (with and
 without replication, objective "pipeline" and "bottleneck") and its flushed schedule (gpipe,
@@ -33,12 +33,12 @@ from torch import fx
 
 from benchmarks._common import log, machine
 from graphpipe._units import format_bytes, format_time
-from graphpipe.fair import GIB, Choice, FairConfig, compare
-from graphpipe.opgraph import graph_hash, op_graph
-from graphpipe.partition import PlanConfig, cost_model, partition_op_graph
-from graphpipe.profile import ProfileConfig, profile
-from graphpipe.trace import trace
-from graphpipe.workload import Workload, load_workload
+from graphpipe.planning.opgraph import graph_hash, op_graph
+from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
+from graphpipe.planning.profile import ProfileConfig, profile
+from graphpipe.tools.fair import GIB, Choice, FairConfig, compare
+from graphpipe.tools.workload import Workload, load_workload
+from graphpipe.tracing.tracer import trace
 
 MODELS = ("mmt", "dlrm", "candle_uno", "nbranch")
 DEVICES = (4, 8, 16, 32)

@@ -22,11 +22,11 @@ from dataclasses import replace
 from tabulate import tabulate
 
 from benchmarks._common import log, machine, ratio
-from graphpipe.cli import best_schedule
-from graphpipe.partition import PlanConfig, partition
-from graphpipe.profile import profile
-from graphpipe.trace import trace
-from graphpipe.workload import load_workload
+from graphpipe.planning.partition import PlanConfig, partition
+from graphpipe.planning.profile import profile
+from graphpipe.tools.cli import best_schedule
+from graphpipe.tools.workload import load_workload
+from graphpipe.tracing.tracer import trace
 
 MODELS = ("mmt", "dlrm", "candle_uno", "nbranch")
 DEVICES = (4, 8)

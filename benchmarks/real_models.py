@@ -21,9 +21,9 @@ from torch import nn
 
 from benchmarks._common import log, machine
 from graphpipe._units import format_bytes
-from graphpipe.partition import PlanConfig, partition
-from graphpipe.profile import profile
-from graphpipe.trace import flat_inputs, trace
+from graphpipe.planning.partition import PlanConfig, partition
+from graphpipe.planning.profile import profile
+from graphpipe.tracing.tracer import flat_inputs, trace
 
 BATCH, M, SEQ = 8, 4, 512
 DEVICES = (4, 8)

@@ -49,12 +49,12 @@ from tabulate import tabulate
 from torch import nn
 
 from benchmarks._common import log, machine, ratio
-from graphpipe.calibrate import calibrated, measure_link, replayed
 from graphpipe.compile import compile as pipeline
-from graphpipe.launch import launch
-from graphpipe.partition import plan
-from graphpipe.profile import ProfileConfig
-from graphpipe.simulate import simulate
+from graphpipe.planning.partition import plan
+from graphpipe.planning.profile import ProfileConfig
+from graphpipe.runtime.launch import launch
+from graphpipe.scheduling.simulate import simulate
+from graphpipe.tools.calibrate import calibrated, measure_link, replayed
 
 BATCH, M, WARMUP, STEPS, RECORDED = 256, 8, 5, 20, 10
 GRAPHPIPE = {
@@ -391,7 +391,8 @@ def report() -> str:
         + "\n\nOverhead: the measured step over the simulator's, fed with the compute times "
         "measured in the same run (each stage's mean span of each kind). Replayed: each of "
         f"the {RECORDED} recorded steps simulated with every action's own measured time "
-        "(`graphpipe.calibrate.replayed`), against the same steps' mean wall time (recorded): "
+        "(`graphpipe.tools.calibrate.replayed`), against the same steps' mean wall time "
+        "(recorded): "
         "a slow action delays its successors in both, so what is left is the runtime's own "
         "cost (posting and waiting for messages, Python between actions). Where the time "
         "goes, per rank (rank 0 / rank 1): compute, wait, post, rest.\n\n"

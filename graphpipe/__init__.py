@@ -9,7 +9,7 @@ A model becomes a pipeline in phases, each a module of its own:
     sched = graphpipe.make_schedule(plan, "1f1b")       # per-rank actions (a Schedule)
     graphpipe.simulate(plan, sched).iteration_time      # predicted step time, bubbles, memory
 
-and then, on every rank (torchrun, or graphpipe.launch on one machine):
+and then, on every rank (torchrun, or graphpipe.runtime.launch on one machine):
 
     pm   = graphpipe.compile(model, example_inputs, loss_fn=F.cross_entropy,
                              optimizer=functools.partial(torch.optim.Adam, lr=1e-3))
@@ -18,7 +18,7 @@ and then, on every rank (torchrun, or graphpipe.launch on one machine):
 Independent branches of the model (the towers of a multi-modal transformer, the MLPs of DLRM)
 become concurrent stages on disjoint devices, where a sequential pipeline would serialise them.
 Plans and schedules are plain data: `Plan.to_json()`, `Plan.from_json(text)`,
-`plan.validate(gm)`, `str(schedule)`.
+`validate_plan(plan, gm)`, `str(schedule)`.
 
 Modules: trace, profile, partition, schedule, simulate, render and timeline (pictures),
 runtime (the per-rank executor), compile, launch; `graphpipe plan` and `graphpipe run` on the
@@ -38,13 +38,13 @@ from graphpipe.errors import (
     TraceError,
 )
 from graphpipe.ir import Plan, Schedule
-from graphpipe.launch import launch
-from graphpipe.partition import plan
-from graphpipe.render import render
+from graphpipe.planning.partition import plan
 from graphpipe.runtime.checkpoint import export_checkpoint
-from graphpipe.schedule import make_schedule
-from graphpipe.simulate import simulate
-from graphpipe.trace import trace
+from graphpipe.runtime.launch import launch
+from graphpipe.scheduling.generators import make_schedule
+from graphpipe.scheduling.simulate import simulate
+from graphpipe.tools.render import render
+from graphpipe.tracing.tracer import trace
 
 __all__ = [
     "ConfigError",

@@ -33,15 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from graphpipe.annotate import is_meta
-from graphpipe.bind import batch_of, check_output, normalise
-from graphpipe.dryrun import check_run
 from graphpipe.errors import ConfigError, GraphPipeError, PlanError
 from graphpipe.ir import Plan
-from graphpipe.opgraph import graph_hash, input_shapes
-from graphpipe.partition import PlanConfig, micro_batch_size, partition
-from graphpipe.partition.recompute import RecomputeSpec, choose_recompute
-from graphpipe.profile import ProfileConfig, profile
+from graphpipe.planning.opgraph import graph_hash, input_shapes
+from graphpipe.planning.partition import PlanConfig, micro_batch_size, partition
+from graphpipe.planning.profile import ProfileConfig, profile
+from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
+from graphpipe.planning.validate import validate_plan
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.failures import guarded, install_watch, posted
 from graphpipe.runtime.materialize import InitFn
@@ -54,8 +52,11 @@ from graphpipe.runtime.pipeline import (
 )
 from graphpipe.runtime.precision import check_precision
 from graphpipe.runtime.weights import POLICIES, PolicyOptions
-from graphpipe.schedule import ANY_PLACEMENT, ASYNC, PLACED, make_schedule
-from graphpipe.trace import LeafSpec, flat_inputs, trace, trace_info
+from graphpipe.scheduling.dryrun import check_run
+from graphpipe.scheduling.generators import ANY_PLACEMENT, ASYNC, PLACED, make_schedule
+from graphpipe.tracing.annotate import is_meta, trace_info
+from graphpipe.tracing.bind import batch_of, check_output, flat_inputs, normalise
+from graphpipe.tracing.tracer import LeafSpec, trace
 
 __all__ = ["PipelinedModel", "RuntimeConfig", "compile", "schedule_for"]
 
@@ -133,7 +134,7 @@ def compile(
         recompute: Activation checkpointing: True (every stage), a list of stage indices,
             or "auto" (on each device over the plan's memory budget, the stages that save
             most, until it fits). A recomputing stage keeps only its inputs per micro-batch
-            and re-runs its forward in its backward (`graphpipe.partition.recompute`); the
+            and re-runs its forward in its backward (`graphpipe.planning.recompute`); the
             plan's times and memory say so.
         compile_stages: `torch.compile` each of this rank's stage modules (in place: state
             dict keys stay). Not with zero-bubble schedules (zb, zbv), whose backward is
@@ -329,7 +330,7 @@ def _ensure_process_group(runtime: RuntimeConfig) -> None:
     if missing:
         raise ConfigError(
             f"no process group and no {missing} in the environment: launch with torchrun, "
-            "graphpipe.launch, or call torch.distributed.init_process_group first"
+            "graphpipe.runtime.launch, or call torch.distributed.init_process_group first"
         )
     backend = runtime.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=runtime.timeout))
@@ -361,7 +362,7 @@ def _checked_plan(plan: Plan, gm: fx.GraphModule) -> Plan:
             f"the plan was made for another graph (hash {plan.graph_hash}, "
             f"this model traces to {graph_hash(gm)})"
         )
-    plan.validate(gm)
+    validate_plan(plan, gm)
     return plan
 
 

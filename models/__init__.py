@@ -6,10 +6,10 @@
     nbranch     N parallel transformer encoders over the same input, summed
     inception   Inception-style CNN: four parallel conv branches in every block
 
-Every module follows the factory protocol of `graphpipe.workload`: it exposes
+Every module follows the factory protocol of `graphpipe.tools.workload`: it exposes
 `PRESETS` ("tiny", "cpu", "paper") and
 
-    workload(preset: str = "tiny", *, seed: int = 0, **options) -> graphpipe.workload.Workload
+    workload(preset: str = "tiny", *, seed: int = 0, **options) -> graphpipe.tools.workload.Workload
 
 where `options` override the preset's values (unknown ones raise `ConfigError`). Presets:
 "tiny" for tests (well under a second), "cpu" for example runs (a minute on 2 CPU cores),

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from graphpipe.errors import ConfigError
-from graphpipe.workload import BatchFn, Workload
+from graphpipe.tools.workload import BatchFn, Workload
 
 Inputs = tuple[torch.Tensor, ...]
 Teacher = Callable[[Inputs], torch.Tensor]  # inputs -> target: the function to be learnt
@@ -222,6 +222,6 @@ def run_example(module: str) -> None:
     """
     import sys
 
-    from graphpipe.cli import main
+    from graphpipe.tools.cli import main
 
     sys.exit(main(["run", module, *sys.argv[1:]]))

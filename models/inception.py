@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphpipe.errors import ConfigError
-from graphpipe.workload import Workload
+from graphpipe.tools.workload import Workload
 from models._common import (
     Inputs,
     InputSpec,

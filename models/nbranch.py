@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphpipe.workload import Workload
+from graphpipe.tools.workload import Workload
 from models._common import (
     Inputs,
     InputSpec,

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 from zoo import ZOO, dict_loss
 
-from graphpipe.cli import main
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, PipelineError
-from graphpipe.launch import launch
-from graphpipe.partition import plan
+from graphpipe.planning.partition import plan
+from graphpipe.runtime.launch import launch
+from graphpipe.tools.cli import main
 
 TIMEOUT = 240  # seconds for the launch
 SGD = functools.partial(torch.optim.SGD, lr=0.1)

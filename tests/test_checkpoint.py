@@ -19,13 +19,13 @@ import torch
 from test_runtime import batch
 from zoo import ZOO, dict_loss
 
-from graphpipe.cli import main
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError
-from graphpipe.launch import launch
-from graphpipe.partition import plan
+from graphpipe.planning.partition import plan
 from graphpipe.runtime.checkpoint import _publish, resolve
+from graphpipe.runtime.launch import launch
+from graphpipe.tools.cli import main
 
 NAME, M = "two_branch", 4
 PINS = {

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from graphpipe.cli import main, parse_options
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
+from graphpipe.tools.cli import main, parse_options
 
 
 def test_plan_prints_both_plans_and_writes_every_file(

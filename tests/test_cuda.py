@@ -25,10 +25,10 @@ from zoo import dict_loss, two_branch
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.ir import Span
-from graphpipe.launch import launch
-from graphpipe.partition import plan
-from graphpipe.profiling import profile_actions, spans_from_profiler
+from graphpipe.planning.partition import plan
 from graphpipe.runtime.comm import Incoming, Outgoing, Transport
+from graphpipe.runtime.launch import launch
+from graphpipe.runtime.profiling import profile_actions, spans_from_profiler
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not dist.is_nccl_available(),

@@ -21,11 +21,11 @@ from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
-from graphpipe.launch import launch
-from graphpipe.partition import plan
+from graphpipe.planning.partition import plan
 from graphpipe.runtime.emulate import Emulate, emulated_specs
-from graphpipe.schedule import make_schedule
-from graphpipe.simulate import simulate
+from graphpipe.runtime.launch import launch
+from graphpipe.scheduling.generators import make_schedule
+from graphpipe.scheduling.simulate import simulate
 
 M, F, B, SCALE = 4, 0.004, 0.008, 10.0  # per-stage seconds before scaling (40 and 80 ms after)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from graphpipe.cli import main
-from graphpipe.train import TrainConfig, progress_bar, train
+from graphpipe.tools.cli import main
+from graphpipe.tools.train import TrainConfig, progress_bar, train
 from viz.gallery import KINDS, MODELS, render_gallery
 
 EXAMPLES = ("mmt", "dlrm", "candle_uno", "nbranch", "inception")

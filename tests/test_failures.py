@@ -27,7 +27,7 @@ from zoo import ZOO, dict_loss
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import PipelineError
-from graphpipe.launch import launch
+from graphpipe.runtime.launch import launch
 from graphpipe.runtime.pipeline import PipelinedModel
 
 LIMIT = 120  # seconds for a whole launch

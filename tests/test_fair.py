@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from graphpipe.devices import DEVICES, Device, roofline
 from graphpipe.errors import ConfigError, PlanError
-from graphpipe.fair import Choice, FairConfig, choose, compare, micro_batch_counts
-from graphpipe.profile import ProfileConfig, profile
-from graphpipe.trace import trace
-from graphpipe.workload import load_workload
+from graphpipe.planning.devices import DEVICES, Device, roofline
+from graphpipe.planning.profile import ProfileConfig, profile
+from graphpipe.tools.fair import Choice, FairConfig, choose, compare, micro_batch_counts
+from graphpipe.tools.workload import load_workload
+from graphpipe.tracing.tracer import trace
 
 A100 = DEVICES["a100"]  # 312e12 FLOP/s, 2.039e12 B/s, 5 us per kernel
 

@@ -15,12 +15,12 @@ from zoo import ZOO, dict_loss
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ScheduleError
-from graphpipe.launch import launch
-from graphpipe.partition import plan
-from graphpipe.partition.interleave import place_graph
-from graphpipe.program import lower
-from graphpipe.schedule import make_schedule
-from graphpipe.simulate import simulate
+from graphpipe.planning.interleave import place_graph
+from graphpipe.planning.partition import plan
+from graphpipe.runtime.launch import launch
+from graphpipe.scheduling.generators import make_schedule
+from graphpipe.scheduling.program import lower
+from graphpipe.scheduling.simulate import simulate
 
 CHAINS = {  # four chain stages each, so two ranks hold two stages
     # under "v" embed (stage 0) and out (stage 3) share rank 0: a tied weight on one rank

@@ -27,7 +27,7 @@ from torch import nn
 
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError
-from graphpipe.launch import launch
+from graphpipe.runtime.launch import launch
 from graphpipe.runtime.materialize import is_meta, materialize
 
 WIDTH, LAYERS = 4096, 16  # 16 x 64 MiB: 1 GiB of fp32 parameters

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from graphpipe.errors import ConfigError
-from graphpipe.trace import trace
-from graphpipe.workload import Workload, load_workload
+from graphpipe.tools.workload import Workload, load_workload
+from graphpipe.tracing.tracer import trace
 
 NAMES = ["mmt", "dlrm", "candle_uno", "nbranch", "inception"]
 

@@ -12,14 +12,14 @@ import torch
 from torch import nn
 from zoo import TwoBranch
 
-from graphpipe.cost import CostModel, LinkModel, MemoryModel
-from graphpipe.dryrun import check_run
 from graphpipe.errors import ConfigError, PlanError
-from graphpipe.opgraph import op_graph, value_kind
-from graphpipe.partition import PlanConfig, cost_model, partition_op_graph, plan, score
-from graphpipe.partition.fold import bound_groups, folded_groups
-from graphpipe.partition.search import search
-from graphpipe.partition.sptree import (
+from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.planning.fold import bound_groups, folded_groups
+from graphpipe.planning.opgraph import op_graph, value_kind
+from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph, plan, score
+from graphpipe.planning.profile import profile
+from graphpipe.planning.search import search
+from graphpipe.planning.sptree import (
     Leaf,
     Parallel,
     Series,
@@ -29,9 +29,10 @@ from graphpipe.partition.sptree import (
     linearise,
     units_of,
 )
-from graphpipe.profile import profile
-from graphpipe.simulate import simulate
-from graphpipe.trace import trace
+from graphpipe.planning.validate import validate_plan
+from graphpipe.scheduling.dryrun import check_run
+from graphpipe.scheduling.simulate import simulate
+from graphpipe.tracing.tracer import trace
 
 # -- synthetic op graphs -----------------------------------------------------------------------
 
@@ -446,7 +447,7 @@ def test_no_plan_cuts_a_non_tensor_value(model_x: str, partitioner: str) -> None
         for n in g:
             if not g.nodes[n]["tensor"]:
                 assert {p.stage_of[u] for u in g.successors(n)} <= {p.stage_of[n]}, n
-        p.validate(gm)
+        validate_plan(p, gm)
 
 
 def test_without_the_tensor_flags_the_int_would_be_cut() -> None:
@@ -459,7 +460,7 @@ def test_without_the_tensor_flags_the_int_would_be_cut() -> None:
     p = partition_op_graph(plain, cost_model(config, 2), config, "x")
     assert ("getitem_1", "int") in _crossing_non_tensors(p, gm)
     with pytest.raises(PlanError, match=r"'getitem_1' \(int\) crosses from S"):
-        p.validate(gm)
+        validate_plan(p, gm)
 
 
 def test_pins_that_split_a_non_tensor_value_are_rejected() -> None:

@@ -19,10 +19,11 @@ import torch
 from torch import fx, nn
 
 from graphpipe.ir import Plan
-from graphpipe.opgraph import value_kind
-from graphpipe.partition import PlanConfig, partition
-from graphpipe.profile import Profile, profile
-from graphpipe.trace import flat_inputs, trace
+from graphpipe.planning.opgraph import value_kind
+from graphpipe.planning.partition import PlanConfig, partition
+from graphpipe.planning.profile import Profile, profile
+from graphpipe.planning.validate import validate_plan
+from graphpipe.tracing.tracer import flat_inputs, trace
 
 DEVICES = (2, 4, 8)
 
@@ -114,7 +115,7 @@ def test_inception_with_asserts_plans_in_seconds(
     asserts = [n for n in _ops(gm) if n.target is torch._assert]
     assert len(_ops(gm)) >= 1000 and len(asserts) == 24 * 8 + 1
     for p in _plans("Inception-style CNN", gm, prof).values():
-        p.validate(gm)  # every op, every assert too, in exactly one stage
+        validate_plan(p, gm)  # every op, every assert too, in exactly one stage
         for check in asserts:
             checked = _checked(check)
             if checked is not None:  # the assert went with the op it checks
@@ -148,6 +149,6 @@ def test_tiny_llama_plans_in_seconds(llama: tuple[fx.GraphModule, Profile]) -> N
     paired = [(c, checked) for c in checks if (checked := _checked(c)) is not None]
     assert len(_ops(gm)) >= 1000 and paired
     for p in _plans("Llama (24 layers)", gm, prof).values():
-        p.validate(gm)
+        validate_plan(p, gm)
         for check, checked in paired:  # each check went with the op it checks
             assert p.stage_of[check.name] == p.stage_of[checked.name]

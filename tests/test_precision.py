@@ -16,8 +16,8 @@ from zoo import ZOO, dict_loss
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError
-from graphpipe.launch import launch
-from graphpipe.partition import plan
+from graphpipe.planning.partition import plan
+from graphpipe.runtime.launch import launch
 from graphpipe.runtime.precision import LossScaler, saturating_cast
 
 M, STEPS, LR = 4, 3, 0.05

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from graphpipe.errors import ConfigError
-from graphpipe.profile import Profile, ProfileConfig, profile
-from graphpipe.trace import trace
+from graphpipe.planning.profile import Profile, ProfileConfig, profile
+from graphpipe.tracing.tracer import trace
 
 
 def _model() -> tuple[torch.fx.GraphModule, tuple[torch.Tensor, ...]]:

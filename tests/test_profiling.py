@@ -17,8 +17,8 @@ from torch.profiler import ProfilerActivity, record_function
 
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Span, Timeline
-from graphpipe.profiling import _activities, profile_actions, spans_from_profiler
-from graphpipe.timeline import chrome_trace, timeline_svg
+from graphpipe.runtime.profiling import _activities, profile_actions, spans_from_profiler
+from graphpipe.tools.timeline import chrome_trace, timeline_svg
 
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 

@@ -22,7 +22,7 @@ from real_models import CASES, CNN_CASES, M, optimizer, reference, step_data
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
-from graphpipe.launch import launch
+from graphpipe.runtime.launch import launch
 
 SCHEDULES = ("gpipe", "1f1b", "zb")
 STEPS = 3

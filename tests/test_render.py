@@ -10,10 +10,10 @@ from torch import nn
 from zoo import TwoBranch
 
 from graphpipe.errors import ConfigError
-from graphpipe.partition import PlanConfig, partition
-from graphpipe.profile import profile
-from graphpipe.render import render, side_by_side
-from graphpipe.trace import trace
+from graphpipe.planning.partition import PlanConfig, partition
+from graphpipe.planning.profile import profile
+from graphpipe.tools.render import render, side_by_side
+from graphpipe.tracing.tracer import trace
 
 
 def _planned(model: nn.Module, x: torch.Tensor, devices: int):  # type: ignore[no-untyped-def]

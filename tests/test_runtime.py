@@ -22,15 +22,15 @@ from zoo import ZOO, dict_loss
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.ir import Action
-from graphpipe.launch import launch
-from graphpipe.opgraph import graph_hash, op_graph
-from graphpipe.partition import PlanConfig, cost_model, plan
-from graphpipe.partition.assemble import assemble
-from graphpipe.partition.manual import groups_from_pins
-from graphpipe.profile import profile
+from graphpipe.planning.assemble import assemble
+from graphpipe.planning.manual import groups_from_pins
+from graphpipe.planning.opgraph import graph_hash, op_graph
+from graphpipe.planning.partition import PlanConfig, cost_model, plan
+from graphpipe.planning.profile import profile
 from graphpipe.runtime.comm import Buffers, outgoing, unpack
+from graphpipe.runtime.launch import launch
 from graphpipe.runtime.sync import GradSync
-from graphpipe.trace import trace
+from graphpipe.tracing.tracer import trace
 
 M, STEPS, LR = 4, 3, 0.1
 PINS = {  # three stages each, chosen so each model shows its hard case

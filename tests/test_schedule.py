@@ -10,14 +10,20 @@ from dataclasses import replace
 import pytest
 from test_partition import cost, random_branchy, random_dag, synthetic
 
-from graphpipe.cost import CostModel, LinkModel, MemoryModel
-from graphpipe.dryrun import check_program, check_schedule
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Action, Plan, Schedule, parse_ranks
-from graphpipe.partition import PlanConfig, partition_op_graph
-from graphpipe.program import Comm, lower
-from graphpipe.schedule import ANY_PLACEMENT, PLACED, SCHEDULES, drain_schedule, make_schedule
-from graphpipe.simulate import steady_run
+from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.planning.partition import PlanConfig, partition_op_graph
+from graphpipe.scheduling.dryrun import check_program, check_schedule
+from graphpipe.scheduling.generators import (
+    ANY_PLACEMENT,
+    PLACED,
+    SCHEDULES,
+    drain_schedule,
+    make_schedule,
+)
+from graphpipe.scheduling.program import Comm, lower
+from graphpipe.scheduling.simulate import steady_run
 
 
 def chain_plan(stages: int, micro_batches: int, latency: float = 1e-4) -> Plan:

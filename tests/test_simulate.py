@@ -12,18 +12,18 @@ from test_partition import synthetic
 from test_schedule import chain_plan
 from zoo import TwoBranch
 
-from graphpipe.calibrate import calibrated, replayed
-from graphpipe.cost import CostModel, LinkModel
 from graphpipe.ir import Plan, Span, Timeline
-from graphpipe.opgraph import op_graph
-from graphpipe.partition import PlanConfig, cost_model, partition_op_graph
-from graphpipe.partition.assemble import assemble
-from graphpipe.partition.manual import groups_from_pins
-from graphpipe.profile import profile
-from graphpipe.schedule import make_schedule
-from graphpipe.simulate import Links, simulate
-from graphpipe.timeline import chrome_trace, timeline_svg
-from graphpipe.trace import trace
+from graphpipe.ir.cost import CostModel, LinkModel
+from graphpipe.planning.assemble import assemble
+from graphpipe.planning.manual import groups_from_pins
+from graphpipe.planning.opgraph import op_graph
+from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
+from graphpipe.planning.profile import profile
+from graphpipe.scheduling.generators import make_schedule
+from graphpipe.scheduling.simulate import Links, simulate
+from graphpipe.tools.calibrate import calibrated, replayed
+from graphpipe.tools.timeline import chrome_trace, timeline_svg
+from graphpipe.tracing.tracer import trace
 
 F, B = 1e-3, 2e-3  # per stage, per micro-batch, in chain_plan
 

@@ -21,8 +21,8 @@ from torch.func import functional_call
 
 from graphpipe.errors import PipelineError
 from graphpipe.ir import Action
-from graphpipe.launch import launch
 from graphpipe.runtime import backward
+from graphpipe.runtime.launch import launch
 from graphpipe.runtime.sync import GradSync, SyncGroup, final_backwards
 from graphpipe.runtime.weights import make_policy
 

@@ -10,7 +10,7 @@ from torch import nn
 from zoo import ZOO
 
 from graphpipe.errors import ConfigError, TraceError
-from graphpipe.trace import TensorSpec, flat_inputs, model_output, trace, trace_info
+from graphpipe.tracing.tracer import TensorSpec, flat_inputs, model_output, trace, trace_info
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

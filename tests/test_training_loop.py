@@ -18,13 +18,13 @@ from torch._dynamo.utils import counters
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import compile as gp_compile
-from graphpipe.cost import MemoryModel
 from graphpipe.errors import ConfigError
-from graphpipe.launch import launch
-from graphpipe.partition import plan
-from graphpipe.partition.recompute import choose_recompute
+from graphpipe.ir.cost import MemoryModel
+from graphpipe.planning.partition import plan
+from graphpipe.planning.recompute import choose_recompute
 from graphpipe.runtime.clip import check_clipping
-from graphpipe.simulate import simulate
+from graphpipe.runtime.launch import launch
+from graphpipe.scheduling.simulate import simulate
 
 TIMEOUT = 240
 CLIP_CASES = {  # name -> (model, max norm, norm type, plan)

@@ -9,13 +9,14 @@ import pytest
 import torch
 from zoo import TwoBranch
 
-from graphpipe.cost import MemoryModel
 from graphpipe.errors import PlanError
 from graphpipe.ir import Plan, StageEdge
-from graphpipe.opgraph import op_graph
-from graphpipe.partition import PlanConfig, partition
-from graphpipe.profile import profile
-from graphpipe.trace import trace
+from graphpipe.ir.cost import MemoryModel
+from graphpipe.planning.opgraph import op_graph
+from graphpipe.planning.partition import PlanConfig, partition
+from graphpipe.planning.profile import profile
+from graphpipe.planning.validate import validate_plan
+from graphpipe.tracing.tracer import trace
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +68,11 @@ def _with_stage(plan: Plan, i: int, **changes: object) -> Plan:
 
 def _fails(plan: Plan, graph: object, pattern: str) -> None:
     with pytest.raises(PlanError, match=pattern):
-        plan.validate(graph)
+        validate_plan(plan, graph)
 
 
 def test_valid_plan_passes(plan: Plan, traced: torch.fx.GraphModule) -> None:
-    plan.validate(traced)
+    validate_plan(plan, traced)
 
 
 def test_stage_index_out_of_order(plan: Plan) -> None:
@@ -91,7 +92,7 @@ def test_device_out_of_range(plan: Plan) -> None:
 
 
 def test_a_device_may_hold_two_unreplicated_stages(plan: Plan) -> None:
-    _with_stage(plan, 1, devices=(0,)).validate()
+    validate_plan(_with_stage(plan, 1, devices=(0,)))
 
 
 def test_a_device_holding_a_replicated_stage_holds_no_other(plan: Plan) -> None:
@@ -155,7 +156,7 @@ def test_crossing_tensor_without_stage_edge(plan: Plan, traced: torch.fx.GraphMo
 def test_every_problem_is_reported_at_once(plan: Plan) -> None:
     bad = _with_stage(_with_stage(plan, 0, devices=()), 1, nodes=())
     with pytest.raises(PlanError) as err:
-        bad.validate()
+        validate_plan(bad)
     assert len(err.value.problems) == 2
 
 
@@ -196,10 +197,10 @@ def _move_size_query_to_stage_0(p: Plan) -> Plan:
 
 def test_plan_cutting_an_int_is_rejected(sized: tuple[torch.fx.GraphModule, Plan]) -> None:
     gm, p = sized
-    p.validate(gm)
+    validate_plan(p, gm)
     bad = _move_size_query_to_stage_0(p)
     with pytest.raises(PlanError) as err:
-        bad.validate(gm)
+        validate_plan(bad, gm)
     assert err.value.problems == (
         "'getitem_1' (int) crosses from S0 to S1 (users ['view']); only single tensors can "
         "cross stages: keep it in the stage of its users",

@@ -21,15 +21,15 @@ from torch.func import functional_call
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import compile as gp_compile
-from graphpipe.cost import weight_copies
 from graphpipe.ir import Plan
-from graphpipe.launch import launch
-from graphpipe.partition import plan
+from graphpipe.ir.cost import weight_copies
+from graphpipe.planning.partition import plan
+from graphpipe.runtime.launch import launch
 from graphpipe.runtime.stage import OUTPUT, build_stage, model_output
 from graphpipe.runtime.weights import PolicyOptions
-from graphpipe.schedule import make_schedule, warmups
-from graphpipe.simulate import simulate
-from graphpipe.trace import trace
+from graphpipe.scheduling.generators import make_schedule, warmups
+from graphpipe.scheduling.simulate import simulate
+from graphpipe.tracing.tracer import trace
 
 M, CALLS = 4, 4
 PINS = {

@@ -17,13 +17,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from graphpipe.cli import best_schedule
-from graphpipe.partition import PlanConfig, micro_batch_size, partition
-from graphpipe.profile import profile
-from graphpipe.render import render, side_by_side
-from graphpipe.timeline import timeline_svg
-from graphpipe.trace import trace
-from graphpipe.workload import load_workload
+from graphpipe.planning.partition import PlanConfig, micro_batch_size, partition
+from graphpipe.planning.profile import profile
+from graphpipe.tools.cli import best_schedule
+from graphpipe.tools.render import render, side_by_side
+from graphpipe.tools.timeline import timeline_svg
+from graphpipe.tools.workload import load_workload
+from graphpipe.tracing.tracer import trace
 
 MODELS = ("mmt", "dlrm", "candle_uno", "nbranch", "inception")
 KINDS = ("ops", "stages", "timeline")

@@ -10,5 +10,5 @@
     precision.py autocast, half-width values between stages, fp16 loss scaling
     emulate.py   emulated devices: stage compute replaced by waits of the plan's times
 
-`graphpipe.compile` wires them together; `graphpipe.launch` starts local processes.
+`graphpipe.compile` wires them together; `graphpipe.runtime.launch` starts local processes.
 """

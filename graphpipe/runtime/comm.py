@@ -4,7 +4,8 @@ A message carries every tensor an edge carries for one micro-batch (activations 
 gradients backward). One tensor goes as its own bytes and is received into a tensor of its
 own: no copy on either side. Several are packed into one byte buffer, each tensor 8-byte
 aligned, and copied out of it on arrival. The messages of one communication group of the
-program (`graphpipe.program`) are issued together, as one `batch_isend_irecv`. The receiver
+program (`graphpipe.scheduling.program`) are issued together, as one `batch_isend_irecv`.
+The receiver
 knows the shapes and dtypes in advance (`stage.micro_shapes`), so it allocates the tensor or
 buffer before the data arrives. An edge that carries nothing (a sequential chain's
 dependency) sends a one-byte token.

@@ -49,9 +49,8 @@ import torch
 from torch import fx, nn
 
 from graphpipe.errors import ConfigError
-from graphpipe.ir import Plan
+from graphpipe.ir import Plan, weight_share
 from graphpipe.runtime.stage import OUTPUT, StageIO
-from graphpipe.simulate import weight_share
 
 __all__ = ["Emulate", "EmulatedStage", "emulated_specs"]
 

@@ -1,4 +1,4 @@
-"""Executor: run one rank's program (`graphpipe.program`) for one step() call.
+"""Executor: run one rank's program (`graphpipe.scheduling.program`) for one step() call.
 
 For every operation (see `graphpipe.ir.KINDS`):
     [...]  a communication group: post its receives and sends (activations forward, the
@@ -33,8 +33,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from graphpipe.errors import ConfigError, PipelineError
-from graphpipe.ir import Action, Plan, Span
-from graphpipe.program import Comm, Op
+from graphpipe.ir import Action, Plan, Span, channel
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
 from graphpipe.runtime.failures import first_line
@@ -43,7 +42,7 @@ from graphpipe.runtime.precision import Precision
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
 from graphpipe.runtime.sync import final_backwards
 from graphpipe.runtime.weights import WeightPolicy
-from graphpipe.simulate import channel
+from graphpipe.scheduling.program import Comm, Op
 
 __all__ = ["Batch", "Executor", "StageRuntime"]
 

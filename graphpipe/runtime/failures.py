@@ -7,7 +7,7 @@ A rank that fails posts why on a *failure board*, a key-value store every rank r
                                                       stopped because another rank failed)
     graphpipe/waiting/<rank>   "<time>|<ranks>|<what>"  set while a wait lasts over WAITING_AFTER s
 
-The board is the store torch.distributed rendezvoused with. Under `graphpipe.launch` and
+The board is the store torch.distributed rendezvoused with. Under `graphpipe.runtime.launch` and
 torchrun that store is served by the launcher or the elastic agent, not by rank 0, so the record
 survives the death of any rank (`TORCHELASTIC_USE_AGENT_STORE`); the launcher also posts the
 death of a rank that could not post its own.

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphpipe.annotate import is_meta
 from graphpipe.errors import ConfigError
+from graphpipe.tracing.annotate import is_meta
 
 __all__ = ["InitFn", "is_meta", "load_slice", "materialize", "names_by_id", "rebind"]
 

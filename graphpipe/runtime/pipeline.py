@@ -20,11 +20,8 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
-from graphpipe.bind import example_output
 from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Plan, Schedule, Timeline
-from graphpipe.profiling import profile_actions, spans_from_profiler
-from graphpipe.program import Comm, Op, Program, lower
 from graphpipe.runtime import checkpoint
 from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.comm import Transport
@@ -34,11 +31,14 @@ from graphpipe.runtime.failures import guarded, install_watch, posted, set_colle
 from graphpipe.runtime.materialize import InitFn, materialize, names_by_id
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import LossScaler, Precision
+from graphpipe.runtime.profiling import profile_actions, spans_from_profiler
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
 from graphpipe.runtime.weights import PolicyOptions, WeightPolicy, make_policy
-from graphpipe.schedule import ASYNC, drain_schedule, make_schedule, warmups
-from graphpipe.trace import flat_inputs, trace_info
+from graphpipe.scheduling.generators import ASYNC, drain_schedule, make_schedule, warmups
+from graphpipe.scheduling.program import Comm, Op, Program, lower
+from graphpipe.tracing.annotate import trace_info
+from graphpipe.tracing.bind import example_output, flat_inputs
 
 __all__ = ["PipelinedModel", "RuntimeConfig"]
 
@@ -510,7 +510,7 @@ class PipelinedModel:
         """Record the block's actions with torch.profiler when that is the timer.
 
         On CUDA an action's span is then the device range of the work it launched, not its
-        host enqueue time (see `graphpipe.profiling`).
+        host enqueue time (see `graphpipe.runtime.profiling`).
         """
         if not (self._recording and self._timer == "profiler"):
             yield
@@ -525,7 +525,7 @@ class PipelinedModel:
         With `RuntimeConfig.timer` "host" (CPU's default) a span is the action's host range
         on `time.perf_counter`'s clock; with "profiler" (CUDA's default) it comes from
         torch.profiler: the device range of the work the action launched, on the Unix-epoch
-        clock (`graphpipe.profiling`).
+        clock (`graphpipe.runtime.profiling`).
 
         Args:
             clear: Forget the recorded actions afterwards.

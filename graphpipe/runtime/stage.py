@@ -25,11 +25,11 @@ import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphpipe.annotate import is_meta
-from graphpipe.bind import model_output
 from graphpipe.errors import PlanError
 from graphpipe.ir import Plan
-from graphpipe.profile import resize_batch
+from graphpipe.planning.profile import resize_batch
+from graphpipe.tracing.annotate import is_meta
+from graphpipe.tracing.bind import model_output
 
 __all__ = ["OUTPUT", "StageIO", "build_stage", "micro_shapes", "model_output", "retarget"]
 

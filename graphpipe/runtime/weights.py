@@ -25,7 +25,7 @@ unreplicated stages (only tied copies are summed): they ignore `final` and reduc
 update, synchronously.
 
 Letters: j a micro-batch, M micro-batches per step() call, w the stage's warm-up (forwards
-before its first backward; `graphpipe.schedule.warmups`), k the updates applied so far.
+before its first backward; `graphpipe.scheduling.generators.warmups`), k the updates applied so far.
 
     flush     One version. The gradients of the M micro-batches accumulate (each loss scaled
               by 1/M); one step per mini-batch after summing over replicas and tied copies:

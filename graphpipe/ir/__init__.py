@@ -1,0 +1,68 @@
+"""The IR: the plain, frozen data every phase reads and writes, and the rules that go with it.
+
+    Plan      (plan.py)      stages, their devices and edges, and the cost model's predictions
+    Schedule  (actions.py)   per rank, an ordered tuple of `Action`s (`2F0`, `2SF0>3`, `2U`)
+    Timeline  (timeline.py)  spans of actions, simulated or measured
+    CostModel (cost.py)      links, memory and replication assumed by planning and simulation
+    registry.py              what each schedule and weight policy is (ScheduleSpec, PolicySpec)
+
+Index letters used throughout graphpipe:
+
+    s, t  stages        j  micro-batch        r  replicas of a stage
+    S     #stages       M  micro-batches      N  devices (= ranks)
+"""
+
+from graphpipe.ir.actions import COMPUTE, KINDS, Action, Schedule, channel, parse_ranks
+from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel, weight_copies
+from graphpipe.ir.plan import (
+    WEIGHT_SHARE,
+    Plan,
+    Stage,
+    StageEdge,
+    compute_time,
+    device_of,
+    edges_to_sink,
+    freed,
+    transfer_time,
+    weight_share,
+)
+from graphpipe.ir.registry import (
+    POLICIES,
+    SCHEDULES,
+    PolicySpec,
+    ScheduleSpec,
+    policy_spec,
+    schedule_spec,
+)
+from graphpipe.ir.timeline import Span, Timeline
+
+__all__ = [
+    "COMPUTE",
+    "KINDS",
+    "POLICIES",
+    "SCHEDULES",
+    "WEIGHT_SHARE",
+    "Action",
+    "CostModel",
+    "LinkModel",
+    "MemoryModel",
+    "Plan",
+    "PolicySpec",
+    "Schedule",
+    "ScheduleSpec",
+    "Span",
+    "Stage",
+    "StageEdge",
+    "Timeline",
+    "channel",
+    "compute_time",
+    "device_of",
+    "edges_to_sink",
+    "freed",
+    "parse_ranks",
+    "policy_spec",
+    "schedule_spec",
+    "transfer_time",
+    "weight_copies",
+    "weight_share",
+]

@@ -1,0 +1,284 @@
+"""The Plan: where ops run (stages, their devices, the edges between them) and what each costs.
+
+Both are frozen and round-trip through JSON/text, so they can be computed once, written to a
+file, sent to every rank and checked again there. Index letters used throughout graphpipe:
+
+    s, t  stages        j  micro-batch        r  replicas of a stage
+    S     #stages       M  micro-batches      N  devices (= ranks)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Any
+
+import networkx as nx
+
+from graphpipe._units import format_bytes, format_time
+from graphpipe.errors import PlanError
+from graphpipe.ir.cost import CostModel
+
+__all__ = [
+    "WEIGHT_SHARE",
+    "Plan",
+    "Stage",
+    "StageEdge",
+    "compute_time",
+    "device_of",
+    "edges_to_sink",
+    "freed",
+    "transfer_time",
+    "weight_share",
+]
+
+PLAN_FORMAT = "graphpipe-plan/1"
+
+
+def edges_to_sink(g: nx.DiGraph) -> dict[int, int]:
+    """For every node of a DAG, the edges on its longest path to a sink."""
+    height: dict[int, int] = {}
+    for s in reversed(list(nx.topological_sort(g))):
+        height[s] = max((height[t] + 1 for t in g.successors(s)), default=0)
+    return height
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: a convex set of ops run on a group of devices (its data-parallel replicas)."""
+
+    index: int
+    nodes: tuple[str, ...]  # fx node names, in graph order
+    devices: tuple[int, ...]  # ranks holding a replica; micro-batch j runs on devices[j % r]
+    forward_time: float  # seconds per micro-batch on one device
+    backward_time: float
+    time: float  # seconds per micro-batch for the stage, replicas and all-reduce included
+    param_bytes: int  # parameters and buffers held (shared ones counted in every holder)
+    activation_bytes: int  # bytes kept for one micro-batch in flight
+    in_flight: int  # micro-batches in flight under graph 1F1B (longest path to the sink)
+    memory_bytes: int  # predicted peak bytes on one replica
+    update_time: float = 0.0  # seconds of one optimizer step (0 unless calibrated)
+    recompute: bool = False  # the backward re-runs the forward (activation checkpointing)
+
+    @property
+    def replicas(self) -> int:
+        """Number of data-parallel replicas."""
+        return len(self.devices)
+
+    def device_for(self, j: int) -> int:
+        """The rank that runs micro-batch `j` of this stage."""
+        return self.devices[j % len(self.devices)]
+
+
+@dataclass(frozen=True)
+class StageEdge:
+    """Values flowing from one stage to another, for every micro-batch."""
+
+    src: int
+    dst: int
+    tensors: tuple[str, ...]  # names of the fx nodes whose outputs cross
+    bytes: int  # bytes for one micro-batch
+    grads: tuple[str, ...] = ()  # the tensors whose gradients flow back (floating point)
+    grad_bytes: int = 0  # bytes of those gradients for one micro-batch
+
+    @property
+    def backward_message(self) -> bool:
+        """Whether backward sends a message back along this edge: gradients, or, for a
+        dependency-only edge (no tensors; sequential chains), an empty token."""
+        return bool(self.grads) or not self.tensors
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A graph of stages: which ops run where, and what the cost model predicts for it.
+
+    Attributes:
+        stages: The stages, in a topological order of the stage graph.
+        edges: Stage-graph edges with the tensors they carry.
+        num_devices: Devices (ranks) the plan is for; a plan may leave some idle.
+        cost_model: The assumptions behind the predictions.
+        partitioner: "graph", "sequential" or "manual".
+        bottleneck: Predicted seconds per micro-batch of the slowest stage or link.
+        search_time: Seconds the partitioner spent.
+        graph_hash: Digest of the traced graph the plan is for (`opgraph.graph_hash`).
+        input_shapes: Each model input's shape per micro-batch, as traced for the plan
+            (`opgraph.input_shapes`); empty in plans written before it was recorded.
+        info: Free-form facts about the search, for people (JSON-able).
+    """
+
+    stages: tuple[Stage, ...]
+    edges: tuple[StageEdge, ...]
+    num_devices: int
+    cost_model: CostModel
+    partitioner: str
+    bottleneck: float
+    search_time: float
+    graph_hash: str
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def micro_batches(self) -> int:
+        """M: micro-batches per mini-batch."""
+        return self.cost_model.micro_batches
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per micro-batch."""
+        return self.cost_model.micro_batch_size
+
+    @property
+    def throughput(self) -> float:
+        """Predicted samples per second in steady state."""
+        return self.micro_batch_size / self.bottleneck if self.bottleneck > 0 else float("inf")
+
+    @cached_property
+    def stage_graph(self) -> nx.DiGraph:
+        """The stage DAG as networkx (nodes are stage indices)."""
+        g = nx.DiGraph()
+        g.add_nodes_from(s.index for s in self.stages)
+        g.add_edges_from((e.src, e.dst) for e in self.edges)
+        return g
+
+    @property
+    def depth(self) -> int:
+        """Stages on the longest path through the stage graph."""
+        return nx.dag_longest_path_length(self.stage_graph) + 1 if self.stages else 0
+
+    @cached_property
+    def stage_of(self) -> dict[str, int]:
+        """fx node name -> stage index."""
+        return {name: s.index for s in self.stages for name in s.nodes}
+
+    def stage_on(self, rank: int) -> Stage | None:
+        """The first stage a rank holds a replica of, or None for an idle rank."""
+        return next((s for s in self.stages if rank in s.devices), None)
+
+    def stages_on(self, rank: int) -> tuple[Stage, ...]:
+        """Every stage a rank holds (several under an interleaved placement)."""
+        return tuple(s for s in self.stages if rank in s.devices)
+
+    def shared_devices(self) -> list[int]:
+        """Devices that hold several stages (placed or folded plans)."""
+        return [d for d in range(self.num_devices) if len(self.stages_on(d)) > 1]
+
+    def devices_used(self) -> int:
+        """Devices that hold a stage."""
+        return len({d for s in self.stages for d in s.devices})
+
+    def to_json(self) -> str:
+        """Serialise to JSON text (see `from_json`)."""
+        data = asdict(self)
+        data["cost_model"] = self.cost_model.to_dict()
+        data["format"] = PLAN_FORMAT
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse a plan written by `to_json`.
+
+        Raises:
+            PlanError: the text is not JSON, is not a graphpipe plan, or misses or mistypes
+                a field. The message names what is wrong.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan file is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise PlanError(f"not a graphpipe plan: format is {found!r}, expected {PLAN_FORMAT!r}")
+        try:
+            return _plan_from_dict(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed plan file: {type(exc).__name__}: {exc}") from exc
+
+    def __str__(self) -> str:
+        lines = [
+            f"Plan({self.partitioner}: {len(self.stages)} stages on {self.devices_used()}/"
+            f"{self.num_devices} devices, depth {self.depth}, bottleneck "
+            f"{format_time(self.bottleneck)}/micro-batch)"
+        ]
+        lines += [
+            f"  S{s.index} dev{list(s.devices)} {len(s.nodes)} ops "
+            f"{format_time(s.time)} {format_bytes(s.memory_bytes)}"
+            for s in self.stages
+        ]
+        lines += [
+            f"  S{e.src}->S{e.dst} {format_bytes(e.bytes)} {list(e.tensors)}" for e in self.edges
+        ]
+        return "\n".join(lines)
+
+    def __iter__(self) -> Iterator[Stage]:
+        return iter(self.stages)
+
+
+def _plan_from_dict(data: dict[str, Any]) -> Plan:
+    stages = tuple(
+        Stage(**{**s, "nodes": tuple(s["nodes"]), "devices": tuple(s["devices"])})
+        for s in data["stages"]
+    )
+    edges = tuple(
+        StageEdge(**{**e, "tensors": tuple(e["tensors"]), "grads": tuple(e["grads"])})
+        for e in data["edges"]
+    )
+    return Plan(
+        stages=stages,
+        edges=edges,
+        num_devices=int(data["num_devices"]),
+        cost_model=CostModel.from_dict(data["cost_model"]),
+        partitioner=str(data["partitioner"]),
+        bottleneck=float(data["bottleneck"]),
+        search_time=float(data["search_time"]),
+        graph_hash=str(data["graph_hash"]),
+        input_shapes={
+            str(k): tuple(int(d) for d in v) for k, v in data.get("input_shapes", {}).items()
+        },
+        info=dict(data.get("info", {})),
+    )
+
+
+# -- cost primitives: what one action of a stage costs (the scheduler and simulator share them) --
+
+WEIGHT_SHARE = 0.5  # share of a backward that is the weight gradient (zero bubble's W)
+
+
+def weight_share(stage: Stage) -> float:
+    """The share of the stage's backward (time and held activations) that belongs to W."""
+    return WEIGHT_SHARE if stage.param_bytes > 0 else 0.0
+
+
+def freed(stage: Stage, kind: str) -> float:
+    """Activation units a compute action frees (negative: a forward takes one)."""
+    share = weight_share(stage)
+    return {"F": -1.0, "B": 1.0, "I": 1.0 - share, "W": share}[kind]
+
+
+def compute_time(stage: Stage, kind: str) -> float:
+    """Seconds for one compute action of `stage` on one micro-batch."""
+    share = weight_share(stage)
+    return {
+        "F": stage.forward_time,
+        "B": stage.backward_time,
+        "I": stage.backward_time * (1 - share),
+        "W": stage.backward_time * share,
+    }[kind]
+
+
+def transfer_time(plan: Plan, edge: StageEdge, direction: str) -> float:
+    """Seconds one micro-batch's message takes along `edge` ("F" activations, "B" gradients):
+    none between two stages of one device (the runtime copies it locally)."""
+    src, dst = plan.stages[edge.src], plan.stages[edge.dst]
+    if src.devices == dst.devices and len(src.devices) == 1:
+        return 0.0
+    return plan.cost_model.link.transfer(edge.bytes if direction == "F" else edge.grad_bytes)
+
+
+def device_of(stage: int, devices: int, placement: str) -> int:
+    """The device of chain stage `stage` under a "loop" or "v" placement on `devices` devices
+    (see `graphpipe.planning.place`)."""
+    if placement == "loop":
+        return stage % devices
+    return stage if stage < devices else 2 * devices - 1 - stage

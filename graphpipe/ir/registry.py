@@ -1,0 +1,176 @@
+"""What each schedule and each weight policy is: one registry that every phase reads.
+
+compile, the command line, the cost model, the planner, the generators and the runtime ask
+these tables instead of keeping their own sets of names:
+
+    >>> SCHEDULES["zbv"].split_backward, SCHEDULES["zbv"].placement
+    (True, 'v')
+    >>> POLICIES["2bw"].schedule
+    '2bw'
+
+A new schedule is a `ScheduleSpec` here and a generator in `graphpipe.scheduling.generators`
+(which refuses to import when the two disagree); a new weight policy is a `PolicySpec` here
+and a `WeightPolicy` in `graphpipe.runtime.weights`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphpipe.errors import ConfigError
+
+__all__ = [
+    "ALIASES",
+    "POLICIES",
+    "SCHEDULES",
+    "PolicySpec",
+    "ScheduleSpec",
+    "policy_spec",
+    "schedule_spec",
+]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What a schedule is, for everyone who must choose or check one.
+
+    Attributes:
+        name: The generator's name (`make_schedule(plan, name)`).
+        summary: One line for people (the CLI's help, errors).
+        split_backward: Runs the backward as I (input gradients) and W (weight gradients)
+            instead of B (zero bubble); stages are compiled with the split.
+        placement: Which plans it runs: None, one stage per device; "loop" or "v", a chain
+            of stages folded onto the devices so (`graphpipe.planning.place`); "any", any
+            placement of single-device stages (folded stage DAGs).
+        asynchronous: Micro-batches flow across step() calls with no flush; an update follows
+            backwards inside the run, and the run ends with a drain.
+        dag: Runs a stage DAG (fan-out, fan-in), not only a chain.
+        replicas: Runs data-parallel (replicated) stages.
+        training: Has backwards and updates (False for inference's forward-only schedule).
+    """
+
+    name: str
+    summary: str
+    split_backward: bool = False
+    placement: str | None = None
+    asynchronous: bool = False
+    dag: bool = True
+    replicas: bool = True
+    training: bool = True
+
+    @property
+    def stages_per_device(self) -> str:
+        """ "one" (one stage per device) or "several" (placed or folded plans)."""
+        return "one" if self.placement is None else "several"
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    s.name: s
+    for s in (
+        ScheduleSpec("gpipe", "all forwards, then all backwards, one update (GPipe)"),
+        ScheduleSpec("1f1b", "one forward, one backward, a flush (graph 1F1B on a stage DAG)"),
+        ScheduleSpec("zb", "1F1B with the backward split, W filling the bubbles (ZB-H1)", True),
+        ScheduleSpec(
+            "async",
+            "1F1B without a flush, an update after every backward (PipeDream)",
+            asynchronous=True,
+            replicas=False,
+        ),
+        ScheduleSpec(
+            "2bw",
+            "1F1B without a flush, an update per mini-batch (PipeDream-2BW)",
+            asynchronous=True,
+            replicas=False,
+        ),
+        ScheduleSpec(
+            "interleaved",
+            "Megatron's interleaved 1F1B on a chain folded 'loop' onto the devices",
+            placement="loop",
+            dag=False,
+            replicas=False,
+        ),
+        ScheduleSpec(
+            "zbv",
+            "ZB-V on a chain of 2N stages folded 'v' onto N devices",
+            split_backward=True,
+            placement="v",
+            dag=False,
+            replicas=False,
+        ),
+        ScheduleSpec(
+            "graph_interleaved",
+            "1F1B on any placement of a stage DAG's single-device stages",
+            placement="any",
+            replicas=False,
+        ),
+        ScheduleSpec(
+            "forward", "every forward, no backward: inference", placement="any", training=False
+        ),
+    )
+}
+ALIASES = {"graph1f1b": "1f1b"}
+
+
+def schedule_spec(name: str, *, training: bool = True) -> ScheduleSpec:
+    """The spec of schedule `name` (or of its alias).
+
+    Args:
+        name: A schedule name.
+        training: Refuse a schedule without backwards (inference's "forward").
+
+    Raises:
+        ConfigError: an unknown name, naming the known ones.
+    """
+    spec = SCHEDULES.get(ALIASES.get(name, name))
+    if spec is None or (training and not spec.training):
+        known = sorted(s for s, v in SCHEDULES.items() if v.training or not training)
+        raise ConfigError(f"unknown schedule {name!r}; known: {known}")
+    return spec
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What a weight policy is.
+
+    Attributes:
+        name: The policy's name (`compile(..., weights=name)`).
+        summary: One line for people.
+        schedule: The schedule it runs with; None: any flushed (synchronous) schedule.
+        whole_step: Every rank updates once per step() call on the same gradients, so a step
+            can be skipped or scaled as a whole: gradient clipping, fp16's loss scaler and
+            the NaN check need it.
+        replicas: Allows data-parallel (replicated) stages and weights tied across ranks.
+    """
+
+    name: str
+    summary: str
+    schedule: str | None = None
+    whole_step: bool = False
+    replicas: bool = False
+
+    @property
+    def flushed(self) -> bool:
+        """Runs with a flushed (synchronous) schedule."""
+        return self.schedule is None
+
+
+POLICIES: dict[str, PolicySpec] = {
+    p.name: p
+    for p in (
+        PolicySpec("flush", "synchronous: one update per step", None, True, True),
+        PolicySpec("stash", "PipeDream's weight stashing", "async"),
+        PolicySpec("2bw", "PipeDream-2BW's double-buffered weights", "2bw"),
+        PolicySpec("pipemare", "PipeMare: asynchronous with corrections", "async"),
+    )
+}
+
+
+def policy_spec(name: str) -> PolicySpec:
+    """The spec of weight policy `name`.
+
+    Raises:
+        ConfigError: an unknown name, naming the known ones.
+    """
+    if name not in POLICIES:
+        raise ConfigError(f"unknown weight policy {name!r}; known: {sorted(POLICIES)}")
+    return POLICIES[name]

@@ -1,0 +1,383 @@
+"""Partition: cut a traced, profiled op graph into a graph of stages (a `Plan`).
+
+    cfg = PlanConfig(devices=8, micro_batches=8, partitioner="graph")
+    plan = partition(gm, prof, cfg)
+
+Partitioners:
+    graph       GraphPipe: DP over the series-parallel tree (`search`), branches become
+                concurrent stages on disjoint devices. The sequential plan is computed too and
+                kept when it is better under the same cost model, so "graph" is never worse.
+    sequential  PipeDream: the same DP over one series of all units in topological order.
+    manual      `PlanConfig.pins` place modules or ops on stages (`manual`).
+
+Steps: the ops of the op graph (`opgraph.op_graph`) that must share a stage (a non-tensor
+value and its users) or had better (a dead end, such as an assert, and its producer; a
+constant, such as a mask, and its first consumer) are folded into groups
+(`fold.folded_groups`); the groups are coarsened into units (`sptree.coarsen`, merging
+chain links while a unit stays within 1/(2N) of the model's time), decomposed
+(`sptree.decompose`, or `linearise`), merged further along the tree while more than
+`PlanConfig.max_units` units remain (`sptree.condense`), searched (`search.search`) and
+assembled into a Plan (`assemble.assemble`), which is then validated.
+
+Only single tensors cross stages: every partitioner keeps a non-tensor value (a tuple, an
+int from a size query, None) in the stage of all its users; pins that would split one are a
+`PlanError` naming it (`manual`), and `Plan.validate` rejects a plan that cuts one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+
+from graphpipe.errors import ConfigError, PlanError
+from graphpipe.ir import Plan
+from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.planning.assemble import assemble
+from graphpipe.planning.fold import folded_groups
+from graphpipe.planning.interleave import interleavings
+from graphpipe.planning.manual import groups_from_pins
+from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
+from graphpipe.planning.place import PLACEMENTS, place_stages
+from graphpipe.planning.profile import Profile, ProfileConfig, profile
+from graphpipe.planning.search import search
+from graphpipe.planning.sptree import coarsen, condense, decompose, linearise
+from graphpipe.planning.validate import validate_plan
+from graphpipe.scheduling.simulate import simulate
+from graphpipe.tracing.bind import batch_of, normalise
+from graphpipe.tracing.tracer import LeafSpec, flat_inputs, trace
+
+__all__ = [
+    "PlanConfig",
+    "cost_model",
+    "micro_batch_size",
+    "partition",
+    "partition_op_graph",
+    "plan",
+]
+
+PARTITIONERS = ("graph", "sequential", "manual")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What to plan for. Every field but `devices` has a default."""
+
+    devices: int  # N: devices (ranks) to spread the model over
+    micro_batches: int = 4  # M: micro-batches per mini-batch
+    partitioner: str = "graph"  # "graph", "sequential" or "manual" (needs pins)
+    memory_budget: float | None = None  # bytes per device; None = unlimited
+    weight_versions: int = 1  # weight copies the weight policy keeps (flush 1, 2bw 2)
+    optimizer_slots: int = 2  # optimizer state tensors per parameter (Adam 2)
+    link: LinkModel = field(default_factory=LinkModel)  # bandwidth and latency between devices
+    replication: bool = True  # allow data-parallel stages (replicas > 1)
+    objective: str = "pipeline"  # "pipeline": least (M+depth-1)*bottleneck; "bottleneck": least
+    pins: Mapping[str, int] | None = None  # manual: op name or module path -> stage
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # how op times are obtained
+    leaf_modules: Sequence[LeafSpec] = ()  # module types/paths traced as single nodes
+    max_units: int = 128  # the most units the DP searches (at least 4N); more are merged
+    virtual_stages: int = 1  # stages per device (a chain of N*v stages, folded by placement)
+    placement: str = "loop"  # with virtual_stages > 1: "loop" (interleaved) or "v" (ZB-V)
+    interleave: bool = False  # graph: also try finer stage DAGs folded onto the devices
+    precision: str | None = None  # "bf16"/"fp16": floating values cross stages in 2 bytes
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ConfigError(f"devices must be >= 1, got {self.devices}")
+        if self.micro_batches < 1:
+            raise ConfigError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.partitioner not in PARTITIONERS:
+            raise ConfigError(
+                f"partitioner must be one of {PARTITIONERS}, got {self.partitioner!r}"
+            )
+        if self.objective not in ("pipeline", "bottleneck"):
+            raise ConfigError(
+                f"objective must be 'pipeline' or 'bottleneck', got {self.objective!r}"
+            )
+        if self.max_units < 1:
+            raise ConfigError(f"max_units must be >= 1, got {self.max_units}")
+        if self.virtual_stages < 1 or self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"virtual_stages must be >= 1 and placement one of {PLACEMENTS}, got "
+                f"{self.virtual_stages} and {self.placement!r}"
+            )
+        if self.virtual_stages > 1 and self.partitioner == "graph":
+            raise ConfigError(
+                "virtual_stages > 1 folds a chain of stages onto the devices: use "
+                "partitioner='sequential' or 'manual'"
+            )
+        if self.interleave and (self.partitioner != "graph" or self.virtual_stages > 1):
+            raise ConfigError(
+                "interleave=True folds the graph partitioner's stage DAGs onto the devices: "
+                f"it needs partitioner='graph' and virtual_stages=1, got "
+                f"{self.partitioner!r} and {self.virtual_stages}"
+            )
+        if self.precision not in (None, "bf16", "fp16"):
+            raise ConfigError(f"precision must be 'bf16', 'fp16' or None, got {self.precision!r}")
+        if self.partitioner == "manual" and not self.pins:
+            raise ConfigError("partitioner='manual' needs pins: {module path or op: stage}")
+
+    @classmethod
+    def build(cls, devices: int, **options: Any) -> PlanConfig:
+        """`PlanConfig(devices, **options)`, naming any unknown option."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown plan options {unknown}; known: {sorted(known)}")
+        if options.get("pins") and "partitioner" not in options:
+            options["partitioner"] = "manual"
+        return cls(devices=devices, **options)
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any],
+    devices: int,
+    **options: Any,
+) -> Plan:
+    """Trace, profile and partition a model: the whole planner in one call.
+
+    Args:
+        model: The model.
+        example_inputs: One mini-batch (a tensor, a tuple, or a dict of keyword inputs);
+            dim 0 is the batch and must split into `micro_batches` equal micro-batches. The
+            model is traced at the micro-batch size.
+        devices: N, the number of devices.
+        **options: Any `PlanConfig` field (micro_batches, partitioner, memory_budget, ...).
+
+    Returns:
+        A validated `Plan`.
+
+    Raises:
+        ConfigError: an unknown option, or a batch that does not split into micro-batches.
+        TraceError: the model cannot be traced.
+        PlanError: no plan meets the constraints, or pins split a value that is not a single
+            tensor from its users.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        >>> p = plan(m, torch.randn(8, 16), devices=2, micro_batches=4)
+        >>> len(p.stages) <= 2
+        True
+    """
+    config = PlanConfig.build(devices, **options)
+    args, kwargs = normalise(example_inputs)
+    b = micro_batch_size(batch_of(args, kwargs), config.micro_batches)
+    gm = trace(model, example_inputs, leaf_modules=config.leaf_modules, micro_batch_size=b)
+    tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    prof = profile(gm, flat_inputs(gm, *args, **tensors), b, config.profile)
+    return partition(gm, prof, config)
+
+
+def micro_batch_size(batch: int, micro_batches: int) -> int:
+    """batch / M, which must be a whole number."""
+    if batch % micro_batches:
+        raise ConfigError(
+            f"a batch of {batch} does not split into {micro_batches} equal micro-batches"
+        )
+    return batch // micro_batches
+
+
+def partition(gm: fx.GraphModule, prof: Profile, config: PlanConfig) -> Plan:
+    """Cut a traced and profiled graph into a validated Plan (see the module docstring).
+
+    Args:
+        gm: A graph made by `graphpipe.tracing.tracer`.
+        prof: Its profile for one micro-batch size.
+        config: What to plan for.
+
+    Returns:
+        The plan, validated against `gm`.
+
+    Raises:
+        PlanError: more devices than ops, nothing fits the memory budget, or pins split a
+            value that is not a single tensor from its users.
+    """
+    cost = cost_model(config, prof.micro_batch_size, prof.mode, prof.device)
+    made = partition_op_graph(op_graph(gm, prof, config.precision), cost, config, graph_hash(gm))
+    return replace(made, input_shapes=input_shapes(gm))
+
+
+def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str) -> Plan:
+    """`partition` on the networkx op graph (`opgraph.op_graph`) with an explicit cost model.
+
+    Args:
+        g: The op graph.
+        cost: The cost model.
+        config: What to plan for.
+        digest: The traced graph's hash, recorded in the plan.
+
+    Returns:
+        The plan, validated against `g`.
+
+    Raises:
+        PlanError: more devices than ops, nothing fits the memory budget, or pins split a
+            value that is not a single tensor from its users.
+    """
+    if config.virtual_stages > 1:
+        chain = replace(
+            config,
+            devices=config.devices * config.virtual_stages,
+            virtual_stages=1,
+            replication=False,
+        )
+        result = place_stages(
+            partition_op_graph(g, cost, chain, digest), config.devices, config.placement
+        )
+        validate_plan(result, g)
+        return result
+    ops = sum(1 for n in g if n != "output")
+    if config.devices > ops:
+        raise PlanError(
+            f"{config.devices} devices for a graph of only {ops} ops; use at most {ops}"
+        )
+    if config.partitioner == "manual":
+        assert config.pins is not None  # checked by PlanConfig
+        result = assemble(
+            g, groups_from_pins(g, config.pins), cost, config.devices, "manual", digest
+        )
+    elif config.partitioner == "sequential":
+        result = _searched(g, cost, config, "sequential", digest)
+    else:
+        result = _best_of_graph_and_sequential(g, cost, config, digest)
+        if config.interleave:
+            result = _interleaved_or(result, g, cost, config, digest)
+    validate_plan(result, g)
+    return result
+
+
+def _interleaved_or(
+    base: Plan, g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str
+) -> Plan:
+    """`base`, or the fastest graph interleaving (`interleave`) when its simulated step under
+    graph_interleaved beats base's under 1f1b."""
+    start = time.perf_counter()
+
+    def finer(devices: int) -> Plan:
+        return _best_of_graph_and_sequential(
+            g, cost, replace(config, devices=devices, replication=False, interleave=False), digest
+        )
+
+    base_time = simulate(base, "1f1b").iteration_time
+    best, best_time = base, base_time
+    ops = sum(1 for n in g if n != "output")
+    tried = 0
+    for candidate in interleavings(finer, config.devices, ops):
+        try:
+            validate_plan(candidate, g)  # e.g. the stages of a device over the memory budget
+        except PlanError:
+            continue
+        tried += 1
+        t = simulate(candidate, "graph_interleaved").iteration_time
+        if t < best_time:
+            best, best_time = candidate, t
+    note = {
+        "unfolded_step": base_time,
+        "interleaved_step": best_time if best is not base else None,
+        "foldings_tried": tried,
+    }
+    return replace(
+        best,
+        search_time=base.search_time + time.perf_counter() - start,
+        info={**best.info, "interleave": note},
+    )
+
+
+def cost_model(
+    config: PlanConfig, micro_batch_size: int, profile: str = "flops", device: str = "cpu"
+) -> CostModel:
+    """The CostModel a PlanConfig implies for micro-batches of `micro_batch_size`."""
+    return CostModel(
+        micro_batch_size=micro_batch_size,
+        micro_batches=config.micro_batches,
+        link=config.link,
+        memory=MemoryModel(config.memory_budget, config.weight_versions, config.optimizer_slots),
+        profile=profile,
+        device=device,
+    )
+
+
+def _searched(g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, digest: str) -> Plan:
+    start = time.perf_counter()
+    total = sum(d["forward"] + d["backward"] for _, d in g.nodes(data=True))
+    units = coarsen(g, total / (2 * config.devices), folded_groups(g))
+    tree = decompose(units) if kind == "graph" else linearise(units)
+    units, tree = condense(g, units, tree, max(config.max_units, 4 * config.devices))
+    units.graph["tensor_bytes"] = {n: g.nodes[n]["act"] for n in g}
+    limit = config.devices if config.replication else 1
+    result = search(
+        units,
+        tree,
+        cost,
+        config.devices,
+        max_replicas=limit,
+        objective=config.objective,
+        chain=kind == "sequential",
+    )
+    groups = [(frozenset(n for u in p.units for n in u), p.replicas) for p in result.pieces]
+    info = {
+        "units": units.number_of_nodes(),
+        "dp_bottleneck": result.tau,
+        "candidates": result.candidates,
+        "iterations": result.iterations,
+    }
+    return assemble(
+        g,
+        groups,
+        cost,
+        config.devices,
+        kind,
+        digest,
+        search_time=time.perf_counter() - start,
+        info=info,
+    )
+
+
+def score(plan: Plan, objective: str) -> tuple[float, int]:
+    """What the partitioners minimise: the flushed-pipeline step estimate (M + depth - 1) x
+    bottleneck for "pipeline", the bottleneck for "bottleneck"; then the depth."""
+    if objective == "pipeline":
+        return (plan.micro_batches + plan.depth - 1) * plan.bottleneck, plan.depth
+    return plan.bottleneck, plan.depth
+
+
+def _best_of_graph_and_sequential(
+    g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str
+) -> Plan:
+    graph_plan = _searched(g, cost, config, "graph", digest)
+    try:
+        seq_plan = _searched(g, cost, config, "sequential", digest)
+    except PlanError as exc:  # a graph plan can fit where no sequential one does
+        return replace(
+            graph_plan,
+            info={**graph_plan.info, "chosen": "graph", "sequential": f"infeasible: {exc}"},
+        )
+    total_time = graph_plan.search_time + seq_plan.search_time
+    if score(seq_plan, config.objective) < score(graph_plan, config.objective):
+        note = (
+            f"the sequential plan scores {score(seq_plan, config.objective)[0]:.4g} s, the "
+            f"series-parallel search {score(graph_plan, config.objective)[0]:.4g} s; "
+            "the sequential one is kept"
+        )
+        return replace(
+            seq_plan,
+            partitioner="graph",
+            search_time=total_time,
+            info={**seq_plan.info, "chosen": "sequential", "note": note},
+        )
+    return replace(
+        graph_plan,
+        search_time=total_time,
+        info={
+            **graph_plan.info,
+            "chosen": "graph",
+            "sequential_bottleneck": seq_plan.bottleneck,
+            "sequential_depth": seq_plan.depth,
+        },
+    )

@@ -1,0 +1,335 @@
+"""Simulate: a discrete-event run of a Schedule over a Plan's costs.
+
+    result = simulate(plan, make_schedule(plan, "1f1b"))
+    result.iteration_time, result.bubble, result.peak_memory, result.timeline
+
+Every rank runs its actions in order. Costs (seconds):
+    F, B          the stage's forward_time and backward_time for one micro-batch
+    I, W          the backward split: W takes `weight_share` of it on a stage with parameters
+                  (none without), I the rest (`WEIGHT_SHARE`, one half, by default)
+    send          non-blocking; the message arrives link.transfer(bytes) after it starts
+                  crossing (at once between two stages of one device). With `contention`,
+                  every rank has one link out and one link in; a message holds the sender's
+                  out and the receiver's in for its whole transfer, and starts in the earliest
+                  window, at or after the send, where both are free (`Links`). So a stage's
+                  sends queue behind each other, and so do the messages of a fan-in.
+    receive       waits for the matching send's arrival (k-th receive of a channel matches its
+                  k-th send)
+    U             replicas of a stage meet, then all-reduce (link.allreduce(param_bytes, r))
+                  and step the optimizer (the stage's update_time)
+
+Memory per rank: the weights of its stages (`MemoryModel.weights`) + the most activation
+bytes held at once (a stage's activation_bytes per unit). A forward adds one unit; a full
+backward frees it; an I frees all but the weight share, which its W frees (the weight
+gradient still needs the layer inputs).
+
+The same engine, with unit costs, is the validator's dry run (`graphpipe.scheduling.dryrun`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from graphpipe.errors import ScheduleError
+from graphpipe.ir import (
+    Action,
+    Plan,
+    Schedule,
+    Span,
+    Timeline,
+    channel,
+    compute_time,
+    freed,
+    transfer_time,
+    weight_copies,
+)
+from graphpipe.scheduling.generators import ASYNC, drain_schedule, make_schedule, warmups
+
+__all__ = ["SimResult", "simulate", "steady_run"]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulated run predicts.
+
+    Attributes:
+        iteration_time: Seconds per step() call.
+        throughput: Samples per second.
+        bubble: Per rank, the idle share of the run (1.0 for a rank without a stage).
+        peak_in_flight: Per rank, the most micro-batches in flight at once (forward done,
+            backward not finished).
+        peak_memory: Per rank, predicted peak bytes.
+        timeline: Every compute and update action's span.
+    """
+
+    iteration_time: float
+    throughput: float
+    bubble: tuple[float, ...]
+    peak_in_flight: tuple[int, ...]
+    peak_memory: tuple[int, ...]
+    timeline: Timeline
+
+
+def simulate(
+    plan: Plan,
+    schedule: Schedule | str,
+    *,
+    contention: bool = True,
+    weights: str | None = None,
+    durations: Mapping[str, float] | None = None,
+) -> SimResult:
+    """Run `schedule` over `plan`'s costs.
+
+    Args:
+        plan: The plan whose stage times, edge bytes and link model give the costs.
+        schedule: The per-rank actions (e.g. from
+            `graphpipe.scheduling.generators.make_schedule`), or a schedule name, generated
+            for one step() call (asynchronous ones for
+            `ASYNC_CALLS` calls, then drained).
+        contention: Every rank has one link out and one link in, which its messages share
+            (else every message crosses at once, whatever else is in flight).
+        weights: A weight policy ("flush", "stash", "2bw", "pipemare"): each stage then keeps
+            `cost.weight_copies` copies of its weights; by default the plan's memory model.
+        durations: Seconds of individual actions, by their text (`"1B3"`), in place of their
+            stage's times: a measured step replayed action by action
+            (`graphpipe.tools.calibrate.replayed`).
+
+    Returns:
+        The prediction.
+
+    Raises:
+        ScheduleError: the schedule deadlocks (see `graphpipe.scheduling.dryrun` for a full check).
+    """
+    if isinstance(schedule, str):
+        schedule = steady_run(plan, schedule)
+    engine = Engine(plan, schedule, _durations(plan, durations), _transfers(plan), contention)
+    spans = engine.run()
+    makespan = max((s.end for s in spans), default=0.0)
+    calls = max(schedule.calls, 1)
+    busy: dict[int, float] = defaultdict(float)
+    for s in spans:
+        if Action.parse(s.action).kind != "U":
+            busy[s.rank] += s.end - s.start
+    holders = {r for s in plan.stages for r in s.devices}
+    bubble = tuple(
+        1 - busy[r] / makespan if r in holders and makespan > 0 else 1.0
+        for r in range(plan.num_devices)
+    )
+    memory = tuple(
+        _peak_memory(plan, r, engine.peak_held[r], weights) for r in range(plan.num_devices)
+    )
+    samples = calls * schedule.micro_batches * plan.micro_batch_size
+    return SimResult(
+        iteration_time=makespan / calls,
+        throughput=samples / makespan if makespan > 0 else float("inf"),
+        bubble=bubble,
+        peak_in_flight=tuple(engine.peak_in_flight[r] for r in range(plan.num_devices)),
+        peak_memory=memory,
+        timeline=Timeline(tuple(spans), plan.num_devices, "simulated", schedule.name),
+    )
+
+
+ASYNC_CALLS = 4  # step() calls simulated for an asynchronous schedule named by a string
+
+
+def steady_run(plan: Plan, name: str, calls: int = ASYNC_CALLS) -> Schedule:
+    """`name` over one call, or, when asynchronous, over `calls` calls and its drain."""
+    if name not in ASYNC:
+        return make_schedule(plan, name)
+    run, drain = make_schedule(plan, name, calls=calls), drain_schedule(plan, name, calls)
+    ranks = tuple(a + b for a, b in zip(run.ranks, drain.ranks, strict=True))
+    return Schedule(name, run.micro_batches, ranks, calls)
+
+
+def _peak_memory(plan: Plan, rank: int, held_bytes: float, policy: str | None) -> int:
+    """The rank's weights (every stage it holds) and the most activation bytes it held."""
+    stages = plan.stages_on(rank)
+    if not stages:
+        return 0
+    total = held_bytes
+    for stage in stages:
+        copies = None
+        if policy is not None:
+            copies = weight_copies(policy, warmups(plan)[stage.index])
+        total += plan.cost_model.memory.weights(stage.param_bytes, copies)
+    return int(total)
+
+
+def _durations(
+    plan: Plan, measured: Mapping[str, float] | None = None
+) -> Callable[[Action], float]:
+    def duration(a: Action) -> float:
+        if measured is not None and str(a) in measured:
+            return measured[str(a)]
+        stage = plan.stages[a.stage]
+        if a.kind == "U":
+            allreduce = plan.cost_model.link.allreduce(stage.param_bytes, stage.replicas)
+            return allreduce + stage.update_time
+        return compute_time(stage, a.kind)
+
+    return duration
+
+
+def _transfers(plan: Plan) -> Callable[[Action], float]:
+    edges = {(e.src, e.dst): e for e in plan.edges}
+
+    def transfer(a: Action) -> float:
+        assert a.peer is not None
+        if a.kind == "SF":
+            return transfer_time(plan, edges[(a.stage, a.peer)], "F")
+        return transfer_time(plan, edges[(a.peer, a.stage)], "B")
+
+    return transfer
+
+
+class Links:
+    """Every rank's outbound and inbound link, as the sorted busy windows of each.
+
+    A message holds its sender's out-link and its receiver's in-link for its transfer time;
+    `reserve` places it in the earliest window where both are free. Ranks are run one after
+    another, not in time order, so a window left free before a later reservation can still
+    take an earlier message.
+    """
+
+    def __init__(self) -> None:
+        self.starts: dict[tuple[str, int], list[float]] = defaultdict(list)
+        self.ends: dict[tuple[str, int], list[float]] = defaultdict(list)
+
+    def reserve(self, src: int, dst: int, ready: float, seconds: float) -> float:
+        """Book `seconds` on src's out-link and dst's in-link from the earliest common free
+        window at or after `ready`; returns the window's start."""
+        links = (("out", src), ("in", dst))
+        start = ready
+        while (later := max(self._free_from(link, start, seconds) for link in links)) > start:
+            start = later  # free on one end from here; look again at both
+        for link in links:
+            i = bisect.bisect_right(self.starts[link], start)
+            self.starts[link].insert(i, start)
+            self.ends[link].insert(i, start + seconds)
+        return start
+
+    def _free_from(self, link: tuple[str, int], t: float, seconds: float) -> float:
+        """The earliest time >= t from which `link` is free for `seconds`."""
+        starts, ends = self.starts[link], self.ends[link]
+        i = bisect.bisect_right(ends, t)  # the first window still busy after t
+        while i < len(starts) and starts[i] < t + seconds:
+            t = ends[i]  # after t, as every window from i on ends after it
+            i += 1
+        return t
+
+
+class Deadlock(ScheduleError):
+    """No rank can make progress; `blocked` maps each unfinished rank to its action index."""
+
+    def __init__(self, blocked: dict[int, int]) -> None:
+        self.blocked = blocked
+        super().__init__(f"the schedule deadlocks: ranks {sorted(blocked)} wait forever")
+
+
+class Engine:
+    """Runs every rank's action list with blocking receives, buffered sends and update barriers.
+
+    Args:
+        plan: The plan (stages, replicas, edges).
+        schedule: The action lists.
+        duration: Seconds a compute or update action takes.
+        transfer: Seconds a send's message travels.
+        contention: Messages share their sender's out-link and receiver's in-link (`Links`).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        schedule: Schedule,
+        duration: Callable[[Action], float],
+        transfer: Callable[[Action], float],
+        contention: bool = True,
+    ) -> None:
+        self.plan, self.lists = plan, schedule.ranks
+        self.duration, self.transfer, self.contention = duration, transfer, contention
+        self.pc = [0] * len(self.lists)
+        self.clock = [0.0] * len(self.lists)
+        self.links = Links()
+        self.messages: dict[tuple[str, int, int, int], deque[float]] = defaultdict(deque)
+        self.updates: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+        self.update_count = [0] * len(self.lists)
+        self.in_flight = [0] * len(self.lists)
+        self.peak_in_flight = [0] * len(self.lists)
+        self.held = [0.0] * len(self.lists)
+        self.peak_held = [0.0] * len(self.lists)
+        self.spans: list[Span] = []
+        self.send_times: dict[tuple[int, int], float] = {}  # (rank, list index) -> send start
+
+    def run(self) -> list[Span]:
+        """Execute to the end.
+
+        Raises:
+            Deadlock: no rank can progress before all are done.
+        """
+        while True:
+            progress = False
+            for rank in range(len(self.lists)):
+                while self.pc[rank] < len(self.lists[rank]) and self._step(rank):
+                    self.pc[rank] += 1
+                    progress = True
+            unfinished = {
+                r: self.pc[r] for r in range(len(self.lists)) if self.pc[r] < len(self.lists[r])
+            }
+            if not unfinished:
+                return sorted(self.spans, key=lambda s: (s.start, s.rank))
+            if not progress:
+                raise Deadlock(unfinished)
+
+    def _step(self, rank: int) -> bool:
+        """Try the rank's next action; False when it must wait."""
+        a = self.lists[rank][self.pc[rank]]
+        if a.kind in ("SF", "SB"):
+            seconds = self.transfer(a)
+            start = self.clock[rank]
+            if self.contention and seconds > 0:
+                assert a.peer is not None and a.mb is not None
+                receiver = self.plan.stages[a.peer].device_for(a.mb)
+                start = self.links.reserve(rank, receiver, start, seconds)
+            self.send_times[(rank, self.pc[rank])] = start
+            self.messages[channel(a)].append(start + seconds)
+            return True
+        if a.kind in ("RF", "RB"):
+            queue = self.messages[channel(a)]
+            if not queue:
+                return False
+            self.clock[rank] = max(self.clock[rank], queue.popleft())
+            return True
+        if a.kind == "U":
+            return self._update(rank, a)
+        self._compute(rank, a)
+        return True
+
+    def _compute(self, rank: int, a: Action) -> None:
+        start = self.clock[rank]
+        self.clock[rank] = start + self.duration(a)
+        self.spans.append(Span(rank, str(a), start, self.clock[rank]))
+        stage = self.plan.stages[a.stage]  # held in bytes: stages of one rank differ
+        self.held[rank] -= freed(stage, a.kind) * stage.activation_bytes
+        self.peak_held[rank] = max(self.peak_held[rank], self.held[rank])
+        if a.kind == "F":
+            self.in_flight[rank] += 1
+            self.peak_in_flight[rank] = max(self.peak_in_flight[rank], self.in_flight[rank])
+        elif a.kind in ("B", "W"):
+            self.in_flight[rank] -= 1
+
+    def _update(self, rank: int, a: Action) -> bool:
+        """Replicas of the stage meet at their n-th update, then all-reduce together."""
+        key = (a.stage, self.update_count[rank])
+        arrived = self.updates[key]
+        arrived.setdefault(rank, self.clock[rank])
+        replicas = self.plan.stages[a.stage].devices
+        if len(arrived) < len(replicas):
+            return False
+        end = max(arrived.values()) + self.duration(a)
+        self.spans.append(Span(rank, str(a), max(arrived.values()), end))
+        self.clock[rank] = end
+        self.update_count[rank] += 1
+        return True

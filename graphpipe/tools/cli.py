@@ -1,0 +1,377 @@
+"""The `graphpipe` command line.
+
+    graphpipe plan models.mmt --devices 8                     graph and sequential plans, tables
+    graphpipe plan models.mmt --preset paper --devices 32 --render plans.svg
+    graphpipe plan path/to/model.py:make --devices 4 --json plan.json
+    graphpipe plan models.nbranch --devices 8 --schedule zb --timeline zb.svg --trace zb.json
+    graphpipe run models.mmt --devices 2                      train it on 2 local processes
+
+MODEL follows the factory protocol of `graphpipe.tools.workload`: a module path such as
+`models.mmt`, or `file.py:function`. Progress goes to stderr, tables to stdout. Errors print one
+message naming the bad value and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from graphpipe.errors import ConfigError, GraphPipeError
+from graphpipe.ir import Plan
+from graphpipe.ir.cost import LinkModel
+from graphpipe.planning.partition import PlanConfig, micro_batch_size, partition
+from graphpipe.planning.profile import ProfileConfig, profile
+from graphpipe.runtime.checkpoint import export_checkpoint
+from graphpipe.scheduling.generators import ANY_PLACEMENT, PLACED, SCHEDULES
+from graphpipe.scheduling.simulate import SimResult, simulate
+from graphpipe.tools.render import render, side_by_side
+from graphpipe.tools.report import (
+    compare_plans,
+    modules_of,
+    plan_summary,
+    plan_table,
+    schedule_summary,
+    schedule_table,
+)
+from graphpipe.tools.timeline import chrome_trace, timeline_svg
+from graphpipe.tools.train import TrainConfig, train
+from graphpipe.tools.workload import Workload, find_workload, load_workload
+from graphpipe.tracing.tracer import trace
+
+__all__ = ["main"]
+
+GIB = 1 << 30
+FLUSHED = ("gpipe", "1f1b", "zb")
+RECOMPUTE_FLAG: dict[str | None, bool | str] = {"all": True, "auto": "auto", None: False}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except GraphPipeError as exc:
+        print(f"graphpipe: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphpipe", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser(
+        "plan",
+        help="plan a model and print its stages",
+        description="Trace, profile and partition MODEL.",
+    )
+    _model_arguments(plan)
+    plan.add_argument(
+        "--partitioner",
+        choices=("graph", "sequential", "both"),
+        default="both",
+        help="which plan(s) to make (default: both, side by side)",
+    )
+    plan.add_argument(
+        "--memory",
+        type=float,
+        metavar="GiB",
+        help="memory budget per device in GiB (default: unlimited)",
+    )
+    plan.add_argument(
+        "--profile",
+        choices=("flops", "measure"),
+        default="flops",
+        help="op times from FLOPs (fast) or measured on --device",
+    )
+    plan.add_argument("--device", default="cpu", help="device to measure on (default: cpu)")
+    plan.add_argument(
+        "--bandwidth",
+        type=float,
+        default=12.5,
+        metavar="GB/s",
+        help="link bandwidth per device (default: 12.5)",
+    )
+    plan.add_argument("--no-replication", action="store_true", help="forbid data-parallel stages")
+    plan.add_argument(
+        "--interleave",
+        action="store_true",
+        help="graph plan: also try finer stage DAGs folded onto the devices (a device may "
+        "hold a later stage next to an earlier branch; scheduled graph_interleaved)",
+    )
+    plan.add_argument("--json", type=Path, metavar="FILE", help="write the (graph) plan as JSON")
+    plan.add_argument(
+        "--render",
+        type=Path,
+        metavar="FILE.svg",
+        help="draw the stage graph(s); the suffix picks the format",
+    )
+    plan.add_argument(
+        "--render-ops", type=Path, metavar="FILE.svg", help="draw the op graph coloured by stage"
+    )
+    plan.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=(*sorted(SCHEDULES), "best"),
+        help="schedule to simulate (default 1f1b; best: the fastest flushed one)",
+    )
+    plan.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="FILE.svg",
+        help="draw the simulated timeline (one file per plan)",
+    )
+    plan.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE.json",
+        help="write the simulated timeline as a Chrome/Perfetto trace",
+    )
+    plan.set_defaults(func=_plan_command)
+    run = commands.add_parser(
+        "run",
+        help="train a model pipelined across local processes",
+        description=(
+            "Train MODEL on synthetic data, one process per device (see graphpipe.tools.train)."
+        ),
+    )
+    _model_arguments(run, devices_default=2)
+    run.add_argument(
+        "--schedule",
+        choices=sorted(SCHEDULES),
+        help="default: 1f1b, or the one the weight policy needs (async, 2bw)",
+    )
+    run.add_argument("--weights", default="flush", help="weight policy (default: flush)")
+    run.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
+    run.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default: 3e-3)")
+    run.add_argument(
+        "--profile",
+        choices=("measure", "flops"),
+        default="measure",
+        help="op times for planning (default: measured on this machine)",
+    )
+    run.add_argument("--out", help="folder for the pictures (default: runs/<model>)")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds a receive may wait before failing (default: 120)",
+    )
+    run.add_argument(
+        "--replication",
+        action="store_true",
+        help="allow data-parallel stages (default: every device a distinct stage)",
+    )
+    run.add_argument(
+        "--max-grad-norm",
+        type=float,
+        metavar="NORM",
+        help="clip the global gradient norm to NORM in every update (weights=flush)",
+    )
+    run.add_argument(
+        "--recompute",
+        choices=("all", "auto"),
+        help="activation checkpointing: every stage, or 'auto' by the memory budget",
+    )
+    run.add_argument(
+        "--compile-stages", action="store_true", help="torch.compile each stage (not with zb)"
+    )
+    run.add_argument(
+        "--precision",
+        choices=("bf16", "fp16"),
+        help="autocast each stage; values cross stages in that dtype; fp16 scales the loss",
+    )
+    run.set_defaults(func=_run_command)
+    export = commands.add_parser(
+        "export",
+        help="a checkpoint directory (pm.save) as a plain state_dict file",
+        description="Write the model of a checkpoint directory saved by pm.save as a "
+        "torch.save state dict that loads into the unpipelined model (strict).",
+    )
+    export.add_argument("checkpoint", type=Path, help="the directory pm.save wrote")
+    export.add_argument("out", type=Path, help="the state dict file to write")
+    export.set_defaults(func=_export_command)
+    return parser
+
+
+def _export_command(args: argparse.Namespace) -> int:
+    out = export_checkpoint(args.checkpoint, args.out)
+    _log(f"wrote {out}")
+    return 0
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    find_workload(args.model)  # a bad MODEL is one line here, not one per rank
+    train(
+        TrainConfig(
+            model=args.model,
+            preset=args.preset,
+            options=parse_options(args.option),
+            devices=args.devices,
+            schedule=args.schedule,
+            weights=args.weights,
+            steps=args.steps,
+            lr=args.lr,
+            micro_batches=args.micro_batches,
+            profile=args.profile,
+            out=args.out,
+            timeout=args.timeout,
+            replication=args.replication,
+            max_grad_norm=args.max_grad_norm,
+            recompute=RECOMPUTE_FLAG[args.recompute],
+            compile_stages=args.compile_stages,
+            precision=args.precision,
+        )
+    )
+    return 0
+
+
+def _model_arguments(parser: argparse.ArgumentParser, devices_default: int | None = None) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="models.NAME or path/file.py:function (see graphpipe.tools.workload)",
+    )
+    parser.add_argument(
+        "--devices",
+        "-n",
+        type=int,
+        required=devices_default is None,
+        default=devices_default,
+        help="number of devices (processes)",
+    )
+    parser.add_argument("--preset", default="cpu", help="model preset: tiny, cpu or paper")
+    parser.add_argument(
+        "--option",
+        "-o",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model option, e.g. -o branches=4 (repeatable)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        "-m",
+        type=int,
+        metavar="M",
+        help="micro-batches per mini-batch (default: the preset's)",
+    )
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """`["branches=4", "name=x"]` -> `{"branches": 4, "name": "x"}`."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"model options are KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            options[key] = text
+    return options
+
+
+def _log(message: str) -> None:
+    print(f"[graphpipe] {message}", file=sys.stderr, flush=True)
+
+
+def _timed(what: str, fn: Callable[[], Any]) -> Any:
+    start = time.perf_counter()
+    result = fn()
+    _log(f"{what} in {time.perf_counter() - start:.2f} s")
+    return result
+
+
+def load(args: argparse.Namespace) -> Workload:
+    """The workload named on the command line."""
+    _log(f"building {args.model} (preset {args.preset})")
+    return load_workload(args.model, args.preset, **parse_options(args.option))
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    w = load(args)
+    gm = _timed("traced", lambda: trace(w.model, w.example_inputs, w.leaf_modules))
+    m = args.micro_batches or w.micro_batches
+    b = micro_batch_size(w.batch_size, m)
+    prof_cfg = ProfileConfig(mode=args.profile, device=args.device)
+    prof = _timed(
+        f"profiled ({args.profile})", lambda: profile(gm, w.example_inputs, b, prof_cfg, log=_log)
+    )
+    kinds = ("graph", "sequential") if args.partitioner == "both" else (args.partitioner,)
+    plans: dict[str, Plan] = {}
+    for kind in kinds:
+        config = PlanConfig(
+            devices=args.devices,
+            micro_batches=m,
+            partitioner=kind,
+            memory_budget=args.memory * GIB if args.memory else None,
+            link=LinkModel(bandwidth=args.bandwidth * 1e9),
+            replication=not args.no_replication,
+            interleave=args.interleave and kind == "graph",
+        )
+        plans[kind] = _timed(
+            f"{kind} plan searched", functools.partial(partition, gm, prof, config)
+        )
+    modules = modules_of(gm.graph.nodes)
+    runs = {}
+    for kind, plan in plans.items():
+        name, run = best_schedule(plan, args.schedule)
+        runs[kind] = run
+        print(f"\n{plan_summary(plan)}\n{plan_table(plan, modules)}")
+        print(f"\n{schedule_summary(name, run)}\n{schedule_table(plan, run)}")
+        _write_timeline(args, kind, run, several=len(plans) > 1)
+    if len(plans) == 2:
+        print("\n" + compare_plans(plans["graph"], plans["sequential"]))
+        ratio = runs["graph"].throughput / runs["sequential"].throughput
+        print(f"simulated with their schedules: graph {ratio:.2f}x the sequential throughput")
+    main_plan = plans[kinds[0]]
+    if args.json:
+        args.json.write_text(main_plan.to_json())
+        _log(f"wrote {args.json}")
+    if args.render:
+        picture = side_by_side(list(plans.values())) if len(plans) > 1 else render(main_plan)
+        _write_picture(picture, args.render)
+    if args.render_ops:
+        _write_picture(render(gm, main_plan), args.render_ops)
+    return 0
+
+
+def best_schedule(plan: Plan, name: str) -> tuple[str, SimResult]:
+    """Simulate `name` on `plan`; "best" tries every flushed schedule and keeps the fastest.
+    A plan whose devices hold several stages runs graph_interleaved unless `name` is one of
+    the placed schedules."""
+    names = FLUSHED if name == "best" else (name,)
+    if plan.shared_devices() and name not in PLACED:
+        names = (ANY_PLACEMENT,)
+    runs = {n: simulate(plan, n) for n in names}
+    best = max(runs, key=lambda n: runs[n].throughput)
+    return best, runs[best]
+
+
+def _write_timeline(args: argparse.Namespace, kind: str, run: SimResult, several: bool) -> None:
+    outputs = [
+        (args.timeline, lambda: timeline_svg(run.timeline)),
+        (args.trace, lambda: json.dumps(chrome_trace(run.timeline))),
+    ]
+    for path, text in outputs:
+        if path:
+            target = path.with_name(f"{path.stem}-{kind}{path.suffix}") if several else path
+            target.write_text(text())
+            _log(f"wrote {target}")
+
+
+def _write_picture(picture: Any, path: Path) -> None:
+    fmt = path.suffix.lstrip(".") or "svg"
+    path.write_bytes(picture.pipe(format=fmt))
+    _log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The fair planner protocol: graph vs sequential pipelines, each at its best under memory.
+
+GraphPipe's comparison (Jeon et al., ASPLOS'25, section 6): the mini-batch B is fixed per
+model; every strategy picks its own number of micro-batches M and its schedule to minimise the
+step time, within a per-device memory budget. Here:
+
+- M runs over the powers of two in 1..64 that divide B; the micro-batch size is b = B / M
+  and op times are re-costed for b by the roofline (`ProfileConfig(mode="roofline")`: small
+  micro-batches are less efficient). The traced graph is reused; only its costs change.
+- For each M, a strategy plans every variant (`VARIANTS`: with and without data-parallel
+  replication, objective "pipeline" and "bottleneck"), simulates every flushed schedule
+  (`FairConfig.schedules`) and drops the runs whose simulated peak memory on some device
+  exceeds the budget. When no run of a variant fits, it is planned again with the budget
+  (the DP then keeps every stage within it at graph 1F1B's in-flight counts).
+- sequential: PipeDream's DP (`partitioner="sequential"`), the best of its variants.
+  Its candidates also hold every chain the graph search returns (a chain of convex stages
+  is a sequential plan, for some topological order): the DP's probes of the "pipeline"
+  objective can miss, say, one replicated stage at M = 1 that the graph search finds.
+- graph: GraphPipe's series-parallel search (`partitioner="graph"`), whose search space holds
+  every sequential plan: its candidates are its own plans and the sequential ones, and the
+  fastest simulated run is kept (the partitioner keeps the sequential plan by its score too).
+  So graph is never slower than sequential; `Choice.stage_dag` says whether a stage DAG
+  (depth below the stage count) won.
+
+The step time is the simulated flushed step (`simulate`), so throughput is B / step.
+
+    result = compare(gm, example_inputs, devices=8, config=FairConfig(budget=80 * GIB))
+    result.ratio, result.graph.micro_batches, result.sequential.schedule, result.binding
+
+Cost per strategy: (#M values) x (#variants) searches and x #schedules simulations.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import fx
+
+from graphpipe.errors import ConfigError, PlanError, ScheduleError
+from graphpipe.ir import Plan
+from graphpipe.ir.cost import LinkModel
+from graphpipe.planning.opgraph import graph_hash, op_graph
+from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
+from graphpipe.planning.profile import ProfileConfig, profile
+from graphpipe.scheduling.simulate import simulate
+from graphpipe.tracing.annotate import trace_info
+
+__all__ = ["GIB", "VARIANTS", "Choice", "Comparison", "FairConfig", "choose", "compare"]
+
+GIB = 1024**3
+VARIANTS = ((True, "pipeline"), (True, "bottleneck"), (False, "pipeline"), (False, "bottleneck"))
+STRATEGIES = ("graph", "sequential")
+
+
+@dataclass(frozen=True)
+class FairConfig:
+    """The rules both strategies play by."""
+
+    budget: float | None = 80 * GIB  # bytes per device (None: unlimited)
+    preset: str = "a100"  # roofline device preset (graphpipe.planning.devices.DEVICES)
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # M tried, those dividing B
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "zb")  # flushed schedules tried
+    link: LinkModel = field(default_factory=LinkModel)  # between devices
+    variants: tuple[tuple[bool, str], ...] = VARIANTS  # (replication, objective) pairs
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget <= 0:
+            raise ConfigError(f"memory budget must be positive, got {self.budget}")
+        if min(self.micro_batches, default=0) < 1 or not self.schedules or not self.variants:
+            raise ConfigError(
+                f"need micro_batches >= 1, schedules and variants, got "
+                f"{self.micro_batches}, {self.schedules} and {self.variants}"
+            )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A strategy's best configuration: plain data, with the plan it came from."""
+
+    strategy: str  # "graph" or "sequential"
+    micro_batches: int  # M
+    schedule: str
+    replication: bool
+    objective: str
+    depth: int  # stages on the longest path
+    peak_memory: int  # bytes, the largest device's simulated peak
+    step_time: float  # seconds per mini-batch, simulated
+    plan: Plan
+    runs: int  # simulated runs compared
+    search_time: float  # seconds spent planning and simulating
+
+    @property
+    def stage_dag(self) -> bool:
+        """Whether the plan is a stage DAG, not a chain (its depth is below its stage count)."""
+        return _is_dag(self.plan)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Both strategies' choices, the throughput ratio and what holds the sequential one back."""
+
+    graph: Choice
+    sequential: Choice
+    binding: str  # the constraint binding the sequential plan, with its figure
+
+    @property
+    def ratio(self) -> float:
+        """Graph throughput over sequential throughput (B fixed: the step-time ratio)."""
+        return self.sequential.step_time / self.graph.step_time
+
+
+def micro_batch_counts(
+    batch: int, candidates: Sequence[int] = (1, 2, 4, 8, 16, 32, 64)
+) -> list[int]:
+    """The candidate micro-batch counts that divide `batch`, in increasing order.
+
+    Example:
+        >>> micro_batch_counts(48)
+        [1, 2, 4, 8, 16]
+    """
+    return sorted(m for m in set(candidates) if batch % m == 0)
+
+
+def choose(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[torch.Tensor],
+    devices: int,
+    strategy: str,
+    config: FairConfig | None = None,
+) -> Choice:
+    """The fastest configuration of `strategy` on `devices` under the fair protocol.
+
+    Args:
+        gm: A graph made by `graphpipe.tracing.tracer` (any micro-batch size: only its per-sample
+            statistics are used).
+        example_inputs: Its inputs; dim 0 is the fixed mini-batch B.
+        devices: N.
+        strategy: "graph" or "sequential".
+        config: The rules; 80 GiB per device on the A100 roofline by default.
+
+    Returns:
+        The fastest `Choice` whose simulated peak memory fits the budget on every device.
+
+    Raises:
+        ConfigError: an unknown strategy.
+        PlanError: no M, variant and schedule fits the budget.
+    """
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    return _choose_all(gm, example_inputs, devices, config or FairConfig(), (strategy,))[0]
+
+
+def compare(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[torch.Tensor],
+    devices: int,
+    config: FairConfig | None = None,
+    explain_above: float = 0.0,
+) -> Comparison:
+    """Both strategies under the fair protocol, and the sequential plan's binding constraint.
+
+    Sequential plans are searched once and shared: they are the sequential candidates and
+    part of the graph ones. `binding` is computed when the ratio exceeds `explain_above`
+    (e.g. the paper's 1.6), else left empty.
+    """
+    config = config or FairConfig()
+    graph, seq = _choose_all(gm, example_inputs, devices, config, STRATEGIES)
+    explain = seq.step_time / graph.step_time > explain_above
+    why = binding(gm, example_inputs, devices, seq, config) if explain else ""
+    return Comparison(graph, seq, why)
+
+
+def binding(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[torch.Tensor],
+    devices: int,
+    seq: Choice,
+    config: FairConfig,
+) -> str:
+    """What holds a sequential choice back, the largest of three figures:
+
+    memory      the step it would reach with unlimited memory, as a speed-up (only
+                computed when a budget is set: the whole search again, unbudgeted)
+    depth       the fill and drain share of its pipeline, (depth - 1) / (M + depth - 1)
+    all-reduce  its slowest stage's gradient all-reduce, as a share of the step
+    """
+    figures = {"depth": (seq.depth - 1) / (seq.micro_batches + seq.depth - 1)}
+    link, m = seq.plan.cost_model.link, seq.micro_batches
+    allreduce = max(link.allreduce(s.param_bytes, s.replicas) for s in seq.plan.stages)
+    figures["all-reduce"] = allreduce / seq.step_time
+    if config.budget is not None:
+        free = choose(gm, example_inputs, devices, "sequential", replace(config, budget=None))
+        figures["memory"] = seq.step_time / free.step_time - 1
+    worst = max(figures, key=lambda k: figures[k])
+    notes = {
+        "depth": f"depth: {seq.depth} stages at M={m}, fill/drain {figures['depth']:.0%}",
+        "all-reduce": f"all-reduce: {figures['all-reduce']:.0%} of the step",
+        "memory": f"memory: unlimited is {figures.get('memory', 0) + 1:.2f}x faster",
+    }
+    return notes[worst]
+
+
+def _choose_all(
+    gm: fx.GraphModule,
+    inputs: Sequence[torch.Tensor],
+    devices: int,
+    config: FairConfig,
+    strategies: Sequence[str],
+) -> list[Choice]:
+    batch = trace_info(gm).batch_size
+    best: dict[str, Choice | None] = {s: None for s in strategies}
+    start = time.perf_counter()
+    runs = 0
+    for m in micro_batch_counts(batch, config.micro_batches):
+        plans = _plans(gm, inputs, devices, m, config, strategies)
+        for strategy in strategies:
+            for plan, variant in plans[strategy]:
+                for choice in _runs(plan, variant, strategy, config):
+                    runs += 1
+                    current = best[strategy]
+                    if current is None or choice.step_time < current.step_time:
+                        best[strategy] = choice
+    chosen = []
+    for strategy in strategies:
+        found = best[strategy]
+        if found is None:
+            raise PlanError(
+                f"no {strategy} configuration of M in {config.micro_batches} on {devices} "
+                f"devices fits the memory budget of {config.budget} bytes per device"
+            )
+        chosen.append(replace(found, runs=runs, search_time=time.perf_counter() - start))
+    return chosen
+
+
+Variant = tuple[bool, str]
+
+
+def _plans(
+    gm: fx.GraphModule,
+    inputs: Sequence[torch.Tensor],
+    devices: int,
+    m: int,
+    config: FairConfig,
+    strategies: Sequence[str],
+) -> dict[str, list[tuple[Plan, Variant]]]:
+    """Per strategy, the plans of every variant at M = m (graph: its own and the sequential
+    ones). A variant with no plan (too few ops, nothing fits) is left out."""
+    b = trace_info(gm).batch_size // m
+    prof = profile(gm, inputs, b, ProfileConfig(mode="roofline", preset=config.preset))
+    g, digest = op_graph(gm, prof), graph_hash(gm)
+    out: dict[str, list[tuple[Plan, Variant]]] = {"graph": [], "sequential": []}
+    for kind in ("sequential", "graph") if "graph" in strategies else ("sequential",):
+        for variant in config.variants:
+            for budget in (None, config.budget) if config.budget is not None else (None,):
+                plan_config = PlanConfig(
+                    devices,
+                    m,
+                    kind,
+                    budget,
+                    link=config.link,
+                    replication=variant[0],
+                    objective=variant[1],
+                )
+                cost = cost_model(plan_config, b, "roofline", config.preset)
+                try:
+                    plan = partition_op_graph(g, cost, plan_config, digest)
+                except PlanError:
+                    continue
+                out[kind].append((plan, variant))
+                if _fits(plan, config.budget):  # else plan again within the budget
+                    break
+    out["sequential"] += [(p, v) for p, v in out["graph"] if not _is_dag(p)]
+    out["graph"] += [(p, v) for p, v in out["sequential"] if p.partitioner == "sequential"]
+    return out
+
+
+def _is_dag(plan: Plan) -> bool:
+    return plan.depth < len(plan.stages)
+
+
+def _fits(plan: Plan, budget: float | None) -> bool:
+    return budget is None or max(s.memory_bytes for s in plan.stages) <= budget
+
+
+def _runs(plan: Plan, variant: Variant, strategy: str, config: FairConfig) -> list[Choice]:
+    """The plan under every schedule that runs it within the budget."""
+    choices, m = [], plan.micro_batches
+    for name in config.schedules:
+        try:
+            run = simulate(plan, name)
+        except (ScheduleError, PlanError):
+            continue  # a schedule the plan does not admit
+        peak = max(run.peak_memory)
+        if config.budget is not None and peak > config.budget:
+            continue
+        choice = Choice(
+            strategy,
+            m,
+            name,
+            variant[0],
+            variant[1],
+            plan.depth,
+            peak,
+            run.iteration_time,
+            plan,
+            0,
+            0.0,
+        )
+        choices.append(choice)
+    return choices
