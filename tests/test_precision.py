@@ -16,9 +16,10 @@ from zoo import ZOO, dict_loss
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError
+from graphpipe.ir.registry import POLICIES
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
-from graphpipe.runtime.precision import LossScaler, saturating_cast
+from graphpipe.runtime.precision import LossScaler, check_precision, saturating_cast
 
 M, STEPS, LR = 4, 3, 0.05
 NAME = "two_branch"  # ranks 0 and 1 the branches, rank 2 the head and the loss
@@ -166,3 +167,29 @@ def test_the_loss_scaler_skips_on_an_overflow_anywhere_and_grows_after_good_step
     scaler.update(True)
     scaler.update(True)
     assert scaler.scale == 8.0 and reduced == [0.0, 1.0]
+
+
+def test_the_loss_scaler_unscales_every_dtype_and_flags_a_local_nan() -> None:
+    reduced: list[float] = []
+
+    def all_reduce_max(flag: torch.Tensor) -> None:  # one rank: the MAX is its own flag
+        reduced.append(float(flag))
+
+    scaler = LossScaler(all_reduce_max, scale=4.0)
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(1).half())
+    a.grad, b.grad = torch.tensor([4.0, 8.0]), torch.tensor([2.0]).half()
+    assert scaler.unscale([a, b], torch.device("cpu"))
+    assert a.grad.tolist() == [1.0, 2.0] and b.grad.tolist() == [0.5]
+    b.grad = torch.tensor([float("nan")]).half()
+    assert not scaler.unscale([a, b], torch.device("cpu"))
+    assert reduced == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("weights", sorted(POLICIES))
+def test_fp16_is_refused_exactly_for_policies_without_a_whole_step(weights: str) -> None:
+    check_precision("bf16", weights)
+    if POLICIES[weights].whole_step:
+        check_precision("fp16", weights)
+    else:
+        with pytest.raises(ConfigError, match=f"weights={weights!r}"):
+            check_precision("fp16", weights)

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+import graphpipe._torch as _torch
+
 __all__ = ["WeightHalf", "full", "input_half", "weight_half"]
 
 Slot = tuple[Any, int]  # (autograd node, input number): where a gradient enters a node
@@ -100,7 +102,7 @@ def _reaches(order: list[Any], targets: set[int]) -> set[int]:
     reachable (the accumulators included)."""
     hit: set[int] = set()
     for node in order:
-        variable = getattr(node, "variable", None)
+        variable = _torch.accumulated(node)
         if (variable is not None and id(variable) in targets) or any(
             id(c) in hit for c, _ in node.next_functions if c is not None
         ):
@@ -164,7 +166,8 @@ def _below(start: Any, targets: set[int], in_n: set[int]) -> bool:
 
 
 def _outputs(node: Any) -> int:
-    return len(node._input_metadata)
+    """How many gradients `node` takes: one per output of its forward."""
+    return len(_torch.grad_inputs(node))
 
 
 def input_half(
@@ -213,11 +216,11 @@ def _shares(b: _Boundary) -> list[torch.Tensor | None]:
     if b.direct:
         seeds = [
             g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
-            for g, m in zip(b.grads, b.node._input_metadata, strict=True)
+            for g, m in zip(b.grads, _torch.grad_inputs(b.node), strict=True)
         ]
         out = b.node(*seeds)
         out = out if isinstance(out, tuple) else (out,)
-        return [_fit(out[k], c._input_metadata[nr]) for k, (c, nr) in b.slots]
+        return [_fit(out[k], _torch.grad_inputs(c)[nr]) for k, (c, nr) in b.slots]
     live = [(k, g) for k, g in enumerate(b.grads) if g is not None]
     return list(
         torch.autograd.grad(
@@ -230,7 +233,7 @@ def _shares(b: _Boundary) -> list[torch.Tensor | None]:
     )
 
 
-def _fit(grad: torch.Tensor | None, meta: Any) -> torch.Tensor | None:
+def _fit(grad: torch.Tensor | None, meta: _torch.GradMeta) -> torch.Tensor | None:
     """Reduce a gradient over broadcast dimensions, as the engine does between nodes."""
     if grad is None or tuple(grad.shape) == tuple(meta.shape):
         return grad
@@ -284,7 +287,7 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor, held: set[int]) -> None:
     if p.grad is not None:
         p.grad.add_(g)
         return
-    if id(g) in held or g._base is not None:
+    if id(g) in held or _torch.is_view(g):
         g = g.clone()
     held.add(id(g))
     p.grad = g

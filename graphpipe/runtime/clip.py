@@ -14,11 +14,21 @@ clipper after the gradient sums over replicas and tied copies and before the opt
 (`WeightPolicy.before_step`), so every copy is scaled by the same factor. The norm stays on
 the device; `PipelinedModel.last_grad_norm` reads it when asked.
 
-Only flush updates every stage at one point per mini-batch with that mini-batch's gradient,
-so only it has one global norm per update. stash and PipeMare update each stage after each of
-its own micro-batches, at different times on different stages: no global norm exists, and
-clipping is refused (`check_clipping`). 2bw updates each stage once per mini-batch and could
-pair its stages' k-th updates; it is refused until that is tested against its recurrence.
+What is torch's and what is graphpipe's. Each rank's local norm is
+`torch.nn.utils.get_total_norm` of the gradients it counts, and the scaling is
+`torch.nn.utils.clip_grads_with_norm_` with the total norm (the two halves of
+`clip_grad_norm_`, in torch since 2.6, hence graphpipe's floor). The reduction in between
+stays graphpipe's: torch's functions see one process's tensors (or a DTensor's mesh), while a
+pipeline's parameters are plain tensors spread over the stage ranks, a tied weight or a
+replicated stage held by several ranks that must count it once (`counted`), and the
+all-reduce runs under graphpipe's failure guard, so a dead peer is a PipelineError naming it.
+
+Only a policy whose every rank updates once per step on the same gradients
+(`PolicySpec.whole_step`: flush) has one global norm per update. stash and PipeMare update
+each stage after each of its own micro-batches, at different times on different stages: no
+global norm exists, and clipping is refused (`check_clipping`). 2bw updates each stage once
+per mini-batch and could pair its stages' k-th updates; it is refused until that is tested
+against its recurrence.
 """
 
 from __future__ import annotations
@@ -31,19 +41,18 @@ import torch.distributed as dist
 from torch import nn
 
 from graphpipe.errors import ConfigError
+from graphpipe.ir.registry import POLICIES, policy_spec
 from graphpipe.runtime.failures import guarded
 
-__all__ = ["CLIPPABLE", "GradClipper", "check_clipping"]
-
-CLIPPABLE = frozenset({"flush"})  # policies whose updates are one global step per mini-batch
+__all__ = ["GradClipper", "check_clipping"]
 
 
 def check_clipping(max_norm: float | None, norm_type: float, weights: str) -> None:
     """Refuse clipping settings that cannot work, naming the value.
 
     Raises:
-        ConfigError: a non-positive max_norm or norm_type, or a policy without one global
-            update per mini-batch.
+        ConfigError: a non-positive max_norm or norm_type, an unknown policy, or a policy
+            without one global update per mini-batch.
     """
     if max_norm is None:
         return
@@ -51,11 +60,12 @@ def check_clipping(max_norm: float | None, norm_type: float, weights: str) -> No
         raise ConfigError(f"max_grad_norm must be positive, got {max_norm}")
     if not norm_type > 0:
         raise ConfigError(f"grad_norm_type must be positive (or inf), got {norm_type}")
-    if weights not in CLIPPABLE:
+    if not policy_spec(weights).whole_step:
+        whole = sorted(name for name, spec in POLICIES.items() if spec.whole_step)
         raise ConfigError(
-            f"max_grad_norm needs one global update per mini-batch (weights in "
-            f"{sorted(CLIPPABLE)}); weights={weights!r} updates the stages at different "
-            "times, so there is no one global norm to clip by"
+            f"max_grad_norm needs one global update per mini-batch (weights in {whole}); "
+            f"weights={weights!r} updates the stages at different times, so there is no one "
+            "global norm to clip by"
         )
 
 
@@ -83,13 +93,13 @@ class GradClipper:
         self.last: torch.Tensor | None = None
 
     def _local(self, device: torch.device) -> torch.Tensor:
+        """This rank's share of the total: the sum of |g|^p over the gradients it counts
+        (their largest |g| for p = inf), as float32 on `device` (zero without gradients)."""
         grads = [p.grad for p in self.counted if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=device)
-        norms = torch.stack([torch.linalg.vector_norm(g.detach(), self.norm_type) for g in grads])
-        if math.isinf(self.norm_type):
-            return norms.max()
-        return norms.pow(self.norm_type).sum()
+        norm = nn.utils.get_total_norm(grads, self.norm_type).to(device, torch.float32)
+        return norm if math.isinf(self.norm_type) else norm.pow(self.norm_type)
 
     def __call__(self, device: torch.device) -> torch.Tensor:
         """Reduce the norm over the ranks, scale the gradients, and return the total norm."""
@@ -103,9 +113,6 @@ class GradClipper:
             ranks,
         )
         norm = total[0] if inf else total[0].pow(1.0 / self.norm_type)
-        factor = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.detach().mul_(factor.to(p.grad.device))
+        nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
         self.last = norm.detach()
         return self.last

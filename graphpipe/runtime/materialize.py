@@ -139,14 +139,11 @@ def _get(model: nn.Module, name: str) -> torch.Tensor:
 
 
 def _set(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Point attribute `name` of `root` at `value`, keeping its kind: `nn.Module.__setattr__`
+    registers a Parameter as a parameter and keeps a tensor in a buffer's slot (and its
+    persistence)."""
     owner, _, attr = name.rpartition(".")
-    module = root.get_submodule(owner)
-    if attr in module._parameters:
-        module._parameters[attr] = value  # type: ignore[assignment]
-    elif attr in module._buffers:
-        module._buffers[attr] = value
-    else:
-        setattr(module, attr, value)
+    setattr(root.get_submodule(owner), attr, value)
 
 
 def _reset(model: nn.Module, names: list[str]) -> None:

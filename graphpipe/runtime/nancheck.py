@@ -19,8 +19,9 @@ optimizer step is skipped, the gradients dropped, and step() raises the same Pip
 every rank, after the step's usual loss all-reduce, so nobody is left waiting. The names come
 from the stage modules every rank builds, so a rank can name another rank's parameter.
 
-Only flush has one update per step on every rank at once (as for clipping,
-`graphpipe.runtime.clip`); other policies are refused (`check_nan_check`).
+Only a policy with one update per step on every rank at once (`PolicySpec.whole_step`:
+flush, as for clipping, `graphpipe.runtime.clip`) can stop it; other policies are refused
+(`check_nan_check`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from graphpipe.errors import ConfigError
+from graphpipe.ir.registry import POLICIES, policy_spec
 
-__all__ = ["CHECKABLE", "NanCheck", "check_nan_check"]
-
-CHECKABLE = frozenset({"flush"})  # policies with one update per step on every rank
+__all__ = ["NanCheck", "check_nan_check"]
 NONE = torch.iinfo(torch.int64).max  # "no problem": the largest code
 LOSS, GRAD = 0, 1
 LOSS_KINDS = ("nan", "inf", "-inf")
@@ -45,12 +45,13 @@ def check_nan_check(on: bool, weights: str) -> None:
     """Refuse nan_check with a policy that has no one update per step.
 
     Raises:
-        ConfigError: naming the policy.
+        ConfigError: naming the policy (an unknown one too).
     """
-    if on and weights not in CHECKABLE:
+    if on and not policy_spec(weights).whole_step:
+        whole = sorted(name for name, spec in POLICIES.items() if spec.whole_step)
         raise ConfigError(
             f"nan_check=True stops the one update of a step on every rank; weights={weights!r} "
-            f"updates the stages at different times (use weights in {sorted(CHECKABLE)})"
+            f"updates the stages at different times (use weights in {whole})"
         )
 
 

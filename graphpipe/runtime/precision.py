@@ -13,6 +13,8 @@
   a found-inf flag is all-reduced over every rank that holds a stage (MAX), and on an inf or
   NaN anywhere every rank skips the optimizer step and halves the scale. After `interval`
   good steps in a row the scale doubles. All stages therefore always agree on the scale.
+  The unscale and the inf/NaN check are torch's (the fused kernel of
+  `torch.amp.GradScaler.unscale_`); `LossScaler` says why the rest is graphpipe's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+import graphpipe._torch as _torch
 from graphpipe.errors import ConfigError
+from graphpipe.ir.registry import POLICIES, policy_spec
 
 __all__ = ["DTYPES", "LossScaler", "Precision", "check_precision", "saturating_cast"]
 
@@ -35,13 +39,14 @@ def check_precision(precision: str | None, weights: str = "flush") -> None:
     """Refuse an unknown precision, or fp16 under a policy that cannot skip a step.
 
     Raises:
-        ConfigError: naming the value.
+        ConfigError: naming the value (an unknown policy too, with fp16).
     """
     if precision is not None and precision not in DTYPES:
         raise ConfigError(f"precision must be 'bf16', 'fp16' or None, got {precision!r}")
-    if precision == "fp16" and weights != "flush":
+    if precision == "fp16" and not policy_spec(weights).whole_step:
+        whole = sorted(name for name, spec in POLICIES.items() if spec.whole_step)
         raise ConfigError(
-            f"precision='fp16' needs weights='flush', got weights={weights!r}: its loss "
+            f"precision='fp16' needs weights in {whole}, got weights={weights!r}: its loss "
             "scaler skips a whole step on every rank when a gradient overflows, and an "
             "asynchronous policy has no whole step to skip (use precision='bf16')"
         )
@@ -86,6 +91,27 @@ class Precision:
 class LossScaler:
     """fp16 loss scaling agreed by every rank (see the module docstring).
 
+    torch's part: the unscale and the inf/NaN check are the fused kernel
+    `torch.amp.GradScaler.unscale_` runs (`graphpipe._torch.unscale_and_check_`), per
+    device and dtype as there, and the defaults and the update rule are `GradScaler`'s.
+
+    graphpipe's part, and why `torch.amp.GradScaler` or
+    `torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` (which all-reduces the
+    flag over a `process_group`) does not serve as it is:
+
+    - Both record the flag per optimizer (`unscale_(optimizer)` walks its `param_groups`)
+      and act on it only inside `step(optimizer)`, which runs `optimizer.step()` itself;
+      the flag has no public reader. graphpipe's update belongs to the weight policy
+      (`WeightPolicy.before_step`), which holds one optimizer per stage on a rank and needs
+      one agreed answer before any of them steps, to skip them all and drop the gradients.
+    - ShardedGradScaler's agreement is a bare `dist.all_reduce` per optimizer and device
+      inside `unscale_`. Here it is one collective per step, `all_reduce_max`, which the
+      pipeline runs under its failure guard, so a dead peer is a PipelineError naming it
+      rather than a hang.
+    - The executor multiplies each micro-batch's loss by the scale as a Python float.
+      GradScaler keeps the scale in a device tensor, and reading it (`get_scale()`) is a
+      second device-to-host read per step; here reading the agreed flag is the only one.
+
     Args:
         all_reduce_max: Reduces a one-element float tensor with MAX over the ranks that
             hold stages (a collective).
@@ -110,12 +136,13 @@ class LossScaler:
 
     def unscale(self, params: Sequence[torch.Tensor], device: torch.device) -> bool:
         """Divide the gradients by the scale; whether every rank's are finite (collective)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        flag = torch.zeros(1, device=device)
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.scale)
-            bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
-            flag = bad.to(torch.float32).reshape(1).to(device)
+        flag = torch.zeros(1, dtype=torch.float32, device=device)  # 1: an inf or NaN here
+        for grads in _by_device_and_dtype([p.grad for p in params if p.grad is not None]):
+            on = grads[0].device
+            found = torch.zeros(1, dtype=torch.float32, device=on)
+            inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=on)
+            _torch.unscale_and_check_(grads, found, inv)
+            flag = torch.maximum(flag, found.to(device))
         self.all_reduce_max(flag)
         return bool(flag.item() == 0)
 
@@ -130,3 +157,11 @@ class LossScaler:
         if self.good >= self.interval:
             self.scale *= self.growth
             self.good = 0
+
+
+def _by_device_and_dtype(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`grads` in groups of one device and dtype, as the fused unscale kernel takes them."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    return list(groups.values())

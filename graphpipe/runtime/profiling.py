@@ -31,11 +31,11 @@ from __future__ import annotations
 import bisect
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity
 
+from graphpipe._torch import ProfilerEvent, kineto_events
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Action, Span
 
@@ -110,21 +110,18 @@ def spans_from_profiler(
     return [Span(rank, action, start / 1e9, end / 1e9) for start, end, action in ranges]
 
 
-def _kineto_events(prof: torch.profiler.profile) -> list[Any]:
-    """The raw kineto events of a finished run (torch's `_KinetoEvent`s)."""
-    results = getattr(prof.profiler, "kineto_results", None)
-    if results is None:
+def _kineto_events(prof: torch.profiler.profile) -> list[ProfilerEvent]:
+    """The kineto events of a finished run.
+
+    Raises:
+        ConfigError: the profiler has not run, or is still running.
+    """
+    events = kineto_events(prof)
+    if events is None:
         raise ConfigError(
             "the profiler has no results yet: call spans_from_profiler after its with-block"
         )
-    return list(results.events())
-
-
-def _activity(event: Any) -> str:
-    """Kineto's activity type ("cpu_op", "kernel", "cuda_runtime", ...); "" where torch
-    does not say (then no device work is found and host ranges are kept)."""
-    kind = getattr(event, "activity_type", None)
-    return kind() if callable(kind) else ""
+    return events
 
 
 def _action(name: str) -> str | None:
@@ -138,17 +135,17 @@ def _action(name: str) -> str | None:
     return str(action) if action.kind in _TIMED else None
 
 
-def _host_ranges(events: Sequence[Any]) -> list[_Range]:
+def _host_ranges(events: Sequence[ProfilerEvent]) -> list[_Range]:
     """The annotated actions' host ranges, ordered by start."""
     ranges = []
     for e in events:
-        action = _action(e.name())
-        if action is not None and e.device_type() == torch.autograd.DeviceType.CPU:
-            ranges.append((e.start_ns(), e.end_ns(), action))
+        action = _action(e.name)
+        if action is not None and e.on_cpu:
+            ranges.append((e.start_ns, e.end_ns, action))
     return sorted(ranges)
 
 
-def _device_ranges(ranges: list[_Range], events: Sequence[Any]) -> list[_Range]:
+def _device_ranges(ranges: list[_Range], events: Sequence[ProfilerEvent]) -> list[_Range]:
     """Each range replaced by the device range of the work launched inside it, if any."""
     starts = [start for start, _, _ in ranges]
     first: dict[int, int] = {}  # range index -> first device start, ns
@@ -165,19 +162,19 @@ def _device_ranges(ranges: list[_Range], events: Sequence[Any]) -> list[_Range]:
     ]
 
 
-def _device_work(events: Sequence[Any]) -> list[tuple[int, int, int]]:
+def _device_work(events: Sequence[ProfilerEvent]) -> list[tuple[int, int, int]]:
     """Every kernel, copy and memset: (host time of its launch, device start, device end), ns.
 
     The launch is the runtime call with the same CUPTI correlation id; failing that, the
     torch op the work is linked to. Work with neither is left out.
     """
-    calls = {e.correlation_id(): e.start_ns() for e in events if _activity(e) in _LAUNCHES}
-    ops = {e.correlation_id(): e.start_ns() for e in events if _activity(e) in _HOST_OPS}
+    calls = {e.correlation_id: e.start_ns for e in events if e.activity in _LAUNCHES}
+    ops = {e.correlation_id: e.start_ns for e in events if e.activity in _HOST_OPS}
     work = []
     for e in events:
-        if _activity(e) not in _DEVICE_WORK:
+        if e.activity not in _DEVICE_WORK:
             continue
-        launch = calls.get(e.correlation_id()) or ops.get(e.linked_correlation_id())
+        launch = calls.get(e.correlation_id) or ops.get(e.linked_correlation_id)
         if launch:
-            work.append((launch, e.start_ns(), e.end_ns()))
+            work.append((launch, e.start_ns, e.end_ns))
     return work

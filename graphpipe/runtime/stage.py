@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+import graphpipe._torch as _torch
 from graphpipe.errors import PlanError
 from graphpipe.ir import Plan
 from graphpipe.planning.profile import resize_batch
@@ -177,7 +177,7 @@ def micro_shapes(
             return _Recorder(self.gm).run(*inputs)
 
     on_meta = is_meta(gm)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+    with _torch.fake_mode() as mode, torch.no_grad():
         fakes = [
             mode.from_tensor(resize_batch(x.to("meta") if on_meta else x, micro_batch_size))
             for x in example_inputs
@@ -191,7 +191,7 @@ def micro_shapes(
     return specs
 
 
-def _fake_state(gm: fx.GraphModule, mode: FakeTensorMode) -> dict[str, torch.Tensor]:
+def _fake_state(gm: fx.GraphModule, mode: _torch.FakeTensorMode) -> dict[str, torch.Tensor]:
     """A fake of every parameter and buffer under each of its names (one fake per tensor)."""
     fakes: dict[int, torch.Tensor] = {}
     state = {}

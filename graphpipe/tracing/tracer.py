@@ -68,9 +68,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx._pytree import tree_flatten_spec
-from torch.utils._pytree import TreeSpec, tree_structure
+from torch.utils._pytree import tree_structure
 
+import graphpipe._torch as _torch
 from graphpipe.errors import ConfigError, TraceError
 from graphpipe.tracing import bind
 from graphpipe.tracing.annotate import (
@@ -165,7 +165,7 @@ def trace(
         micro_batch_size=b,
         sources=tuple(sources),
         constants={k: repr(v) for k, v in concrete.items() if k in kwargs},
-        out_spec=_out_spec(gm),
+        out_spec=_torch.out_spec(gm),
     )
     return gm
 
@@ -225,11 +225,6 @@ def _export_advice(message: str) -> str:
     )
 
 
-def _out_spec(gm: fx.GraphModule) -> TreeSpec | None:
-    info = getattr(gm.graph._codegen, "pytree_info", None)
-    return None if info is None else info.out_spec
-
-
 def _split_leaves(
     model: nn.Module, leaf_modules: Iterable[LeafSpec]
 ) -> tuple[tuple[type, ...], frozenset[str]]:
@@ -253,7 +248,7 @@ def _split_leaves(
 # Modules whose forward updates their buffers in place (running statistics): traced as leaves,
 # so the update runs when the module runs; a subclass from another library (timm's
 # BatchNormAct2d) would otherwise be traced through and its update lost from the graph.
-STATEFUL_LEAVES: tuple[type, ...] = (nn.modules.batchnorm._NormBase,)
+STATEFUL_LEAVES: tuple[type, ...] = (_torch.stateful_norm(),)
 
 
 class _Tracer(fx.Tracer):
@@ -389,7 +384,7 @@ def _export_trace(
         ) from exc
     gm = exported.module()
     for node in list(gm.graph.nodes):
-        if node.op == "call_module" and node.target.startswith("_guards"):
+        if _torch.is_export_guard(node):
             gm.graph.erase_node(node)
         else:
             node.meta["gp_module"] = _export_module_path(node)
@@ -404,10 +399,9 @@ def _drop_exported_constants(
 ) -> list[Source]:
     """Drop the placeholders of non-tensor inputs (export specialised on their values) and
     make the module's calling convention the tensor inputs only; return the sources."""
-    codegen = gm.graph._codegen
-    info = codegen.pytree_info  # type: ignore[attr-defined]
+    spec = _torch.in_spec(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    sources: list[Source] = list(tree_flatten_spec(list(bind.labels(args, kwargs)), info.in_spec))
+    sources: list[Source] = _torch.flatten_by_spec(list(bind.labels(args, kwargs)), spec)
     constants = {k for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
     if not constants:
         return sources
@@ -419,10 +413,8 @@ def _drop_exported_constants(
             gm.graph.erase_node(node)
         else:
             kept.append(source)
-    keys = [k for k in info.in_spec.child(1).context if k not in constants]
-    spec = tree_structure((args, {k: kwargs[k] for k in keys}))
-    orig = [a for a in info.orig_args if a not in constants]
-    codegen.pytree_info = type(info)(orig, spec, info.out_spec)  # type: ignore[attr-defined]
+    keys = [k for k in _torch.keyword_names(spec) if k not in constants]
+    _torch.drop_inputs(gm, constants, tree_structure((args, {k: kwargs[k] for k in keys})))
     return kept
 
 

@@ -1,0 +1,370 @@
+"""The one adapter over torch's private APIs: every use of one in graphpipe goes through here.
+
+torch keeps no promise about its private names (a leading underscore, or an undocumented
+attribute of a documented object); a release may rename one without warning. Each use is
+therefore one small function below, whose docstring names the torch API, says what graphpipe
+needs of it, and the torch version it was checked against. A missing API raises
+`TorchAPIError`, naming it, the first time it is used; nothing here swallows an error. Each
+function has a test in `tests/test_torch_adapter.py` that asserts, against the installed
+torch, the behaviour graphpipe relies on, so an upgrade that changes one fails there first.
+
+Not here, on purpose: `torch.utils._pytree`'s `tree_flatten`, `tree_unflatten`, `tree_map`,
+`tree_structure` and `TreeSpec`. The module is underscored, but torch documents it as the
+pytree API (torch.export's docs register types with `torch.utils._pytree`) and has no public
+twin in torch 2.13, so the tracer, the planner and the renderer import it directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import fx, nn
+
+from graphpipe.errors import GraphPipeError
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import TreeSpec
+
+# -- autograd, fx and the profiler
+
+CHECKED = "2.13"  # the torch version every function of this section was checked against
+
+
+class TorchAPIError(GraphPipeError, RuntimeError):
+    """A private torch API graphpipe relies on is missing or changed in the installed torch."""
+
+
+def _missing(api: str, need: str, exc: BaseException | None = None) -> TorchAPIError:
+    """The error for a private torch API that is gone: which, and what graphpipe needs it for."""
+    found = f" ({type(exc).__name__}: {exc})" if exc is not None else ""
+    return TorchAPIError(
+        f"torch {torch.__version__} has no {api}{found}; graphpipe uses it to {need} "
+        f"(checked against torch {CHECKED}): use a torch version graphpipe supports"
+    )
+
+
+def _private(obj: Any, attr: str, api: str, need: str) -> Any:
+    """`obj.attr`, or `TorchAPIError` naming `api` when torch no longer has it."""
+    try:
+        return getattr(obj, attr)
+    except AttributeError as exc:
+        raise _missing(api, need, exc) from exc
+
+
+# autograd: the zero-bubble split (graphpipe.runtime.backward) -------------------------------
+
+
+class GradMeta(NamedTuple):
+    """Shape, dtype and device of one gradient an autograd node takes."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+def grad_inputs(node: Any) -> tuple[GradMeta, ...]:
+    """What each gradient an autograd node takes looks like: one per output of its forward.
+
+    torch API: `torch.autograd.graph.Node._input_metadata` (a tuple of `_InputMetadata`
+    with `.shape`, `.dtype`, `.device`). graphpipe needs the count, to capture a node's
+    output gradients as `GradientEdge(node, k)` for every k, and the shape, dtype and device,
+    to seed a missing one with zeros and to sum a gradient over broadcast dimensions.
+
+    Raises:
+        TorchAPIError: torch no longer has `_input_metadata`.
+    """
+    metas = _private(
+        node,
+        "_input_metadata",
+        "autograd Node._input_metadata",
+        "count and shape the gradients a node takes (zero-bubble split backward)",
+    )
+    return tuple(GradMeta(torch.Size(m.shape), m.dtype, m.device) for m in metas)
+
+
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"  # `Node.name()` of a leaf's accumulator
+
+
+def accumulated(node: Any) -> torch.Tensor | None:
+    """The tensor an autograd node accumulates into, if it is a leaf's AccumulateGrad node.
+
+    torch API: `AccumulateGrad.variable`, the undocumented attribute of the accumulator
+    node (`Node.name()` is "torch::autograd::AccumulateGrad"). graphpipe needs it to find
+    which nodes reach a stage input's or a parameter's accumulator.
+
+    Returns:
+        The leaf tensor, or None for any other node.
+
+    Raises:
+        TorchAPIError: an AccumulateGrad node without `variable`.
+    """
+    if node.name() != ACCUMULATE_GRAD:
+        return None
+    variable: torch.Tensor = _private(
+        node,
+        "variable",
+        "AccumulateGrad.variable",
+        "find the leaf tensor an accumulator node adds into (zero-bubble split backward)",
+    )
+    return variable
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a view of another tensor's storage.
+
+    torch API: `Tensor._base` (the tensor a view was made from; None otherwise). graphpipe
+    needs it to copy a gradient the engine handed out as a view of a seed before making it a
+    parameter's `.grad`, so an in-place clip or unscale never writes into the seed.
+
+    Raises:
+        TorchAPIError: torch no longer has `Tensor._base`.
+    """
+    base = _private(tensor, "_base", "Tensor._base", "tell a view from a tensor (split backward)")
+    return base is not None
+
+
+# fx: graphs from torch.export (graphpipe.tracing.tracer) ------------------------------------
+
+
+_CALLING = "read or change the calling convention of an exported graph"
+
+
+def _codegen(gm: fx.GraphModule) -> Any:
+    """The object that writes the graph's Python code (`fx.Graph._codegen`)."""
+    return _private(gm.graph, "_codegen", "fx.Graph._codegen", _CALLING)
+
+
+def _pytree_info(gm: fx.GraphModule) -> Any | None:
+    """The `_PyTreeInfo` of a graph that flattens its inputs and outputs; None for fx's plain
+    `CodeGen` (a graph from `torch.fx.symbolic_trace`)."""
+    codegen = _codegen(gm)
+    if type(codegen) is fx.graph.CodeGen:
+        return None
+    return _private(codegen, "pytree_info", f"{type(codegen).__name__}.pytree_info", _CALLING)
+
+
+def out_spec(gm: fx.GraphModule) -> TreeSpec | None:
+    """The pytree structure of the graph's output, if its code builds one.
+
+    torch API: `fx.Graph._codegen.pytree_info.out_spec` (`_PyTreeCodeGen`, the codegen of
+    `torch.export.ExportedProgram.module()`). graphpipe needs it to rebuild a model's output
+    (a dict, a tuple) from a stage's flat tensors.
+
+    Returns:
+        The output spec, or None for a graph from `torch.fx.symbolic_trace` (fx's plain
+        `CodeGen`, which returns the output as it is).
+
+    Raises:
+        TorchAPIError: torch no longer has `_codegen` or `pytree_info`.
+    """
+    info = _pytree_info(gm)
+    return None if info is None else info.out_spec
+
+
+def in_spec(gm: fx.GraphModule) -> TreeSpec:
+    """The pytree structure of an exported graph's inputs: `((args...), {kwargs...})`.
+
+    torch API: `fx.Graph._codegen.pytree_info.in_spec`, as `ExportedProgram.module()`
+    builds it. graphpipe needs it to know which placeholder each positional or keyword
+    input becomes.
+
+    Raises:
+        TorchAPIError: the graph's code does not flatten its inputs (not from torch.export),
+            or torch no longer has `_codegen` or `pytree_info`.
+    """
+    info = _pytree_info(gm)
+    if info is None:
+        raise _missing("pytree_info on this graph", _CALLING)
+    spec: TreeSpec = info.in_spec
+    return spec
+
+
+def keyword_names(spec: TreeSpec) -> list[str]:
+    """The keyword inputs of an exported graph's input spec, in its order.
+
+    torch API: `TreeSpec.child(1).context`, the keys of the kwargs dict of the
+    `((args...), {kwargs...})` spec torch.export builds.
+
+    Raises:
+        TorchAPIError: the spec is not an (args, kwargs) pair, or `TreeSpec` changed.
+    """
+    child = _private(spec, "child", "TreeSpec.child", _CALLING)
+    try:
+        kwargs = child(1)
+    except (IndexError, TypeError) as exc:
+        raise _missing("a ((args), {kwargs}) input spec", _CALLING, exc) from exc
+    return list(_private(kwargs, "context", "TreeSpec.context", _CALLING))
+
+
+def drop_inputs(gm: fx.GraphModule, names: Collection[str], spec: TreeSpec) -> None:
+    """Make an exported graph's code take its inputs less `names`, flattened by `spec`.
+
+    torch API: `fx.Graph._codegen.pytree_info`, a `_PyTreeInfo(orig_args, in_spec,
+    out_spec)` named tuple (replaced with its `_replace`): `orig_args` are the forward's
+    argument names in the generated signature. graphpipe needs it to drop the inputs
+    torch.export specialised on (non-tensor keyword values), so the module is called with
+    its tensor inputs only. Erase their placeholders, then call `gm.recompile()`.
+
+    Args:
+        gm: A graph from `ExportedProgram.module()`.
+        names: The argument names to drop.
+        spec: The structure of the inputs left, `((args...), {kwargs...})`.
+
+    Raises:
+        TorchAPIError: the graph does not flatten its inputs, or `_PyTreeInfo` changed.
+    """
+    info = _pytree_info(gm)
+    if info is None:
+        raise _missing("pytree_info on this graph", _CALLING)
+    orig = list(_private(info, "orig_args", "_PyTreeInfo.orig_args", _CALLING))
+    replace = _private(info, "_replace", "_PyTreeInfo._replace", _CALLING)
+    _codegen(gm).pytree_info = replace(orig_args=[a for a in orig if a not in names], in_spec=spec)
+
+
+def flatten_by_spec(tree: Any, spec: TreeSpec) -> list[Any]:
+    """The leaves of `tree`, in the order `spec` flattens it (dict keys in the spec's order).
+
+    torch API: `torch.fx._pytree.tree_flatten_spec`, what an exported module's code calls on
+    its inputs. graphpipe needs it to label each placeholder with the input it comes from.
+
+    Raises:
+        TorchAPIError: torch no longer has it.
+    """
+    try:
+        from torch.fx._pytree import tree_flatten_spec
+    except ImportError as exc:
+        raise _missing("torch.fx._pytree.tree_flatten_spec", "label placeholders", exc) from exc
+    return list(tree_flatten_spec(tree, spec))
+
+
+EXPORT_GUARD_PREFIX = "_guards"  # `ExportedProgram.module()`'s input-check submodule
+
+
+def is_export_guard(node: fx.Node) -> bool:
+    """Whether `node` calls the input checks `ExportedProgram.module()` inserts.
+
+    torch API: the `_guards_fn` submodule that torch.export (2.9 and later) calls after the
+    placeholders to check shapes and constants. graphpipe drops it: each stage runs at the
+    shapes it was traced with, and the check would name inputs the stage does not have.
+    """
+    return node.op == "call_module" and str(node.target).startswith(EXPORT_GUARD_PREFIX)
+
+
+def stateful_norm() -> type[nn.Module]:
+    """The base class of torch's normalisation modules that keep running statistics.
+
+    torch API: `torch.nn.modules.batchnorm._NormBase`, the base of BatchNorm{1,2,3}d,
+    SyncBatchNorm, InstanceNorm{1,2,3}d and their lazy forms (and of any library's subclass
+    of them). graphpipe needs one class that covers them all, to keep every module that
+    updates buffers in its forward a leaf of the fx trace.
+
+    Raises:
+        TorchAPIError: torch no longer has it.
+    """
+    base: type[nn.Module] = _private(
+        nn.modules.batchnorm,
+        "_NormBase",
+        "torch.nn.modules.batchnorm._NormBase",
+        "keep modules with running statistics leaves of the trace",
+    )
+    return base
+
+
+def fake_mode() -> FakeTensorMode:
+    """A fake-tensor mode that also accepts real tensors as inputs.
+
+    torch API: `torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)`
+    and its `from_tensor`. graphpipe needs it to run a stage at the micro-batch size without
+    memory or compute, recording each value's shape and dtype on its real device.
+
+    Raises:
+        TorchAPIError: torch no longer has it.
+    """
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError as exc:
+        raise _missing(
+            "torch._subclasses.fake_tensor.FakeTensorMode", "run a stage on fake tensors", exc
+        ) from exc
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# amp: fp16's loss scaler (graphpipe.runtime.precision) --------------------------------------
+
+
+def unscale_and_check_(
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """Multiply `grads` by `inv_scale` in place and set `found_inf` to 1 if one is not finite.
+
+    torch API: `torch._amp_foreach_non_finite_check_and_unscale_`, the fused kernel
+    `torch.amp.GradScaler.unscale_` runs. All of `grads`, `found_inf` (a one-element float32
+    tensor) and `inv_scale` (likewise) must be on one device; group by device and dtype first.
+
+    Raises:
+        TorchAPIError: torch no longer has it.
+    """
+    op = _private(
+        torch,
+        "_amp_foreach_non_finite_check_and_unscale_",
+        "torch._amp_foreach_non_finite_check_and_unscale_",
+        "unscale fp16 gradients and find an inf or NaN among them",
+    )
+    op(list(grads), found_inf, inv_scale)
+
+
+# profiler: measured timelines (graphpipe.runtime.profiling) ---------------------------------
+
+
+class ProfilerEvent(NamedTuple):
+    """One kineto event, as graphpipe reads it: times in ns since the Unix epoch."""
+
+    name: str
+    on_cpu: bool  # a host event (device_type CPU), not device work
+    activity: str  # kineto's activity type: "cpu_op", "kernel", "cuda_runtime", ...
+    start_ns: int
+    end_ns: int
+    correlation_id: int  # CUPTI's id linking a launch to its device work
+    linked_correlation_id: int  # for device work, the torch op it belongs to
+
+
+def kineto_events(prof: torch.profiler.profile) -> list[ProfilerEvent] | None:
+    """The raw events of a finished profiler run; None while it has no results.
+
+    torch API: `torch.profiler.profile.profiler.kineto_results` (set when the run ends) and
+    its `events()`, torch's `_KinetoEvent`s with `name()`, `device_type()`,
+    `activity_type()`, `start_ns()`, `end_ns()`, `correlation_id()` and
+    `linked_correlation_id()`. graphpipe needs the epoch-nanosecond times and the CUPTI
+    correlation ids, which the public `prof.events()` does not keep, to place each kernel in
+    the action that launched it from any thread.
+
+    Raises:
+        TorchAPIError: torch no longer has one of these.
+    """
+    need = "read measured action times (profiling)"
+    if prof.profiler is None:
+        return None
+    results = _private(prof.profiler, "kineto_results", "profile.kineto_results", need)
+    if results is None:
+        return None
+    return [_event(e, need) for e in _private(results, "events", "kineto events()", need)()]
+
+
+def _event(e: Any, need: str) -> ProfilerEvent:
+    """One `_KinetoEvent` as a `ProfilerEvent`."""
+
+    def read(method: str) -> Any:
+        return _private(e, method, f"_KinetoEvent.{method}()", need)()
+
+    return ProfilerEvent(
+        name=read("name"),
+        on_cpu=read("device_type") == torch.autograd.DeviceType.CPU,
+        activity=read("activity_type"),
+        start_ns=read("start_ns"),
+        end_ns=read("end_ns"),
+        correlation_id=read("correlation_id"),
+        linked_correlation_id=read("linked_correlation_id"),
+    )
