@@ -13,7 +13,7 @@ Generators:
             flight). Alias: graph1f1b.
     zb      zero bubble ZB-H1 (Qi et al., arXiv 2401.10241): 1F1B with the backward split into
             I (input gradient, on the critical path) and W (weight gradient, deferrable). The
-                    W passes fill bubbles: a greedy run of the plan's costs does W whenever the next
+            W passes fill bubbles: a greedy run of the plan's costs does W whenever the next
             F or I waits for its input, and before a new F once a stage holds as much
             activation as 1F1B would (an I frees all but the W share, see
             `graphpipe.scheduling.simulate`). Same memory as 1F1B, a smaller bubble.
@@ -45,9 +45,14 @@ Generators:
             backwards of a stage go in micro-batch order, so the oldest unfinished
             micro-batch can always move on: the construction cannot stall.
 
-Communication is inserted around compute: before F(j) a receive from every in-edge and after
-it a send on every out-edge; before B/I(j) a receive of gradients from every out-edge that
-carries them back, and after it a send on every such in-edge.
+Communication is inserted around compute by the IR's one rule (`graphpipe.ir.messages`):
+before F(j) a receive from every in-edge and after it a send on every out-edge; before B/I(j)
+a receive of gradients from every out-edge that carries them back, and after it a send on
+every such in-edge.
+
+What each schedule is (split backward, placement, asynchronous, replicas) is read from
+`graphpipe.ir.registry.SCHEDULES`; this module maps each name there to its builder, and
+refuses to import when the two disagree.
 
 Devices holding several stages (interleaved, zbv) get one update `U` for all of them, after
 their last backward. A stage replicated on r devices runs micro-batch j on devices[j % r];
@@ -57,28 +62,35 @@ all-reduces gradients with the other replicas. Asynchronous schedules need unrep
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import (
     Action,
+    ActionKind,
+    Message,
     Plan,
     Schedule,
+    ScheduleSpec,
     Stage,
+    awaits,
     compute_time,
     device_of,
     edges_to_sink,
     freed,
-    transfer_time,
+    message_time,
+    schedule_spec,
+    sends,
+    with_messages,
 )
+from graphpipe.ir.registry import SCHEDULES
 
-__all__ = ["ASYNC", "PLACED", "SCHEDULES", "drain_schedule", "make_schedule", "warmups"]
+__all__ = ["drain_schedule", "make_schedule", "warmups"]
 
-Order = list[tuple[str, int]]  # a stage's compute actions: (kind, micro-batch)
-ASYNC = frozenset({"async", "2bw"})
-PLACED = {"interleaved": "loop", "zbv": "v"}  # schedules for several stages per device
-ANY_PLACEMENT = "graph_interleaved"  # runs any placement of single-device stages
-ALIASES = {"graph1f1b": "1f1b"}
+F, B, I, W, U = (ActionKind(k) for k in "FBIWU")  # noqa: E741 -- the kinds' own letters
+Order = list[tuple[ActionKind, int]]  # a stage's compute actions: (kind, micro-batch)
+Builder = Callable[[Plan, int, int], list[list[Action]]]  # (plan, call, M) -> rank lists
 
 
 def warmups(plan: Plan) -> dict[int, int]:
@@ -86,16 +98,16 @@ def warmups(plan: Plan) -> dict[int, int]:
     return edges_to_sink(plan.stage_graph)
 
 
-def _one_f_one_b(mbs: list[int], warmup: int, backward: str = "B") -> Order:
+def _one_f_one_b(mbs: list[int], warmup: int, backward: ActionKind = B) -> Order:
     w = min(warmup, len(mbs))
-    order: Order = [("F", j) for j in mbs[:w]]
+    order: Order = [(F, j) for j in mbs[:w]]
     for i, j in enumerate(mbs[w:]):
-        order += [("F", j), (backward, mbs[i])]
+        order += [(F, j), (backward, mbs[i])]
     return order + [(backward, j) for j in mbs[len(mbs) - w :]]
 
 
 def _gpipe(plan: Plan, mbs: list[int]) -> dict[int, Order]:
-    return {s.index: [("F", j) for j in mbs] + [("B", j) for j in mbs] for s in plan.stages}
+    return {s.index: [(F, j) for j in mbs] + [(B, j) for j in mbs] for s in plan.stages}
 
 
 def _flush_1f1b(plan: Plan, mbs: list[int]) -> dict[int, Order]:
@@ -110,7 +122,7 @@ def _async_slice(plan: Plan, mbs: list[int], update_every: int) -> dict[int, Ord
     for s in plan.stages:
         order: Order = []
         for f in mbs:
-            order.append(("F", f))
+            order.append((F, f))
             j = f - w[s.index]
             if j >= 0:
                 order += _backward_and_update(j, update_every)
@@ -119,61 +131,100 @@ def _async_slice(plan: Plan, mbs: list[int], update_every: int) -> dict[int, Ord
 
 
 def _backward_and_update(j: int, update_every: int) -> Order:
-    return [("B", j), ("U", j)] if (j + 1) % update_every == 0 else [("B", j)]
+    return [(B, j), (U, j)] if (j + 1) % update_every == 0 else [(B, j)]
 
 
-def _per_stage_orders(plan: Plan, name: str, call: int, m: int) -> dict[int, Order]:
-    if name in ASYNC:
-        every = 1 if name == "async" else m
-        return _async_slice(plan, list(range(call * m, (call + 1) * m)), every)
-    if name == "forward":
-        return {s.index: [("F", j) for j in range(m)] for s in plan.stages}
-    builders: dict[str, Callable[[Plan, list[int]], dict[int, Order]]] = {
-        "gpipe": _gpipe,
-        "1f1b": _flush_1f1b,
-        "zb": _zero_bubble,
+def _update_every(name: str, m: int) -> int:
+    """Backwards between an asynchronous schedule's updates: 1 (async), M (2bw)."""
+    return 1 if name == "async" else m
+
+
+# -- the builders, one per schedule of the registry --------------------------------------------
+
+
+def _flushed(build: Callable[[Plan, list[int]], dict[int, Order]]) -> Builder:
+    """Per-stage orders over micro-batches 0..M-1, then one update per stage."""
+
+    def builder(plan: Plan, call: int, m: int) -> list[list[Action]]:
+        orders = build(plan, list(range(m)))
+        return _rank_lists(plan, {s: [*order, (U, -1)] for s, order in orders.items()})
+
+    return builder
+
+
+def _asynchronous(name: str) -> Builder:
+    """Call `call`'s slice of the unflushed 1F1B: micro-batches call*M..call*M+M-1."""
+
+    def builder(plan: Plan, call: int, m: int) -> list[list[Action]]:
+        mbs = list(range(call * m, (call + 1) * m))
+        return _rank_lists(plan, _async_slice(plan, mbs, _update_every(name, m)))
+
+    return builder
+
+
+def _forward_only(plan: Plan, call: int, m: int) -> list[list[Action]]:
+    return _rank_lists(plan, {s.index: [(F, j) for j in range(m)] for s in plan.stages})
+
+
+def _placed(build: Callable[[Plan, list[int]], list[RankOrder]]) -> Builder:
+    """Per-device orders over micro-batches 0..M-1, then one update per device."""
+
+    def builder(plan: Plan, call: int, m: int) -> list[list[Action]]:
+        return _device_lists(plan, build(plan, list(range(m))))
+
+    return builder
+
+
+def _builders() -> dict[str, Builder]:
+    builders: dict[str, Builder] = {
+        "gpipe": _flushed(_gpipe),
+        "1f1b": _flushed(_flush_1f1b),
+        "zb": _flushed(_zero_bubble),
+        "async": _asynchronous("async"),
+        "2bw": _asynchronous("2bw"),
+        "forward": _forward_only,
+        "interleaved": _placed(_interleaved),
+        "zbv": _placed(_zbv),
+        "graph_interleaved": _placed(_graph_interleaved),
     }
-    orders = builders[name](plan, list(range(m)))
-    return {s: [*order, ("U", -1)] for s, order in orders.items()}
+    if set(builders) != set(SCHEDULES):
+        raise ConfigError(
+            "the generators and graphpipe.ir.registry.SCHEDULES disagree: builders without a "
+            f"spec {sorted(set(builders) - set(SCHEDULES))}, specs without a builder "
+            f"{sorted(set(SCHEDULES) - set(builders))}"
+        )
+    return builders
 
 
-def _check(plan: Plan, name: str, m: int) -> str:
-    name = ALIASES.get(name, name)
-    if name not in (*SCHEDULES, "forward"):
-        raise ConfigError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}")
+# -- checks, from the registry's spec ----------------------------------------------------------
+
+
+def _check(plan: Plan, name: str, m: int) -> ScheduleSpec:
+    """The spec of `name`, once `plan` and M fit it (see `make_schedule` for the errors)."""
+    spec = schedule_spec(name, training=False)
     if m < 1:
         raise ConfigError(f"micro_batches must be >= 1, got {m}")
-    if name in PLACED:
-        _check_placed(plan, name, m)
-    elif name == ANY_PLACEMENT:
-        replicated = [s.index for s in plan.stages if s.replicas > 1]
-        if replicated:
-            raise ScheduleError(
-                f"graph_interleaved needs unreplicated stages; stages {replicated} are "
-                "replicated (plan with replication=False)"
-            )
-    else:
-        shared = plan.shared_devices()
-        if shared and name != "forward":
-            raise ScheduleError(
-                f"schedule {name!r} runs one stage per device, but devices {shared} hold "
-                f"several; use one of {sorted([*PLACED, ANY_PLACEMENT])}"
-            )
-    if name in ASYNC:
-        replicated = [s.index for s in plan.stages if s.replicas > 1]
-        if replicated:
-            raise ScheduleError(
-                f"schedule {name!r} needs unreplicated stages, but stages {replicated} are "
-                "data-parallel; plan with replication=False"
-            )
-    if name == "2bw" and m < plan.depth:
+    if spec.placement in ("loop", "v"):
+        _check_placed(plan, spec, m)
+    elif spec.placement is None and plan.shared_devices():
+        several = sorted(n for n, s in SCHEDULES.items() if s.placement and s.training)
+        raise ScheduleError(
+            f"schedule {spec.name!r} runs one stage per device, but devices "
+            f"{plan.shared_devices()} hold several; use one of {several}"
+        )
+    replicated = [s.index for s in plan.stages if s.replicas > 1]
+    if replicated and not spec.replicas:
+        raise ScheduleError(
+            f"schedule {spec.name!r} needs unreplicated stages, but stages {replicated} are "
+            "data-parallel; plan with replication=False"
+        )
+    if spec.name == "2bw" and m < plan.depth:
         raise ScheduleError(f"2bw needs micro_batches >= depth, got M={m} < depth {plan.depth}")
-    return name
+    return spec
 
 
-def _check_placed(plan: Plan, name: str, m: int) -> None:
-    placement = PLACED[name]
-    n = plan.num_devices
+def _check_placed(plan: Plan, spec: ScheduleSpec, m: int) -> None:
+    placement, n = str(spec.placement), plan.num_devices
     wrong = [
         s.index
         for s in plan.stages
@@ -182,13 +233,13 @@ def _check_placed(plan: Plan, name: str, m: int) -> None:
     ]
     if wrong or len(plan.edges) != len(plan.stages) - 1:
         raise ScheduleError(
-            f"schedule {name!r} needs a chain of stages placed {placement!r} "
+            f"schedule {spec.name!r} needs a chain of stages placed {placement!r} "
             f"(PlanConfig(virtual_stages=..., placement={placement!r})); stages {wrong} are "
             "not placed so"
         )
-    if name == "interleaved" and m % n:
+    if spec.name == "interleaved" and m % n:
         raise ScheduleError(f"interleaved needs micro_batches a multiple of {n} devices, got {m}")
-    if name == "zbv" and len(plan.stages) != 2 * n:
+    if spec.name == "zbv" and len(plan.stages) != 2 * n:
         raise ScheduleError(f"zbv needs 2 stages per device, got {len(plan.stages)} on {n}")
 
 
@@ -199,7 +250,7 @@ def make_schedule(
 
     Args:
         plan: The plan to schedule.
-        name: A generator from `SCHEDULES` (see the module docstring).
+        name: A schedule of `graphpipe.ir.registry.SCHEDULES` (see the module docstring).
         micro_batches: M; the plan's by default.
         calls: Consecutive step() calls to cover. Flushed schedules repeat the same lists with
             micro-batch ids restarting at 0; asynchronous ones number micro-batches on.
@@ -211,23 +262,20 @@ def make_schedule(
 
     Raises:
         ConfigError: an unknown schedule or M < 1.
-        ScheduleError: an asynchronous schedule on replicated stages, or 2bw with M < depth.
+        ScheduleError: the plan does not fit the schedule's spec (its placement, replicated
+            stages for a schedule without replicas), or 2bw with M < depth.
 
     Example:
         >>> from graphpipe.planning.partition import PlanConfig, partition_op_graph
         >>> # see tests/test_schedule.py for plans built from models
     """
     m = micro_batches or plan.micro_batches
-    name = _check(plan, name, m)
+    spec = _check(plan, name, m)
     per_rank: list[list[Action]] = [[] for _ in range(plan.num_devices)]
     for call in range(first_call, first_call + calls):
-        if name in PLACED or name == ANY_PLACEMENT:
-            lists = _placed_lists(plan, name, m)
-        else:
-            lists = _rank_lists(plan, _per_stage_orders(plan, name, call, m))
-        for rank, actions in enumerate(lists):
+        for rank, actions in enumerate(_BUILDERS[spec.name](plan, call, m)):
             per_rank[rank] += actions
-    return Schedule(name, m, tuple(tuple(a) for a in per_rank), calls)
+    return Schedule(spec.name, m, tuple(tuple(a) for a in per_rank), calls)
 
 
 def drain_schedule(
@@ -239,13 +287,14 @@ def drain_schedule(
         ConfigError: `name` is not an asynchronous schedule.
     """
     m = micro_batches or plan.micro_batches
-    name = _check(plan, name, m)
-    if name not in ASYNC:
+    spec = _check(plan, name, m)
+    if not spec.asynchronous:
+        asynchronous = sorted(n for n, s in SCHEDULES.items() if s.asynchronous)
         raise ConfigError(
-            f"only asynchronous schedules ({sorted(ASYNC)}) need draining, not {name!r}"
+            f"only asynchronous schedules ({asynchronous}) need draining, not {spec.name!r}"
         )
     end, w = calls_done * m, warmups(plan)
-    every = 1 if name == "async" else m
+    every = _update_every(spec.name, m)
     orders = {
         s.index: [
             a for j in range(max(0, end - w[s.index]), end) for a in _backward_and_update(j, every)
@@ -253,7 +302,7 @@ def drain_schedule(
         for s in plan.stages
     }
     lists = _rank_lists(plan, orders)
-    return Schedule(name, m, tuple(tuple(a) for a in lists), 0)
+    return Schedule(spec.name, m, tuple(tuple(a) for a in lists), 0)
 
 
 # -- from stage orders to rank lists -----------------------------------------------------------
@@ -263,89 +312,114 @@ def _rank_lists(plan: Plan, orders: dict[int, Order]) -> list[list[Action]]:
     lists: list[list[Action]] = [[] for _ in range(plan.num_devices)]
     for s in plan.stages:
         for kind, j in orders[s.index]:
-            ranks = s.devices if kind == "U" else (s.device_for(j),)
+            ranks = s.devices if kind == U else (s.device_for(j),)
             for rank in ranks:
-                lists[rank] += _with_comm(plan, s.index, kind, j)
+                lists[rank] += with_messages(plan, _action(s.index, kind, j))
     return lists
 
 
-def _with_comm(plan: Plan, s: int, kind: str, j: int) -> list[Action]:
-    ins = [e for e in plan.edges if e.dst == s]
-    outs = [e for e in plan.edges if e.src == s]
-    if kind == "U":
-        return [Action(s, "U", j if j >= 0 else None)]
-    if kind == "F":
-        return (
-            [Action(s, "RF", j, e.src) for e in ins]
-            + [Action(s, "F", j)]
-            + [Action(s, "SF", j, e.dst) for e in outs]
-        )
-    if kind in ("B", "I"):
-        return (
-            [Action(s, "RB", j, e.dst) for e in outs if e.backward_message]
-            + [Action(s, kind, j)]
-            + [Action(s, "SB", j, e.src) for e in ins if e.backward_message]
-        )
-    return [Action(s, kind, j)]
+def _action(stage: int, kind: ActionKind, j: int) -> Action:
+    """A compute action, or an update (j < 0: the flushed update, `sU`)."""
+    return Action(stage, kind, None if kind == U and j < 0 else j)
 
 
 # -- several stages per device -----------------------------------------------------------------
 
-RankOrder = list[tuple[int, str, int]]  # a device's compute actions: (stage, kind, mb)
+Step = tuple[int, ActionKind, int]  # (stage, kind, micro-batch)
+RankOrder = list[Step]  # a device's compute actions
 
 
-def _placed_lists(plan: Plan, name: str, m: int) -> list[list[Action]]:
-    builders: dict[str, Callable[[Plan, int], list[RankOrder]]] = {
-        "interleaved": _interleaved,
-        "zbv": lambda p, m: _zbv(p, list(range(m))),
-        ANY_PLACEMENT: lambda p, m: _graph_interleaved(p, list(range(m))),
-    }
-    orders = builders[name](plan, m)
+def _device_lists(plan: Plan, orders: list[RankOrder]) -> list[list[Action]]:
+    """Each device's order with its messages, and one update for all its stages."""
     lists: list[list[Action]] = []
     for rank, order in enumerate(orders):
-        actions = [a for stage, kind, j in order for a in _with_comm(plan, stage, kind, j)]
+        actions = [
+            a for stage, kind, j in order for a in with_messages(plan, Action(stage, kind, j))
+        ]
         held = [s.index for s in plan.stages_on(rank)]
-        lists.append([*actions, Action(min(held), "U")] if held else [])  # idle devices
+        lists.append([*actions, Action(min(held), U)] if held else [])  # idle devices
     return lists
 
 
-def _interleaved(plan: Plan, m: int) -> list[RankOrder]:
+def _interleaved(plan: Plan, mbs: list[int]) -> list[RankOrder]:
     """Megatron's interleaved 1F1B on a "loop" placement (see the module docstring)."""
     n = plan.num_devices
     v = len(plan.stages) // n
-    total = m * v
+    total = len(mbs) * v
 
-    def nth(rank: int, k: int, kind: str) -> tuple[int, str, int]:
+    def nth(rank: int, k: int, kind: ActionKind) -> Step:
         """The k-th forward (or backward) of `rank`: (stage, kind, micro-batch)."""
         chunk = (k // n) % v
-        if kind == "B":
+        if kind == B:
             chunk = v - 1 - chunk
         return chunk * n + rank, kind, (k // (n * v)) * n + k % n
 
     orders = []
     for rank in range(n):
         warmup = min(2 * (n - 1 - rank) + (v - 1) * n, total)
-        order = [nth(rank, k, "F") for k in range(warmup)]
+        order = [nth(rank, k, F) for k in range(warmup)]
         for k in range(total - warmup):
-            order += [nth(rank, warmup + k, "F"), nth(rank, k, "B")]
-        order += [nth(rank, k, "B") for k in range(total - warmup, total)]
+            order += [nth(rank, warmup + k, F), nth(rank, k, B)]
+        order += [nth(rank, k, B) for k in range(total - warmup, total)]
         orders.append(order)
     return orders
 
 
-def _zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
-    """ZB-V on a "v" placement: a greedy run of the plan's costs (see the module docstring)."""
-    n = plan.num_devices
-    ranks = [_VRank(plan, r, mbs, cap=2 * n) for r in range(n)]
+# -- greedy runs of the plan's costs -----------------------------------------------------------
+
+Arrivals = dict[Message, float]  # when each message sent so far arrives
+
+
+class _Rank(Protocol):
+    """A device (or a replica) whose next compute action a greedy run picks."""
+
+    clock: float
+
+    def busy(self) -> bool:
+        """Whether it has actions left."""
+        ...
+
+    def next_start(self, arrivals: Arrivals) -> float:
+        """When its next action can start (inf: not before something else runs)."""
+        ...
+
+    def pop(self, arrivals: Arrivals) -> Step:
+        """Take its next action."""
+        ...
+
+
+def _greedy(plan: Plan, ranks: Sequence[_Rank], what: str) -> None:
+    """Run the ranks' actions over the plan's costs, always the one that can start first.
+
+    List scheduling: the busy rank with the earliest next start runs its next action, its
+    clock advances by the action's compute time and the messages it sends arrive after
+    their transfer. O(A * R) `next_start` calls for A actions on R ranks.
+
+    Raises:
+        ScheduleError: no rank can run (not seen for the generators' ranks).
+    """
     arrivals: Arrivals = {}
-    while any(r.busy() for r in ranks):
-        rank = min((r for r in ranks if r.busy()), key=lambda r: r.next_start(arrivals))
+    while busy := [r for r in ranks if r.busy()]:
+        rank = min(busy, key=lambda r: r.next_start(arrivals))
         start = rank.next_start(arrivals)
         if start == float("inf"):
-            raise ScheduleError("ZB-V construction stalled: no device can run")
+            raise ScheduleError(f"{what} construction stalled: no rank can run")
         stage, kind, j = rank.pop(arrivals)
         rank.clock = start + compute_time(plan.stages[stage], kind)
-        _post(plan, stage, kind, j, rank.clock, arrivals)
+        for m in sends(plan, Action(stage, kind, j)):
+            arrivals[m] = rank.clock + message_time(plan, m)
+
+
+def _arrived(plan: Plan, stage: int, kind: ActionKind, j: int, arrivals: Arrivals) -> float:
+    """When the last message the action awaits arrives (inf: one is not sent yet)."""
+    needed = awaits(plan, Action(stage, kind, j))
+    return max((arrivals.get(m, float("inf")) for m in needed), default=0.0)
+
+
+def _zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
+    """ZB-V on a "v" placement: a greedy run of the plan's costs (see the module docstring)."""
+    ranks = [_VRank(plan, r, mbs, cap=2 * plan.num_devices) for r in range(plan.num_devices)]
+    _greedy(plan, ranks, "ZB-V")
     return [r.done for r in ranks]
 
 
@@ -362,7 +436,7 @@ class _VRank:
         # 2(N-d)-1 shallow forwards; more would fill the memory the deep stage needs
         self.shallow_limit = 2 * (n - rank) - 1
         self.ahead = 0  # shallow forwards done less deep forwards done
-        self.todo = {(s, k): list(mbs) for s in self.stages for k in ("F", "I")}
+        self.todo = {(s, k): list(mbs) for s in self.stages for k in (F, I)}
         self.pending_w: list[tuple[int, int]] = []
         self.forwarded: set[tuple[int, int]] = set()
         self.held = 0.0
@@ -372,25 +446,24 @@ class _VRank:
     def busy(self) -> bool:
         return bool(self.pending_w) or any(self.todo.values())
 
-    def _ready(self, stage: int, kind: str, arrivals: Arrivals) -> float:
+    def _ready(self, stage: int, kind: ActionKind, arrivals: Arrivals) -> float:
         queue = self.todo[(stage, kind)]
         if not queue:
             return float("inf")
         j = queue[0]
-        if kind == "I" and (stage, j) not in self.forwarded:
+        if kind == I and (stage, j) not in self.forwarded:
             return float("inf")
-        if kind == "F" and self.held + 1 > self.cap + 1e-9:
+        if kind == F and self.held + 1 > self.cap + 1e-9:
             return float("inf")
-        if kind == "F" and stage == self.stages[1] and self.ahead >= self.shallow_limit:
+        if kind == F and stage == self.stages[1] and self.ahead >= self.shallow_limit:
             return float("inf")
-        keys = [(d, a, b, j) for d, a, b in _inputs(self.plan, stage, kind)]
-        return max((arrivals.get(k, float("inf")) for k in keys), default=0.0)
+        return _arrived(self.plan, stage, kind, j, arrivals)
 
-    def _choice(self, arrivals: Arrivals) -> tuple[float, tuple[int, str, int] | None]:
+    def _choice(self, arrivals: Arrivals) -> tuple[float, Step | None]:
         """When the next action can start, and which: a ready I, then a ready F, then a W."""
         options = [
-            (max(self.clock, self._ready(s, k, arrivals)), 0 if k == "I" else 1, i, s, k)
-            for k in ("I", "F")
+            (max(self.clock, self._ready(s, k, arrivals)), 0 if k == I else 1, i, s, k)
+            for k in (I, F)
             for i, s in enumerate(self.stages)
         ]
         now = [o for o in options if o[0] <= self.clock]
@@ -399,7 +472,7 @@ class _VRank:
             return self.clock, (s, k, self.todo[(s, k)][0])
         if self.pending_w:
             s, j = self.pending_w[0]
-            return self.clock, (s, "W", j)
+            return self.clock, (s, W, j)
         best = min(options)
         if best[0] == float("inf"):
             return best[0], None
@@ -408,18 +481,18 @@ class _VRank:
     def next_start(self, arrivals: Arrivals) -> float:
         return self._choice(arrivals)[0]
 
-    def pop(self, arrivals: Arrivals) -> tuple[int, str, int]:
+    def pop(self, arrivals: Arrivals) -> Step:
         _, action = self._choice(arrivals)
         assert action is not None
         stage, kind, j = action
-        if kind == "W":
+        if kind == W:
             self.pending_w.pop(0)
         else:
             self.todo[(stage, kind)].pop(0)
-        if kind == "F":
+        if kind == F:
             self.forwarded.add((stage, j))
             self.ahead += 1 if stage == self.stages[1] else -1
-        if kind == "I":
+        if kind == I:
             self.pending_w.append((stage, j))
         self.held -= freed(self.plan.stages[stage], kind)
         self.done.append(action)
@@ -431,15 +504,7 @@ def _graph_interleaved(plan: Plan, mbs: list[int]) -> list[RankOrder]:
     the module docstring)."""
     w = warmups(plan)
     ranks = [_GraphRank(plan, r, mbs, w) for r in range(plan.num_devices)]
-    arrivals: Arrivals = {}
-    while any(r.busy() for r in ranks):
-        rank = min((r for r in ranks if r.busy()), key=lambda r: r.next_start(arrivals))
-        start = rank.next_start(arrivals)
-        if start == float("inf"):
-            raise ScheduleError("graph_interleaved construction stalled: no device can run")
-        stage, kind, j = rank.pop(arrivals)
-        rank.clock = start + compute_time(plan.stages[stage], kind)
-        _post(plan, stage, kind, j, rank.clock, arrivals)
+    _greedy(plan, ranks, "graph_interleaved")
     return [r.done for r in ranks]
 
 
@@ -454,7 +519,7 @@ class _GraphRank:
         self.stages = sorted((s.index for s in plan.stages_on(rank)), key=lambda s: warmup[s])
         self.cap = {s: warmup[s] + 1 for s in self.stages}
         self.in_flight = dict.fromkeys(self.stages, 0)
-        self.todo = {(s, k): list(mbs) for s in self.stages for k in ("F", "B")}
+        self.todo = {(s, k): list(mbs) for s in self.stages for k in (F, B)}
         self.forwarded: set[tuple[int, int]] = set()
         self.clock = 0.0
         self.done: RankOrder = []
@@ -462,27 +527,26 @@ class _GraphRank:
     def busy(self) -> bool:
         return any(self.todo.values())
 
-    def _ready(self, stage: int, kind: str, arrivals: Arrivals) -> float:
+    def _ready(self, stage: int, kind: ActionKind, arrivals: Arrivals) -> float:
         queue = self.todo[(stage, kind)]
         if not queue:
             return float("inf")
         j = queue[0]
-        if kind == "B" and (stage, j) not in self.forwarded:
+        if kind == B and (stage, j) not in self.forwarded:
             return float("inf")
-        if kind == "F" and self.in_flight[stage] >= self.cap[stage]:
+        if kind == F and self.in_flight[stage] >= self.cap[stage]:
             return float("inf")
-        keys = [(d, a, b, j) for d, a, b in _inputs(self.plan, stage, kind)]
-        return max((arrivals.get(k, float("inf")) for k in keys), default=0.0)
+        return _arrived(self.plan, stage, kind, j, arrivals)
 
-    def _choice(self, arrivals: Arrivals) -> tuple[float, tuple[int, str, int] | None]:
+    def _choice(self, arrivals: Arrivals) -> tuple[float, Step | None]:
         """When the next action can start, and which: of those ready now a backward first
         (the oldest micro-batch, then the deeper stage), then a forward (the same order);
         else whichever is ready first."""
         options = []
         for order, s in enumerate(self.stages):
-            for k in ("B", "F"):
+            for k in (B, F):
                 ready = max(self.clock, self._ready(s, k, arrivals))
-                options.append((ready, k != "B", self.todo[(s, k)][:1], order, s, k))
+                options.append((ready, k != B, self.todo[(s, k)][:1], order, s, k))
         now = [o for o in options if o[0] <= self.clock]
         ready, _, _, _, s, k = min(now or options)
         if ready == float("inf"):
@@ -492,12 +556,12 @@ class _GraphRank:
     def next_start(self, arrivals: Arrivals) -> float:
         return self._choice(arrivals)[0]
 
-    def pop(self, arrivals: Arrivals) -> tuple[int, str, int]:
+    def pop(self, arrivals: Arrivals) -> Step:
         _, action = self._choice(arrivals)
         assert action is not None
         stage, kind, j = action
         self.todo[(stage, kind)].pop(0)
-        if kind == "F":
+        if kind == F:
             self.forwarded.add((stage, j))
             self.in_flight[stage] += 1
         else:
@@ -512,35 +576,24 @@ class _GraphRank:
 def _zero_bubble(plan: Plan, mbs: list[int]) -> dict[int, Order]:
     """ZB-H1 per stage: the 1F1B order with I for B, and W placed by a greedy run of the costs."""
     w = warmups(plan)
-    base = {s.index: _one_f_one_b(mbs, w[s.index], backward="I") for s in plan.stages}
+    base = {s.index: _one_f_one_b(mbs, w[s.index], backward=I) for s in plan.stages}
     ranks = [
-        _ZbRank(s, [a for a in base[s.index] if s.device_for(a[1]) == rank], w[s.index])
+        _ZbRank(plan, s, [a for a in base[s.index] if s.device_for(a[1]) == rank], w[s.index])
         for s in plan.stages
         for rank in s.devices
     ]
-    arrivals: Arrivals = {}
-    while any(r.busy() for r in ranks):
-        rank = min((r for r in ranks if r.busy()), key=lambda r: r.next_start(plan, arrivals))
-        start = rank.next_start(plan, arrivals)
-        if start == float("inf"):
-            raise ScheduleError("zero-bubble construction stalled: no rank can run")
-        kind, j = rank.pop(plan, arrivals)
-        rank.clock = start + compute_time(plan.stages[rank.stage], kind)
-        _post(plan, rank.stage, kind, j, rank.clock, arrivals)
+    _greedy(plan, ranks, "zero-bubble")
     orders: dict[int, Order] = {s.index: [] for s in plan.stages}
     for r in ranks:  # replicas hold disjoint micro-batches: concatenating keeps each one's order
         orders[r.stage] += r.done
     return orders
 
 
-Arrivals = dict[tuple[str, int, int, int], float]  # (direction, from, to, mb) -> arrival time
-
-
 class _ZbRank:
     """One rank's state while the zero-bubble order is built."""
 
-    def __init__(self, stage: Stage, base: Order, warmup: int) -> None:
-        self.stage, self.base = stage.index, list(base)
+    def __init__(self, plan: Plan, stage: Stage, base: Order, warmup: int) -> None:
+        self.plan, self.stage, self.base = plan, stage.index, list(base)
         self.info = stage
         self.cap = warmup + 1  # 1F1B's activation units: ZB-H1 keeps its memory
         self.pending_w: list[int] = []
@@ -551,57 +604,39 @@ class _ZbRank:
     def busy(self) -> bool:
         return bool(self.base or self.pending_w)
 
-    def _ready(self, plan: Plan, arrivals: Arrivals) -> float:
+    def _ready(self, arrivals: Arrivals) -> float:
         kind, j = self.base[0]
-        keys = [(d, a, b, j) for d, a, b in _inputs(plan, self.stage, kind)]
-        return max((arrivals.get(k, float("inf")) for k in keys), default=0.0)
+        return _arrived(self.plan, self.stage, kind, j, arrivals)
 
-    def _takes_w(self, plan: Plan, arrivals: Arrivals) -> bool:
+    def _takes_w(self, arrivals: Arrivals) -> bool:
         """Whether the next action is a W: forced by the memory cap, or filling a wait."""
         if not self.pending_w:
             return False
-        if not self.base or (self.base[0][0] == "F" and self.held + 1 > self.cap + 1e-9):
+        if not self.base or (self.base[0][0] == F and self.held + 1 > self.cap + 1e-9):
             return True
-        return self._ready(plan, arrivals) > self.clock
+        return self._ready(arrivals) > self.clock
 
-    def next_start(self, plan: Plan, arrivals: Arrivals) -> float:
-        if self._takes_w(plan, arrivals):
+    def next_start(self, arrivals: Arrivals) -> float:
+        if self._takes_w(arrivals):
             return self.clock
-        return max(self.clock, self._ready(plan, arrivals))
+        return max(self.clock, self._ready(arrivals))
 
-    def pop(self, plan: Plan, arrivals: Arrivals) -> tuple[str, int]:
-        if self._takes_w(plan, arrivals):
-            action = ("W", self.pending_w.pop(0))
+    def pop(self, arrivals: Arrivals) -> Step:
+        if self._takes_w(arrivals):
+            action = (W, self.pending_w.pop(0))
         else:
             action = self.base.pop(0)
-            if action[0] == "I":
+            if action[0] == I:
                 self.pending_w.append(action[1])
         self.held -= freed(self.info, action[0])
         self.done.append(action)
-        return action
+        return (self.stage, *action)
 
 
-def _inputs(plan: Plan, s: int, kind: str) -> list[tuple[str, int, int]]:
-    """Messages (direction, from stage, to stage) an action of stage `s` waits for."""
-    if kind == "F":
-        return [("F", e.src, s) for e in plan.edges if e.dst == s]
-    if kind in ("B", "I"):
-        return [("B", e.dst, s) for e in plan.edges if e.src == s and e.backward_message]
-    return []
+_BUILDERS = _builders()  # after every builder is defined; refuses a registry mismatch
 
-
-def _post(plan: Plan, s: int, kind: str, j: int, end: float, arrivals: Arrivals) -> None:
-    """Record when the messages an action sends arrive."""
-    if kind == "F":
-        for e in plan.edges:
-            if e.src == s:
-                arrivals[("F", s, e.dst, j)] = end + transfer_time(plan, e, "F")
-    elif kind in ("B", "I"):
-        for e in plan.edges:
-            if e.dst == s and e.backward_message:
-                arrivals[("B", s, e.src, j)] = end + transfer_time(plan, e, "B")
-
-
-SCHEDULES = frozenset(
-    {"gpipe", "1f1b", "zb", "async", "2bw", "interleaved", "zbv", "graph_interleaved"}
-)
+# Derived from the registry for `graphpipe.compile` and `graphpipe.runtime.pipeline` until
+# they read it themselves; nothing else should use them.
+ASYNC = frozenset(n for n, s in SCHEDULES.items() if s.asynchronous)
+PLACED = {n: str(s.placement) for n, s in SCHEDULES.items() if s.placement in ("loop", "v")}
+ANY_PLACEMENT = next(n for n, s in SCHEDULES.items() if s.placement == "any" and s.training)
