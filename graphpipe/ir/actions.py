@@ -11,6 +11,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
+from typing import NamedTuple
 
 from graphpipe.errors import ScheduleError
 
@@ -32,7 +34,8 @@ class ActionKind(StrEnum):
     """What an action does. A `str`, so `ActionKind.F == "F"` and text forms are the letters.
 
     F, B, I and W compute; SF and RF send and receive activations (direction "F"), SB and RB
-    gradients (direction "B"); U updates the weights.
+    gradients (direction "B"); U updates the weights. The properties are computed once per
+    kind (the simulator and the generators ask them for every action).
     """
 
     F = "F"
@@ -53,44 +56,44 @@ class ActionKind(StrEnum):
         """What the kind does, for people."""
         return KINDS[self]
 
-    @property
+    @cached_property
     def is_compute(self) -> bool:
         """F, B, I or W."""
         return self in COMPUTE
 
-    @property
+    @cached_property
     def is_send(self) -> bool:
         """SF or SB."""
         return self in (ActionKind.SF, ActionKind.SB)
 
-    @property
+    @cached_property
     def is_receive(self) -> bool:
         """RF or RB."""
         return self in (ActionKind.RF, ActionKind.RB)
 
-    @property
+    @cached_property
     def is_message(self) -> bool:
         """A send or a receive: names a peer and a message (`Action.message`)."""
         return self.is_send or self.is_receive
 
-    @property
+    @cached_property
     def is_backward(self) -> bool:
         """B or I: a backward that reads the gradients of its outputs and sends those of its
         inputs (W, the weight half, exchanges nothing)."""
         return self in (ActionKind.B, ActionKind.I)
 
-    @property
+    @cached_property
     def ends_backward(self) -> bool:
         """B or W: the last compute of a micro-batch on its stage."""
         return self in (ActionKind.B, ActionKind.W)
 
-    @property
+    @cached_property
     def communicates(self) -> bool:
         """F, B or I: a compute that awaits messages and sends its results on
         (`graphpipe.ir.messages`)."""
         return self == ActionKind.F or self.is_backward
 
-    @property
+    @cached_property
     def direction(self) -> str | None:
         """ "F" (activations: F, SF, RF) or "B" (gradients: B, I, W, SB, RB); None for U."""
         if self == ActionKind.U:
@@ -134,9 +137,10 @@ COMPUTE = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
 _ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|I|W|U)(\d+)?(?:([<>])(\d+))?$")
 
 
-@dataclass(frozen=True, order=True)
-class Message:
+class Message(NamedTuple):
     """One micro-batch's values crossing one stage edge: what a send and its receive carry.
+
+    A named tuple (cheap to make and to hash: the simulator keys every message by it).
 
     Attributes:
         direction: "F" (activations, along the edge) or "B" (gradients, against it).
@@ -187,13 +191,15 @@ class Action:
     peer: int | None = None
 
     def __post_init__(self) -> None:
-        try:
-            kind = ActionKind(self.kind)
-        except ValueError:
-            raise ScheduleError(
-                f"unknown action kind {self.kind!r}; known: {sorted(KINDS)}"
-            ) from None
-        object.__setattr__(self, "kind", kind)
+        kind = self.kind
+        if type(kind) is not ActionKind:  # given as letters: converted once
+            try:
+                kind = ActionKind(kind)
+            except ValueError:
+                raise ScheduleError(
+                    f"unknown action kind {kind!r}; known: {sorted(KINDS)}"
+                ) from None
+            object.__setattr__(self, "kind", kind)
         if (kind.is_compute or kind.is_message) and self.mb is None:
             raise ScheduleError(f"a {kind.description} action needs a micro-batch")
         if kind.is_message != (self.peer is not None):

@@ -410,10 +410,20 @@ def _greedy(plan: Plan, ranks: Sequence[_Rank], what: str) -> None:
             arrivals[m] = rank.clock + message_time(plan, m)
 
 
-def _arrived(plan: Plan, stage: int, kind: ActionKind, j: int, arrivals: Arrivals) -> float:
-    """When the last message the action awaits arrives (inf: one is not sent yet)."""
-    needed = awaits(plan, Action(stage, kind, j))
-    return max((arrivals.get(m, float("inf")) for m in needed), default=0.0)
+class _Needs:
+    """The messages each step awaits, asked once per step (a greedy run asks again and again
+    when its next action can start)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._needs: dict[Step, list[Message]] = {}
+
+    def arrived(self, step: Step, arrivals: Arrivals) -> float:
+        """When the last message `step` awaits arrives (inf: one is not sent yet)."""
+        needed = self._needs.get(step)
+        if needed is None:
+            needed = self._needs[step] = awaits(self.plan, Action(*step))
+        return max((arrivals.get(m, float("inf")) for m in needed), default=0.0)
 
 
 def _zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
@@ -428,7 +438,7 @@ class _VRank:
     micro-batch order, its pending weight halves, and the activation units it holds."""
 
     def __init__(self, plan: Plan, rank: int, mbs: list[int], cap: int) -> None:
-        self.plan, self.cap = plan, cap
+        self.plan, self.cap, self.needs = plan, cap, _Needs(plan)
         n = plan.num_devices
         self.stages = (2 * n - 1 - rank, rank)  # the deeper one first
         # how far the shallow stage's forwards may run ahead of the deep stage's: micro-batch
@@ -457,7 +467,7 @@ class _VRank:
             return float("inf")
         if kind == F and stage == self.stages[1] and self.ahead >= self.shallow_limit:
             return float("inf")
-        return _arrived(self.plan, stage, kind, j, arrivals)
+        return self.needs.arrived((stage, kind, j), arrivals)
 
     def _choice(self, arrivals: Arrivals) -> tuple[float, Step | None]:
         """When the next action can start, and which: a ready I, then a ready F, then a W."""
@@ -514,7 +524,7 @@ class _GraphRank:
     plus one, so each stage keeps 1F1B's activation memory)."""
 
     def __init__(self, plan: Plan, rank: int, mbs: list[int], warmup: dict[int, int]) -> None:
-        self.plan = plan
+        self.plan, self.needs = plan, _Needs(plan)
         # deeper stages (nearer a sink) first: their backwards free memory soonest
         self.stages = sorted((s.index for s in plan.stages_on(rank)), key=lambda s: warmup[s])
         self.cap = {s: warmup[s] + 1 for s in self.stages}
@@ -536,7 +546,7 @@ class _GraphRank:
             return float("inf")
         if kind == F and self.in_flight[stage] >= self.cap[stage]:
             return float("inf")
-        return _arrived(self.plan, stage, kind, j, arrivals)
+        return self.needs.arrived((stage, kind, j), arrivals)
 
     def _choice(self, arrivals: Arrivals) -> tuple[float, Step | None]:
         """When the next action can start, and which: of those ready now a backward first
@@ -594,6 +604,7 @@ class _ZbRank:
 
     def __init__(self, plan: Plan, stage: Stage, base: Order, warmup: int) -> None:
         self.plan, self.stage, self.base = plan, stage.index, list(base)
+        self.needs = _Needs(plan)
         self.info = stage
         self.cap = warmup + 1  # 1F1B's activation units: ZB-H1 keeps its memory
         self.pending_w: list[int] = []
@@ -606,7 +617,7 @@ class _ZbRank:
 
     def _ready(self, arrivals: Arrivals) -> float:
         kind, j = self.base[0]
-        return _arrived(self.plan, self.stage, kind, j, arrivals)
+        return self.needs.arrived((self.stage, kind, j), arrivals)
 
     def _takes_w(self, arrivals: Arrivals) -> bool:
         """Whether the next action is a W: forced by the memory cap, or filling a wait."""
