@@ -39,17 +39,22 @@ from graphpipe.ir.plan import (
     weight_share,
 )
 from graphpipe.ir.registry import (
+    ANY_PLACEMENT,
+    DEFAULT_SCHEDULE,
     POLICIES,
     SCHEDULES,
     PolicySpec,
     ScheduleSpec,
     policy_spec,
+    schedule_names,
     schedule_spec,
 )
 from graphpipe.ir.timeline import Span, Timeline
 
 __all__ = [
+    "ANY_PLACEMENT",
     "COMPUTE",
+    "DEFAULT_SCHEDULE",
     "KINDS",
     "POLICIES",
     "SCHEDULES",
@@ -78,6 +83,7 @@ __all__ = [
     "message_time",
     "parse_ranks",
     "policy_spec",
+    "schedule_names",
     "schedule_spec",
     "sends",
     "transfer_time",

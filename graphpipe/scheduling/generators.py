@@ -80,6 +80,7 @@ from graphpipe.ir import (
     edges_to_sink,
     freed,
     message_time,
+    registry,
     schedule_spec,
     sends,
     with_messages,
@@ -204,7 +205,7 @@ def _check(plan: Plan, name: str, m: int) -> ScheduleSpec:
     spec = schedule_spec(name, training=False)
     if m < 1:
         raise ConfigError(f"micro_batches must be >= 1, got {m}")
-    if spec.placement in ("loop", "v"):
+    if spec.folds_chain:
         _check_placed(plan, spec, m)
     elif spec.placement is None and plan.shared_devices():
         several = sorted(n for n, s in SCHEDULES.items() if s.placement and s.training)
@@ -649,5 +650,5 @@ _BUILDERS = _builders()  # after every builder is defined; refuses a registry mi
 # Derived from the registry for `graphpipe.compile` and `graphpipe.runtime.pipeline` until
 # they read it themselves; nothing else should use them.
 ASYNC = frozenset(n for n, s in SCHEDULES.items() if s.asynchronous)
-PLACED = {n: str(s.placement) for n, s in SCHEDULES.items() if s.placement in ("loop", "v")}
-ANY_PLACEMENT = next(n for n, s in SCHEDULES.items() if s.placement == "any" and s.training)
+PLACED = {n: str(s.placement) for n, s in SCHEDULES.items() if s.folds_chain}
+ANY_PLACEMENT = registry.ANY_PLACEMENT
