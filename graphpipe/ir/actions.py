@@ -109,7 +109,8 @@ class ActionKind(StrEnum):
         """
         if not self.is_message:
             raise ScheduleError(f"{self} is not a send or receive, so it has no counterpart")
-        return ActionKind(("R" if self.is_send else "S") + self[1])
+        direction = str(self.direction)
+        return ActionKind.receive(direction) if self.is_send else ActionKind.send(direction)
 
     @classmethod
     def send(cls, direction: str) -> ActionKind:
@@ -219,9 +220,10 @@ class Action:
         """
         if self.peer is None or self.mb is None:
             raise ScheduleError(f"{self} is not a send or receive, so it carries no message")
+        direction = str(self.kind.direction)
         if self.kind.is_send:
-            return Message(self.kind[1], self.stage, self.peer, self.mb)
-        return Message(self.kind[1], self.peer, self.stage, self.mb)
+            return Message(direction, self.stage, self.peer, self.mb)
+        return Message(direction, self.peer, self.stage, self.mb)
 
     def __str__(self) -> str:
         mb = "" if self.mb is None else str(self.mb)

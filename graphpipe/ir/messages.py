@@ -5,8 +5,8 @@ on every edge out of s; a backward (B or I) goes the other way: it awaits the gr
 on every edge out of s that carries some back (`StageEdge.backward_message`) and sends its
 input gradients on every such edge into s. W and U exchange nothing.
 
-    >>> [str(m.receive) for m in awaits(plan, Action(2, "F", 0))]    # doctest: +SKIP
-    ['2RF0<1']
+    awaits(plan, Action(2, "F", 0))    # on a chain: [Message("F", 1, 2, 0)], received by 2RF0<1
+    sends(plan, Action(2, "B", 0))     # [Message("B", 2, 1, 0)], sent by 2SB0>1
 
 The generators, the lowering, the dry run, the simulator and the executor all ask these
 functions; none writes the rule again. A message may repeat (an asynchronous run's calls, a

@@ -213,7 +213,7 @@ class Executor:
         pending = self.transport.exchange(outgoing, [self._incoming(a) for a in receives])
         for a, p in zip(receives, pending, strict=True):
             mb = self._mb(a.stage, a.mb)  # type: ignore[arg-type]
-            (mb.forward_recvs if a.kind == "RF" else mb.backward_recvs).append(
+            (mb.forward_recvs if a.kind.direction == "F" else mb.backward_recvs).append(
                 (self._edge_of(a), p)
             )
         for a in local:
@@ -221,30 +221,31 @@ class Executor:
                 mb = self._mb(a.stage, a.mb)  # type: ignore[arg-type]
                 mb.arrived.append((self._edge_of(a), self._mailbox.pop(a.message)))
         for a in group.actions:
-            if a.kind == "SB":
+            if a.kind == ActionKind.SB:
                 assert a.mb is not None
                 self.state[(a.stage, a.mb)].sent_back += 1
                 self._forget_when_done(a.stage, a.mb)
 
     def _edge_of(self, a: Action) -> int:
         """The index of the stage edge a receive is on."""
-        assert a.peer is not None
-        return self._edge(a.peer, a.stage)[0] if a.kind == "RF" else self._edge(a.stage, a.peer)[0]
+        return self._edge(*a.message.edge)[0]
 
     def _incoming(self, a: Action) -> Incoming:
         assert a.mb is not None and a.peer is not None
-        if a.kind == "RF":
+        if a.kind.direction == "F":
             i, edge = self._edge(a.peer, a.stage)
             specs = self._specs(a.stage, edge.tensors)
         else:
             i, edge = self._edge(a.stage, a.peer)
             specs = self._specs(a.stage, edge.grads)
-        return Incoming(specs, self._peer(a.peer, a.mb), tag_for(i, a.kind == "RB", a.mb), str(a))
+        return Incoming(
+            specs, self._peer(a.peer, a.mb), tag_for(i, a.kind.direction == "B", a.mb), str(a)
+        )
 
     def _outgoing(self, a: Action) -> Outgoing:
         assert a.mb is not None and a.peer is not None
         mb = self.state[(a.stage, a.mb)]
-        if a.kind == "SF":
+        if a.kind.direction == "F":
             i, edge = self._edge(a.stage, a.peer)
             tensors = [mb.outputs[n].detach() for n in edge.tensors]
         else:
@@ -253,7 +254,7 @@ class Executor:
         return Outgoing(
             tensors or [torch.zeros(1, dtype=torch.uint8)],
             self._peer(a.peer, a.mb),
-            tag_for(i, a.kind == "SB", a.mb),
+            tag_for(i, a.kind.direction == "B", a.mb),
             str(a),
         )
 
