@@ -13,15 +13,10 @@ from test_partition import cost, random_branchy, random_dag, synthetic
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Action, Plan, Schedule, parse_ranks
 from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.ir.registry import SCHEDULES
 from graphpipe.planning.partition import PlanConfig, partition_op_graph
 from graphpipe.scheduling.dryrun import check_program, check_schedule
-from graphpipe.scheduling.generators import (
-    ANY_PLACEMENT,
-    PLACED,
-    SCHEDULES,
-    drain_schedule,
-    make_schedule,
-)
+from graphpipe.scheduling.generators import drain_schedule, make_schedule
 from graphpipe.scheduling.program import Comm, lower
 from graphpipe.scheduling.simulate import steady_run
 
@@ -134,14 +129,15 @@ def test_every_generator_passes_the_validator_on_random_stage_dags(seed: int) ->
     plan = random_plan(seed)
     m = plan.micro_batches
     replicated = any(s.replicas > 1 for s in plan.stages)
-    for name in sorted(SCHEDULES):
-        if name in PLACED:  # they need a chain folded onto the devices (test_program.py)
+    for name in sorted(n for n, s in SCHEDULES.items() if s.training):
+        spec = SCHEDULES[name]
+        if spec.placement in ("loop", "v"):  # they need a folded chain (test_program.py)
             try:
                 check_schedule(plan, make_schedule(plan, name))
             except ScheduleError as exc:
                 assert re.search("placed|multiple of|2 stages per device", str(exc)), exc
             continue
-        if name in ("async", "2bw", ANY_PLACEMENT) and replicated:
+        if not spec.replicas and replicated:
             with pytest.raises(ScheduleError, match="unreplicated"):
                 make_schedule(plan, name)
             continue

@@ -1,7 +1,9 @@
 """The IR: the plain, frozen data every phase reads and writes, and the rules that go with it.
 
     Plan      (plan.py)      stages, their devices and edges, and the cost model's predictions
-    Schedule  (actions.py)   per rank, an ordered tuple of `Action`s (`2F0`, `2SF0>3`, `2U`)
+    Schedule  (actions.py)   per rank, an ordered tuple of `Action`s (`2F0`, `2SF0>3`, `2U`),
+                             each of an `ActionKind`; a send or receive carries a `Message`
+    messages.py              the communication rule: what a compute action awaits and sends
     Timeline  (timeline.py)  spans of actions, simulated or measured
     CostModel (cost.py)      links, memory and replication assumed by planning and simulation
     registry.py              what each schedule and weight policy is (ScheduleSpec, PolicySpec)
@@ -12,8 +14,18 @@ Index letters used throughout graphpipe:
     S     #stages       M  micro-batches      N  devices (= ranks)
 """
 
-from graphpipe.ir.actions import COMPUTE, KINDS, Action, Schedule, channel, parse_ranks
+from graphpipe.ir.actions import (
+    COMPUTE,
+    KINDS,
+    Action,
+    ActionKind,
+    Message,
+    Schedule,
+    channel,
+    parse_ranks,
+)
 from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel, weight_copies
+from graphpipe.ir.messages import Occurrences, awaits, message_time, sends, with_messages
 from graphpipe.ir.plan import (
     WEIGHT_SHARE,
     Plan,
@@ -27,25 +39,33 @@ from graphpipe.ir.plan import (
     weight_share,
 )
 from graphpipe.ir.registry import (
+    ANY_PLACEMENT,
+    DEFAULT_SCHEDULE,
     POLICIES,
     SCHEDULES,
     PolicySpec,
     ScheduleSpec,
     policy_spec,
+    schedule_names,
     schedule_spec,
 )
 from graphpipe.ir.timeline import Span, Timeline
 
 __all__ = [
+    "ANY_PLACEMENT",
     "COMPUTE",
+    "DEFAULT_SCHEDULE",
     "KINDS",
     "POLICIES",
     "SCHEDULES",
     "WEIGHT_SHARE",
     "Action",
+    "ActionKind",
     "CostModel",
     "LinkModel",
     "MemoryModel",
+    "Message",
+    "Occurrences",
     "Plan",
     "PolicySpec",
     "Schedule",
@@ -54,15 +74,20 @@ __all__ = [
     "Stage",
     "StageEdge",
     "Timeline",
+    "awaits",
     "channel",
     "compute_time",
     "device_of",
     "edges_to_sink",
     "freed",
+    "message_time",
     "parse_ranks",
     "policy_spec",
+    "schedule_names",
     "schedule_spec",
+    "sends",
     "transfer_time",
     "weight_copies",
     "weight_share",
+    "with_messages",
 ]

@@ -142,6 +142,21 @@ class Plan:
         g.add_edges_from((e.src, e.dst) for e in self.edges)
         return g
 
+    @cached_property
+    def _edges_by_ends(self) -> dict[tuple[int, int], StageEdge]:
+        return {(e.src, e.dst): e for e in self.edges}
+
+    def edge(self, src: int, dst: int) -> StageEdge:
+        """The stage edge from stage `src` to stage `dst`.
+
+        Raises:
+            PlanError: the plan has no such edge.
+        """
+        found = self._edges_by_ends.get((src, dst))
+        if found is None:
+            raise PlanError(f"no stage edge S{src}->S{dst} in the plan")
+        return found
+
     @property
     def depth(self) -> int:
         """Stages on the longest path through the stage graph."""

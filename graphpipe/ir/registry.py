@@ -21,11 +21,14 @@ from graphpipe.errors import ConfigError
 
 __all__ = [
     "ALIASES",
+    "ANY_PLACEMENT",
+    "DEFAULT_SCHEDULE",
     "POLICIES",
     "SCHEDULES",
     "PolicySpec",
     "ScheduleSpec",
     "policy_spec",
+    "schedule_names",
     "schedule_spec",
 ]
 
@@ -57,6 +60,11 @@ class ScheduleSpec:
     dag: bool = True
     replicas: bool = True
     training: bool = True
+
+    @property
+    def folds_chain(self) -> bool:
+        """Runs a chain folded "loop" or "v" onto the devices (interleaved, zbv)."""
+        return self.placement in ("loop", "v")
 
     @property
     def stages_per_device(self) -> str:
@@ -109,6 +117,21 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     )
 }
 ALIASES = {"graph1f1b": "1f1b"}
+DEFAULT_SCHEDULE = "1f1b"  # run when none is asked for, on one stage per device
+
+
+def schedule_names(**where: object) -> list[str]:
+    """The schedules whose spec has every given attribute value, in the table's order.
+
+    Example:
+        >>> schedule_names(training=True, asynchronous=False, placement=None)
+        ['gpipe', '1f1b', 'zb']
+    """
+    return [n for n, s in SCHEDULES.items() if all(getattr(s, k) == v for k, v in where.items())]
+
+
+# the training schedule for any placement of single-device stages (folded stage DAGs)
+(ANY_PLACEMENT,) = schedule_names(placement="any", training=True)
 
 
 def schedule_spec(name: str, *, training: bool = True) -> ScheduleSpec:

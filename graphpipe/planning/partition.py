@@ -36,7 +36,7 @@ import torch
 from torch import fx, nn
 
 from graphpipe.errors import ConfigError, PlanError
-from graphpipe.ir import Plan
+from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan
 from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.fold import folded_groups
@@ -264,7 +264,7 @@ def _interleaved_or(
             g, cost, replace(config, devices=devices, replication=False, interleave=False), digest
         )
 
-    base_time = simulate(base, "1f1b").iteration_time
+    base_time = simulate(base, DEFAULT_SCHEDULE).iteration_time
     best, best_time = base, base_time
     ops = sum(1 for n in g if n != "output")
     tried = 0
@@ -274,7 +274,7 @@ def _interleaved_or(
         except PlanError:
             continue
         tried += 1
-        t = simulate(candidate, "graph_interleaved").iteration_time
+        t = simulate(candidate, ANY_PLACEMENT).iteration_time
         if t < best_time:
             best, best_time = candidate, t
     note = {

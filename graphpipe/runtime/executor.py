@@ -33,7 +33,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from graphpipe.errors import ConfigError, PipelineError
-from graphpipe.ir import Action, Plan, Span, channel
+from graphpipe.ir import Action, ActionKind, Message, Plan, Span, sends
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
 from graphpipe.runtime.failures import first_line
@@ -115,7 +115,7 @@ class Executor:
         self.edges = list(self.plan.edges)
         self.state: dict[tuple[int, int], _MicroBatch] = {}
         self.losses: dict[int, torch.Tensor] = {}
-        self._mailbox: dict[tuple[str, int, int, int], list[torch.Tensor]] = {}
+        self._mailbox: dict[Message, list[torch.Tensor]] = {}
         self.spans: list[Span] = []
         self.record = False
         self.clock = {"wait": 0.0, "post": 0.0}  # with record: seconds waited, and posting
@@ -141,7 +141,7 @@ class Executor:
                     self._issue(op, batch)
                     self._tick("post", start)
                     continue
-                if op.mb is not None and op.kind in ("F", "B", "I"):
+                if op.mb is not None and op.kind.communicates:
                     start = time.perf_counter()
                     self._await(op)  # waiting for peers is not part of the action's time
                     self._tick("wait", start)
@@ -193,7 +193,7 @@ class Executor:
         """Wait for the messages the compute action `a` reads."""
         assert a.mb is not None
         mb = self._mb(a.stage, a.mb)
-        pending = mb.forward_recvs if a.kind == "F" else mb.backward_recvs
+        pending = mb.forward_recvs if a.kind.direction == "F" else mb.backward_recvs
         mb.arrived.extend((i, self.transport.wait(p)) for i, p in pending)
         pending.clear()
 
@@ -204,47 +204,48 @@ class Executor:
         of this rank is a local copy, made before the batch's receives are read."""
         local = [a for a in group.actions if self._peer(a.peer, a.mb) == self.rank]  # type: ignore[arg-type]
         for a in local:
-            if a.kind[0] == "S":
+            if a.kind.is_send:
                 out = self._outgoing(a)
-                self._mailbox[channel(a)] = [t.detach().clone() for t in out.tensors]
+                self._mailbox[a.message] = [t.detach().clone() for t in out.tensors]
         remote = [a for a in group.actions if a not in local]
-        sends = [self._outgoing(a) for a in remote if a.kind[0] == "S"]
-        receives = [a for a in remote if a.kind[0] == "R"]
-        pending = self.transport.exchange(sends, [self._incoming(a) for a in receives])
+        outgoing = [self._outgoing(a) for a in remote if a.kind.is_send]
+        receives = [a for a in remote if a.kind.is_receive]
+        pending = self.transport.exchange(outgoing, [self._incoming(a) for a in receives])
         for a, p in zip(receives, pending, strict=True):
             mb = self._mb(a.stage, a.mb)  # type: ignore[arg-type]
-            (mb.forward_recvs if a.kind == "RF" else mb.backward_recvs).append(
+            (mb.forward_recvs if a.kind.direction == "F" else mb.backward_recvs).append(
                 (self._edge_of(a), p)
             )
         for a in local:
-            if a.kind[0] == "R":
+            if a.kind.is_receive:
                 mb = self._mb(a.stage, a.mb)  # type: ignore[arg-type]
-                mb.arrived.append((self._edge_of(a), self._mailbox.pop(channel(a))))
+                mb.arrived.append((self._edge_of(a), self._mailbox.pop(a.message)))
         for a in group.actions:
-            if a.kind == "SB":
+            if a.kind == ActionKind.SB:
                 assert a.mb is not None
                 self.state[(a.stage, a.mb)].sent_back += 1
                 self._forget_when_done(a.stage, a.mb)
 
     def _edge_of(self, a: Action) -> int:
         """The index of the stage edge a receive is on."""
-        assert a.peer is not None
-        return self._edge(a.peer, a.stage)[0] if a.kind == "RF" else self._edge(a.stage, a.peer)[0]
+        return self._edge(*a.message.edge)[0]
 
     def _incoming(self, a: Action) -> Incoming:
         assert a.mb is not None and a.peer is not None
-        if a.kind == "RF":
+        if a.kind.direction == "F":
             i, edge = self._edge(a.peer, a.stage)
             specs = self._specs(a.stage, edge.tensors)
         else:
             i, edge = self._edge(a.stage, a.peer)
             specs = self._specs(a.stage, edge.grads)
-        return Incoming(specs, self._peer(a.peer, a.mb), tag_for(i, a.kind == "RB", a.mb), str(a))
+        return Incoming(
+            specs, self._peer(a.peer, a.mb), tag_for(i, a.kind.direction == "B", a.mb), str(a)
+        )
 
     def _outgoing(self, a: Action) -> Outgoing:
         assert a.mb is not None and a.peer is not None
         mb = self.state[(a.stage, a.mb)]
-        if a.kind == "SF":
+        if a.kind.direction == "F":
             i, edge = self._edge(a.stage, a.peer)
             tensors = [mb.outputs[n].detach() for n in edge.tensors]
         else:
@@ -253,7 +254,7 @@ class Executor:
         return Outgoing(
             tensors or [torch.zeros(1, dtype=torch.uint8)],
             self._peer(a.peer, a.mb),
-            tag_for(i, a.kind == "SB", a.mb),
+            tag_for(i, a.kind.direction == "B", a.mb),
             str(a),
         )
 
@@ -377,7 +378,7 @@ class Executor:
     def _forget_when_done(self, stage: int, j: int) -> None:
         """Drop micro-batch j once its backward ran and its gradients were sent back."""
         mb = self.state[(stage, j)]
-        owed = sum(1 for e in self.edges if e.dst == stage and e.backward_message)
+        owed = len(sends(self.plan, Action(stage, ActionKind.B, j)))
         if mb.backward_done and mb.sent_back >= owed:
             del self.state[(stage, j)]
 

@@ -26,15 +26,25 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from graphpipe.errors import ScheduleError
-from graphpipe.ir import Action, Plan, Schedule, channel
-from graphpipe.scheduling.generators import ASYNC, drain_schedule, make_schedule
-from graphpipe.scheduling.program import Comm, Op, Program, lower_calls, reads
-from graphpipe.scheduling.simulate import Deadlock, Engine, simulate
+from graphpipe.ir import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    Message,
+    Occurrences,
+    Plan,
+    Schedule,
+    awaits,
+    schedule_spec,
+    sends,
+)
+from graphpipe.scheduling.generators import drain_schedule, make_schedule
+from graphpipe.scheduling.program import Comm, Op, Program, lower_calls
+from graphpipe.scheduling.simulate import Deadlock, Engine, UpdateBarrier, simulate
 
 __all__ = ["SEMANTICS", "check_program", "check_run", "check_schedule", "grid"]
 
 Mark = tuple[int, int]  # (rank, index in its list)
-Message = tuple[str, int, int, int]  # (direction, from stage, to stage, micro-batch)
 
 
 def check_schedule(plan: Plan, schedule: Schedule) -> None:
@@ -93,7 +103,7 @@ def _placement(plan: Plan, schedule: Schedule, problems: list[str], marks: list[
                 where = f"stages {sorted(held)}" if held else "no stage"
                 problems.append(f"rank {rank} runs {a} but holds {where}")
                 marks.append((rank, i))
-            elif a.mb is not None and a.kind != "U" and stage.device_for(a.mb) != rank:
+            elif a.mb is not None and a.kind != ActionKind.U and stage.device_for(a.mb) != rank:
                 problems.append(
                     f"rank {rank} runs {a}, but micro-batch {a.mb} of stage "
                     f"{stage.index} belongs to rank {stage.device_for(a.mb)}"
@@ -110,7 +120,8 @@ def _completeness(plan: Plan, schedule: Schedule, problems: list[str], marks: li
             if a.is_compute and a.mb is not None:
                 seen[(a.stage, a.mb)] += a.kind
                 where.setdefault((a.stage, a.mb), (rank, i))
-    repeats = 1 if schedule.name in ASYNC else schedule.calls
+    spec = SCHEDULES.get(schedule.name)
+    repeats = 1 if spec is not None and spec.asynchronous else schedule.calls
     mbs = sorted({mb for _, mb in seen})
     for s in plan.stages:
         for j in mbs:
@@ -127,34 +138,23 @@ def _completeness(plan: Plan, schedule: Schedule, problems: list[str], marks: li
 def _data_order(plan: Plan, schedule: Schedule, problems: list[str], marks: list[Mark]) -> None:
     """Sends after the compute that makes their value, receives before the one that needs it."""
     for rank, actions in enumerate(schedule.ranks):
-        done: set[tuple[str, int]] = set()
+        made: set[Message] = set()  # by the computes so far
+        received: set[Message] = set()
         for i, a in enumerate(actions):
-            if a.is_compute and a.mb is not None:
-                done.add((a.kind, a.mb))
-                needed = _receives_needed(plan, a)
-                got = {
-                    (x.kind, x.peer) for x in actions[:i] if x.mb == a.mb and x.kind in ("RF", "RB")
-                }
-                missing = needed - got
+            if a.is_compute:
+                missing = sorted(m.receive for m in awaits(plan, a) if m not in received)
                 if missing:
                     problems.append(
                         f"rank {rank} runs {a} before receiving "
-                        + ", ".join(f"{k}<{p}" for k, p in sorted(missing))
+                        + ", ".join(f"{r.kind}<{r.peer}" for r in missing)
                     )
                     marks.append((rank, i))
-            elif a.kind in ("SF", "SB") and a.mb is not None:
-                makers = {"F"} if a.kind == "SF" else {"B", "I"}
-                if not any((m, a.mb) in done for m in makers):
-                    problems.append(f"rank {rank} sends {a} before computing it")
-                    marks.append((rank, i))
-
-
-def _receives_needed(plan: Plan, a: Action) -> set[tuple[str, int]]:
-    if a.kind == "F":
-        return {("RF", e.src) for e in plan.edges if e.dst == a.stage}
-    if a.kind in ("B", "I"):
-        return {("RB", e.dst) for e in plan.edges if e.src == a.stage and e.backward_message}
-    return set()
+                made.update(sends(plan, a))
+            elif a.kind.is_receive:
+                received.add(a.message)
+            elif a.kind.is_send and a.message not in made:
+                problems.append(f"rank {rank} sends {a} before computing it")
+                marks.append((rank, i))
 
 
 def _pairing(schedule: Schedule, problems: list[str], marks: list[Mark]) -> None:
@@ -164,21 +164,15 @@ def _pairing(schedule: Schedule, problems: list[str], marks: list[Mark]) -> None
     received: dict[Message, list[Mark]] = defaultdict(list)
     for rank, actions in enumerate(schedule.ranks):
         for i, a in enumerate(actions):
-            if a.kind in ("SF", "SB"):
-                sent[channel(a)].append((rank, i))
-            elif a.kind in ("RF", "RB"):
-                received[channel(a)].append((rank, i))
+            if a.kind.is_send:
+                sent[a.message].append((rank, i))
+            elif a.kind.is_receive:
+                received[a.message].append((rank, i))
     for key in sorted(set(sent) | set(received)):
         n_sent, n_got = len(sent.get(key, [])), len(received.get(key, []))
         if n_sent != n_got:
-            problems.append(f"{_name(key)} is sent {n_sent} time(s) and received {n_got}")
+            problems.append(f"{key} is sent {n_sent} time(s) and received {n_got}")
             marks.extend((sent.get(key) or received.get(key) or [])[:1])
-
-
-def _name(key: Message) -> str:
-    direction, a, b, mb = key
-    what = "activations" if direction == "F" else "gradients"
-    return f"{what} of micro-batch {mb} from stage {a} to stage {b}"
 
 
 def _deadlock_and_memory(
@@ -211,7 +205,7 @@ def check_run(plan: Plan, name: str, micro_batches: int | None = None, calls: in
         ScheduleError: the first check that fails, naming every problem it found.
     """
     m = micro_batches or plan.micro_batches
-    if name in ASYNC:
+    if schedule_spec(name, training=False).asynchronous:
         parts = [make_schedule(plan, name, m, first_call=c) for c in range(calls)]
         parts.append(drain_schedule(plan, name, calls, m))
         ranks = tuple(tuple(a for p in parts for a in p.ranks[r]) for r in range(plan.num_devices))
@@ -263,7 +257,7 @@ def check_program(plan: Plan, program: Program, semantics: str = "rendezvous") -
 class _Group:
     rank: int
     comm: Comm
-    keys: list[tuple[Message, int, str]]  # (channel, occurrence, "S" or "R") per action
+    keys: list[tuple[Message, int, bool]]  # (message, occurrence, is a send) per action
     peers: frozenset[int]  # remote peers (a message to the rank itself is a local copy)
     local: list[bool]
     issued: bool = False
@@ -282,25 +276,19 @@ class _ProgramRun:
         self.plan, self.program, self.rendezvous = plan, program, rendezvous
         self.pc = [0] * len(program.ranks)
         self.groups: dict[tuple[int, int], _Group] = {}  # (rank, op index) -> group
-        self.where: dict[tuple[Message, int, str], _Group] = {}
+        self.where: dict[tuple[Message, int, bool], _Group] = {}
         self.streams: dict[tuple[int, int], deque[_Group]] = defaultdict(deque)
         self.unread: list[list[tuple[Action, _Group]]] = [[] for _ in program.ranks]
-        self.updates: dict[tuple[int, int], set[int]] = defaultdict(set)
-        self.update_count: dict[tuple[int, int], int] = defaultdict(int)
+        self.barrier = UpdateBarrier(plan)
         self._index()
 
     def _index(self) -> None:
         for rank, ops in enumerate(self.program.ranks):
-            seen: dict[tuple[Message, str], int] = defaultdict(int)
+            seen = Occurrences()
             for i, op in enumerate(ops):
                 if not isinstance(op, Comm):
                     continue
-                keys = []
-                for a in op.actions:
-                    side = a.kind[0]
-                    key = (channel(a), seen[(channel(a), side)], side)
-                    seen[(channel(a), side)] += 1
-                    keys.append(key)
+                keys = [(a.message, seen.number(a), a.kind.is_send) for a in op.actions]
                 local = [self._peer(a) == rank for a in op.actions]
                 peers = frozenset(self._peer(a) for a in op.actions) - {rank}
                 group = _Group(rank, op, keys, peers, local, done=[False] * len(keys))
@@ -345,11 +333,12 @@ class _ProgramRun:
             if self.rendezvous:
                 for peer in group.peers:
                     self.streams[(rank, peer)].append(group)
-            self.unread[rank] += [(a, group) for a in op.actions if a.kind[0] == "R"]
+            self.unread[rank] += [(a, group) for a in op.actions if a.kind.is_receive]
             return True
-        if op.kind == "U":
-            return self._update(rank, op)
-        wanted = [(a, g) for a, g in self.unread[rank] if reads(op, a)]
+        if op.kind == ActionKind.U:
+            return self.barrier.arrive(rank, op.stage) is not None
+        needed = awaits(self.plan, op)  # what the compute reads
+        wanted = [(a, g) for a, g in self.unread[rank] if a.message in needed]
         if not all(self._arrived(a, g) for a, g in wanted):
             return False
         self.unread[rank] = [x for x in self.unread[rank] if x not in wanted]
@@ -359,15 +348,6 @@ class _ProgramRun:
         if self.rendezvous:  # NCCL: the work of a group completes as a whole
             return group.complete
         return group.done[group.comm.actions.index(receive)]
-
-    def _update(self, rank: int, a: Action) -> bool:
-        count = self.update_count[(rank, a.stage)]
-        arrived = self.updates[(a.stage, count)]
-        arrived.add(rank)
-        if len(arrived) < self.plan.stages[a.stage].replicas:
-            return False
-        self.update_count[(rank, a.stage)] += 1
-        return True
 
     def _started(self, group: _Group) -> bool:
         """Whether the group runs (or ran): issued and, under rendezvous, heading its streams."""
@@ -382,12 +362,12 @@ class _ProgramRun:
         for group in self.groups.values():
             if group.complete or not self._started(group):
                 continue
-            for k, (key, n, side) in enumerate(group.keys):
+            for k, (key, n, sending) in enumerate(group.keys):
                 if group.done[k]:
                     continue
-                partner = self.where.get((key, n, "R" if side == "S" else "S"))
+                partner = self.where.get((key, n, not sending))
                 buffered = not self.rendezvous or group.local[k]  # local copies never wait
-                if side == "S" and buffered:
+                if sending and buffered:
                     ready = True
                 elif group.local[k]:
                     ready = partner is not None and partner.issued

@@ -35,12 +35,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from graphpipe.errors import ScheduleError
-from graphpipe.ir import Action, Plan, Schedule, channel
+from graphpipe.ir import Action, Message, Occurrences, Plan, Schedule
 from graphpipe.scheduling.simulate import Engine
 
-Message = tuple[str, int, int, int]  # (direction, from stage, to stage, micro-batch)
-
-__all__ = ["Comm", "Op", "Program", "lower", "lower_calls", "reads", "self_contained"]
+__all__ = ["Comm", "Op", "Program", "lower", "lower_calls", "self_contained"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ class Comm:
     actions: tuple[Action, ...]
 
     def __post_init__(self) -> None:
-        bad = [str(a) for a in self.actions if a.kind not in ("SF", "SB", "RF", "RB")]
+        bad = [str(a) for a in self.actions if not a.kind.is_message]
         if bad or not self.actions:
             raise ScheduleError(f"a communication group holds sends and receives only, got {bad}")
 
@@ -60,7 +58,7 @@ class Comm:
     @property
     def receives(self) -> tuple[Action, ...]:
         """The group's receives."""
-        return tuple(a for a in self.actions if a.kind[0] == "R")
+        return tuple(a for a in self.actions if a.kind.is_receive)
 
 
 Op = Action | Comm  # a compute or update action, or a communication group
@@ -210,26 +208,24 @@ def self_contained(plan: Plan, ranks: Sequence[Sequence[Action]]) -> tuple[tuple
     receives: dict[Message, int] = defaultdict(int)
     for actions in ranks:
         for a in actions:
-            if a.kind in ("SF", "SB"):
-                sends[channel(a)].append(a)
-            elif a.kind in ("RF", "RB"):
-                receives[channel(a)] += 1
+            if a.kind.is_send:
+                sends[a.message].append(a)
+            elif a.kind.is_receive:
+                receives[a.message] += 1
     out = [list(actions) for actions in ranks]
     for r, actions in enumerate(ranks):  # receives of messages sent before these lists
         drop = {k: receives[k] - len(sends.get(k, [])) for k in receives}
         kept = []
         for a in actions:
-            key = channel(a) if a.kind in ("RF", "RB") else None
+            key = a.message if a.kind.is_receive else None
             if key is not None and drop.get(key, 0) > 0:
                 drop[key] -= 1
                 continue
             kept.append(a)
         out[r] = kept
     for key, sent in sends.items():  # messages whose receive comes after these lists
-        for a in sent[receives.get(key, 0) :]:
-            assert a.peer is not None and a.mb is not None
-            kind = "RF" if a.kind == "SF" else "RB"
-            out[plan.stages[a.peer].device_for(a.mb)].append(Action(a.peer, kind, a.mb, a.stage))
+        for _ in sent[receives.get(key, 0) :]:
+            out[plan.stages[key.dst].device_for(key.mb)].append(key.receive)
     return tuple(tuple(actions) for actions in out)
 
 
@@ -246,19 +242,16 @@ def _message_keys(plan: Plan, schedule: Schedule) -> dict[tuple[int, int], Key]:
     engine = Engine(plan, schedule, lambda a: 1.0, lambda a: 0.0, contention=False)
     engine.run()
     by_message: dict[tuple[Message, int], Key] = {}
-    counts: dict[Message, int] = defaultdict(int)
+    sent = Occurrences()
     for (rank, i), t in sorted(engine.send_times.items()):
         a = schedule.ranks[rank][i]
-        by_message[(channel(a), counts[channel(a)])] = (t, rank, i)
-        counts[channel(a)] += 1
+        by_message[(a.message, sent.number(a))] = (t, rank, i)
     keys: dict[tuple[int, int], Key] = {}
     for rank, actions in enumerate(schedule.ranks):
-        seen: dict[tuple[Message, str], int] = defaultdict(int)
+        seen = Occurrences()
         for i, a in enumerate(actions):
-            if a.kind in ("SF", "SB", "RF", "RB"):
-                n = seen[(channel(a), a.kind[0])]
-                seen[(channel(a), a.kind[0])] += 1
-                keys[(rank, i)] = by_message[(channel(a), n)]
+            if a.kind.is_message:
+                keys[(rank, i)] = by_message[(a.message, seen.number(a))]
     return keys
 
 
@@ -272,14 +265,14 @@ def _place(
     computes: list[Action] = []
     bounds: list[tuple[Key, int, Action]] = []
     for i, a in enumerate(actions):
-        if a.kind in ("SF", "SB", "RF", "RB"):
+        if a.kind.is_message:
             bounds.append((keys[(rank, i)], len(computes), a))
         else:
             computes.append(a)
     order = sorted(bounds, key=lambda b: b[0])
     earliest, at = [], 0
     for _, bound, a in order:  # forward: the earliest slots that keep the order
-        if a.kind[0] == "S":
+        if a.kind.is_send:
             at = max(at, bound)
         elif at > bound:
             raise ScheduleError(
@@ -292,7 +285,7 @@ def _place(
     for (_, bound, a), lo in zip(reversed(order), reversed(earliest), strict=True):
         # backward: a send as early as it can go, a receive as late (its group is waited
         # for as a whole on NCCL, so an early receive would hold up the compute after it)
-        after = lo if a.kind[0] == "S" else min(bound, after)
+        after = lo if a.kind.is_send else min(bound, after)
         slots[after].insert(0, a)
     ops: list[Op] = []
     for k in range(len(computes) + 1):
@@ -304,7 +297,7 @@ def _place(
 
 
 def _one_per_message(actions: Sequence[Action]) -> tuple[Op, ...]:
-    return tuple(Comm((a,)) if a.kind in ("SF", "SB", "RF", "RB") else a for a in actions)
+    return tuple(Comm((a,)) if a.kind.is_message else a for a in actions)
 
 
 def _hoist_receives(plan: Plan, rank: int, ops: Sequence[Op]) -> tuple[Op, ...]:
@@ -313,7 +306,7 @@ def _hoist_receives(plan: Plan, rank: int, ops: Sequence[Op]) -> tuple[Op, ...]:
 
     def early(a: Action) -> bool:
         assert a.peer is not None and a.mb is not None
-        return a.kind[0] == "R" and plan.stages[a.peer].device_for(a.mb) != rank
+        return a.kind.is_receive and plan.stages[a.peer].device_for(a.mb) != rank
 
     first = tuple(a for op in ops if isinstance(op, Comm) for a in op.actions if early(a))
     rest: list[Op] = []
@@ -325,13 +318,3 @@ def _hoist_receives(plan: Plan, rank: int, ops: Sequence[Op]) -> tuple[Op, ...]:
         else:
             rest.append(op)
     return ((Comm(first),) if first else ()) + tuple(rest)
-
-
-def reads(a: Action, receive: Action) -> bool:
-    """Whether compute action `a` reads what `receive` brings: a forward its activations, a
-    backward (B or I) its gradients, both of the same stage and micro-batch."""
-    if receive.stage != a.stage or receive.mb != a.mb:
-        return False
-    return (a.kind == "F" and receive.kind == "RF") or (
-        a.kind in ("B", "I") and receive.kind == "RB"
-    )

@@ -36,19 +36,21 @@ from dataclasses import dataclass
 from graphpipe.errors import ScheduleError
 from graphpipe.ir import (
     Action,
+    ActionKind,
+    Message,
     Plan,
     Schedule,
     Span,
     Timeline,
-    channel,
     compute_time,
     freed,
-    transfer_time,
+    message_time,
+    schedule_spec,
     weight_copies,
 )
-from graphpipe.scheduling.generators import ASYNC, drain_schedule, make_schedule, warmups
+from graphpipe.scheduling.generators import drain_schedule, make_schedule, warmups
 
-__all__ = ["SimResult", "simulate", "steady_run"]
+__all__ = ["SimResult", "UpdateBarrier", "simulate", "steady_run"]
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def simulate(
     calls = max(schedule.calls, 1)
     busy: dict[int, float] = defaultdict(float)
     for s in spans:
-        if Action.parse(s.action).kind != "U":
+        if Action.parse(s.action).kind != ActionKind.U:
             busy[s.rank] += s.end - s.start
     holders = {r for s in plan.stages for r in s.devices}
     bubble = tuple(
@@ -137,7 +139,7 @@ ASYNC_CALLS = 4  # step() calls simulated for an asynchronous schedule named by 
 
 def steady_run(plan: Plan, name: str, calls: int = ASYNC_CALLS) -> Schedule:
     """`name` over one call, or, when asynchronous, over `calls` calls and its drain."""
-    if name not in ASYNC:
+    if not schedule_spec(name, training=False).asynchronous:
         return make_schedule(plan, name)
     run, drain = make_schedule(plan, name, calls=calls), drain_schedule(plan, name, calls)
     ranks = tuple(a + b for a, b in zip(run.ranks, drain.ranks, strict=True))
@@ -165,7 +167,7 @@ def _durations(
         if measured is not None and str(a) in measured:
             return measured[str(a)]
         stage = plan.stages[a.stage]
-        if a.kind == "U":
+        if a.kind == ActionKind.U:
             allreduce = plan.cost_model.link.allreduce(stage.param_bytes, stage.replicas)
             return allreduce + stage.update_time
         return compute_time(stage, a.kind)
@@ -174,13 +176,8 @@ def _durations(
 
 
 def _transfers(plan: Plan) -> Callable[[Action], float]:
-    edges = {(e.src, e.dst): e for e in plan.edges}
-
     def transfer(a: Action) -> float:
-        assert a.peer is not None
-        if a.kind == "SF":
-            return transfer_time(plan, edges[(a.stage, a.peer)], "F")
-        return transfer_time(plan, edges[(a.peer, a.stage)], "B")
+        return message_time(plan, a.message)
 
     return transfer
 
@@ -253,9 +250,8 @@ class Engine:
         self.pc = [0] * len(self.lists)
         self.clock = [0.0] * len(self.lists)
         self.links = Links()
-        self.messages: dict[tuple[str, int, int, int], deque[float]] = defaultdict(deque)
-        self.updates: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
-        self.update_count = [0] * len(self.lists)
+        self.messages: dict[Message, deque[float]] = defaultdict(deque)  # arrivals, k-th first
+        self.barrier = UpdateBarrier(plan)
         self.in_flight = [0] * len(self.lists)
         self.peak_in_flight = [0] * len(self.lists)
         self.held = [0.0] * len(self.lists)
@@ -286,7 +282,7 @@ class Engine:
     def _step(self, rank: int) -> bool:
         """Try the rank's next action; False when it must wait."""
         a = self.lists[rank][self.pc[rank]]
-        if a.kind in ("SF", "SB"):
+        if a.kind.is_send:
             seconds = self.transfer(a)
             start = self.clock[rank]
             if self.contention and seconds > 0:
@@ -294,15 +290,15 @@ class Engine:
                 receiver = self.plan.stages[a.peer].device_for(a.mb)
                 start = self.links.reserve(rank, receiver, start, seconds)
             self.send_times[(rank, self.pc[rank])] = start
-            self.messages[channel(a)].append(start + seconds)
+            self.messages[a.message].append(start + seconds)
             return True
-        if a.kind in ("RF", "RB"):
-            queue = self.messages[channel(a)]
+        if a.kind.is_receive:  # the k-th receive of a message takes its k-th send's arrival
+            queue = self.messages[a.message]
             if not queue:
                 return False
             self.clock[rank] = max(self.clock[rank], queue.popleft())
             return True
-        if a.kind == "U":
+        if a.kind == ActionKind.U:
             return self._update(rank, a)
         self._compute(rank, a)
         return True
@@ -314,22 +310,45 @@ class Engine:
         stage = self.plan.stages[a.stage]  # held in bytes: stages of one rank differ
         self.held[rank] -= freed(stage, a.kind) * stage.activation_bytes
         self.peak_held[rank] = max(self.peak_held[rank], self.held[rank])
-        if a.kind == "F":
+        if a.kind == ActionKind.F:
             self.in_flight[rank] += 1
             self.peak_in_flight[rank] = max(self.peak_in_flight[rank], self.in_flight[rank])
-        elif a.kind in ("B", "W"):
+        elif a.kind.ends_backward:
             self.in_flight[rank] -= 1
 
     def _update(self, rank: int, a: Action) -> bool:
         """Replicas of the stage meet at their n-th update, then all-reduce together."""
-        key = (a.stage, self.update_count[rank])
-        arrived = self.updates[key]
-        arrived.setdefault(rank, self.clock[rank])
-        replicas = self.plan.stages[a.stage].devices
-        if len(arrived) < len(replicas):
+        arrived = self.barrier.arrive(rank, a.stage, self.clock[rank])
+        if arrived is None:
             return False
         end = max(arrived.values()) + self.duration(a)
         self.spans.append(Span(rank, str(a), max(arrived.values()), end))
         self.clock[rank] = end
-        self.update_count[rank] += 1
         return True
+
+
+class UpdateBarrier:
+    """Replicas of a stage meet at their n-th update: none passes before all have arrived.
+
+    Shared by the simulator (which also needs when each replica arrived) and the dry run of
+    programs (`graphpipe.scheduling.dryrun`).
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._arrived: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+        self._passed: dict[tuple[int, int], int] = defaultdict(int)  # (rank, stage) -> updates
+
+    def arrive(self, rank: int, stage: int, when: float = 0.0) -> dict[int, float] | None:
+        """Rank `rank` is at its next update of `stage` (since time `when`).
+
+        Returns:
+            Once every replica of the stage is there, each one's arrival time, and the rank
+            has passed this update; before that None (the rank waits; call again).
+        """
+        arrived = self._arrived[(stage, self._passed[(rank, stage)])]
+        arrived.setdefault(rank, when)
+        if len(arrived) < self.plan.stages[stage].replicas:
+            return None
+        self._passed[(rank, stage)] += 1
+        return arrived

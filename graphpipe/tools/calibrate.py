@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from graphpipe.ir import Action, Plan, Timeline
+from graphpipe.ir import Action, ActionKind, Plan, Timeline
 from graphpipe.ir.cost import LinkModel
 
 __all__ = ["calibrated", "measure_link", "replayed"]
@@ -55,26 +55,26 @@ def calibrated(
 
     A full backward's time is the B spans' statistic; with zero bubble it is I's plus W's.
     """
-    spans: dict[tuple[int, str], list[float]] = defaultdict(list)
+    spans: dict[tuple[int, ActionKind], list[float]] = defaultdict(list)
     for span in timeline.spans:
         a = Action.parse(span.action)
         spans[(a.stage, a.kind)].append(span.end - span.start)
 
-    def measured(stage: int, kind: str, default: float) -> float:
+    def measured(stage: int, kind: ActionKind, default: float) -> float:
         values = spans.get((stage, kind))
         return statistic(values) if values else default
 
     stages = []
     for s in plan.stages:
-        backward = measured(s.index, "B", 0.0) or (
-            measured(s.index, "I", 0.0) + measured(s.index, "W", 0.0)
+        backward = measured(s.index, ActionKind.B, 0.0) or (
+            measured(s.index, ActionKind.I, 0.0) + measured(s.index, ActionKind.W, 0.0)
         )
         stages.append(
             replace(
                 s,
-                forward_time=measured(s.index, "F", s.forward_time),
+                forward_time=measured(s.index, ActionKind.F, s.forward_time),
                 backward_time=backward or s.backward_time,
-                update_time=measured(s.index, "U", s.update_time),
+                update_time=measured(s.index, ActionKind.U, s.update_time),
             )
         )
     cost = plan.cost_model if link is None else replace(plan.cost_model, link=link)

@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from graphpipe.errors import ConfigError, GraphPipeError
-from graphpipe.ir import Plan
+from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan, schedule_names, schedule_spec
 from graphpipe.ir.cost import LinkModel
 from graphpipe.planning.partition import PlanConfig, micro_batch_size, partition
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.runtime.checkpoint import export_checkpoint
-from graphpipe.scheduling.generators import ANY_PLACEMENT, PLACED, SCHEDULES
 from graphpipe.scheduling.simulate import SimResult, simulate
 from graphpipe.tools.render import render, side_by_side
 from graphpipe.tools.report import (
@@ -48,7 +47,8 @@ from graphpipe.tracing.tracer import trace
 __all__ = ["main"]
 
 GIB = 1 << 30
-FLUSHED = ("gpipe", "1f1b", "zb")
+TRAINING = schedule_names(training=True)
+FLUSHED = schedule_names(training=True, asynchronous=False, placement=None)  # "best" tries them
 RECOMPUTE_FLAG: dict[str | None, bool | str] = {"all": True, "auto": "auto", None: False}
 
 
@@ -117,9 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--schedule",
-        default="1f1b",
-        choices=(*sorted(SCHEDULES), "best"),
-        help="schedule to simulate (default 1f1b; best: the fastest flushed one)",
+        default=DEFAULT_SCHEDULE,
+        choices=(*sorted(TRAINING), "best"),
+        help=f"schedule to simulate (default {DEFAULT_SCHEDULE}; best: the fastest flushed one)",
     )
     plan.add_argument(
         "--timeline",
@@ -144,8 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     _model_arguments(run, devices_default=2)
     run.add_argument(
         "--schedule",
-        choices=sorted(SCHEDULES),
-        help="default: 1f1b, or the one the weight policy needs (async, 2bw)",
+        choices=sorted(TRAINING),
+        help=f"default: {DEFAULT_SCHEDULE}, or the one the weight policy needs (async, 2bw)",
     )
     run.add_argument("--weights", default="flush", help="weight policy (default: flush)")
     run.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
@@ -347,9 +347,9 @@ def best_schedule(plan: Plan, name: str) -> tuple[str, SimResult]:
     """Simulate `name` on `plan`; "best" tries every flushed schedule and keeps the fastest.
     A plan whose devices hold several stages runs graph_interleaved unless `name` is one of
     the placed schedules."""
-    names = FLUSHED if name == "best" else (name,)
-    if plan.shared_devices() and name not in PLACED:
-        names = (ANY_PLACEMENT,)
+    names = FLUSHED if name == "best" else [name]
+    if plan.shared_devices() and (name == "best" or not schedule_spec(name).folds_chain):
+        names = [ANY_PLACEMENT]
     runs = {n: simulate(plan, n) for n in names}
     best = max(runs, key=lambda n: runs[n].throughput)
     return best, runs[best]

@@ -15,7 +15,7 @@ from html import escape
 from typing import Any
 
 from graphpipe._units import format_time
-from graphpipe.ir import Action, Span, Timeline
+from graphpipe.ir import Action, ActionKind, Span, Timeline
 
 __all__ = ["COLOURS", "chrome_trace", "timeline_svg"]
 
@@ -24,7 +24,7 @@ NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad",
 LEFT, RIGHT, TOP, ROW, GAP = 110, 70, 46, 26, 6
 
 
-def _kind(span: Span) -> str:
+def _kind(span: Span) -> ActionKind:
     return Action.parse(span.action).kind
 
 
@@ -57,7 +57,7 @@ def timeline_svg(timeline: Timeline, width: int = 1100) -> str:
     ]
     busy = [0.0] * timeline.num_ranks
     for s in timeline.spans:
-        if _kind(s) != "U":
+        if _kind(s) != ActionKind.U:
             busy[s.rank] += s.end - s.start
     for r in range(timeline.num_ranks):
         y = TOP + r * (ROW + GAP)
