@@ -73,7 +73,8 @@ def make_groups(
     memberships: Sequence[tuple[tuple[int, ...], str]], rank: int, timeout: float
 ) -> list[dist.ProcessGroup | None]:
     """The process group of each (ranks, label): one per set of ranks, made in order of
-    first appearance, on every rank alike (`dist.new_group` is a collective).
+    first appearance, on every rank alike (`dist.new_group` is a collective of every rank,
+    run under `guarded`).
 
     Memberships on the same ranks (in any order) get the same group object, so `GradSync`
     sums them together.
@@ -91,7 +92,10 @@ def make_groups(
     for ranks, _ in memberships:
         key = frozenset(ranks)
         if key not in made:
-            made[key] = dist.new_group(sorted(key), timeout=datetime.timedelta(seconds=timeout))
+            new = functools.partial(
+                dist.new_group, sorted(key), timeout=datetime.timedelta(seconds=timeout)
+            )
+            made[key] = guarded(f"the creation of the group of ranks {sorted(key)}", new)
         groups.append(made[key] if rank in key else None)
     return groups
 
