@@ -79,8 +79,8 @@ class FailureKind(enum.Enum):
     """An exception on a rank: a stage's code, a loss_fn, a collective's own error, or user
     code under `launch`."""
     BAD_INPUT = "bad_input"
-    """A rank refused a step's input (a `ConfigError` only its stage could raise, e.g. a
-    loss that is not a scalar)."""
+    """A rank refused an input: a step's input only its stage could check (a `ConfigError`,
+    e.g. a loss that is not a scalar), or under `launch` any ConfigError a rank raised."""
     NONFINITE = "nonfinite"
     """`nan_check` found a non-finite loss or gradient (`stage`, `micro_batch`); every rank
     raises it alike."""

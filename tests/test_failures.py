@@ -12,11 +12,13 @@ state-dict gather, a stalled all-reduce under launch's longer process-group time
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -147,6 +149,18 @@ def test_a_failure_board_post_is_kept_and_causes_come_before_echoes() -> None:
         [0],
         ["rank 2 waits for rank 0 (action 2RF0<0)"],
     )
+
+
+def test_a_board_whose_store_is_gone_records_and_reads_nothing() -> None:
+    """The launcher ended: posting is best effort, and no read raises."""
+    server = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, 1, is_master=False, timeout=timedelta(seconds=2))
+    board = FailureBoard(0, 2, client)
+    del server
+    gc.collect()
+    board.post("rank 0: lost", FailureKind.RAISED)
+    board.set_waiting([1], "action 0RF0<1")
+    assert board.posts() == {} and board.waiting(1) is None
 
 
 # -- kinds: what a watch raises, in one process (the board on a store of its own) --------------
