@@ -16,10 +16,12 @@ twin in torch 2.13, so the tracer, the planner and the renderer import it direct
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
 
 from graphpipe.errors import GraphPipeError
@@ -368,3 +370,102 @@ def _event(e: Any, need: str) -> ProfilerEvent:
         correlation_id=read("correlation_id"),
         linked_correlation_id=read("linked_correlation_id"),
     )
+
+
+# -- torch.distributed: the failure board, timeouts, gradient sums (graphpipe.runtime) ----------
+
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""The environment variable torch.distributed.rendezvous reads (`_torchelastic_use_agent_store`,
+checked against torch 2.13): "True" makes every rank, rank 0 included, a client of a store
+that the launcher serves at MASTER_ADDR:MASTER_PORT, as torchrun's agent does.
+graphpipe.launch sets it so that the failure board on that store outlives any rank."""
+
+
+def default_store() -> dist.Store:
+    """The store the default process group rendezvoused with.
+
+    torch API: `torch.distributed.distributed_c10d._get_default_store()`. graphpipe needs the
+    very store every rank and the launcher share (the failure board lives on it), not a new
+    one.
+
+    Raises:
+        TorchAPIError: the function is gone, or returns no Store.
+        ValueError: no default process group (torch's own error).
+    """
+    api, need = "distributed_c10d._get_default_store()", "find the failure board's store"
+    store = _private(dist.distributed_c10d, "_get_default_store", api, need)()
+    if not isinstance(store, dist.Store):
+        raise _missing(f"{api} returning a Store (got {type(store).__name__})", need)
+    return store
+
+
+def store_connection(store: dist.Store) -> dist.Store:
+    """A connection of its own to the store under `store`'s prefixes.
+
+    torch APIs: `PrefixStore.underlying_store` and `Store.clone()`. init_process_group wraps
+    the rendezvous store in PrefixStores; the launcher writes to the bare store, so graphpipe
+    unwraps down to it. A TCPStore client serves one call at a time and the process group's
+    own blocking calls use it, so the failure board polls through a clone, a second connection
+    to the same server.
+
+    Raises:
+        TorchAPIError: `underlying_store` or `clone` is gone.
+    """
+    need = "reach the failure board on a connection of its own"
+    while isinstance(store, dist.PrefixStore):
+        store = _private(store, "underlying_store", "PrefixStore.underlying_store", need)
+    clone = _private(store, "clone", f"{type(store).__name__}.clone()", need)
+    return clone()
+
+
+def set_default_pg_timeout(seconds: float) -> None:
+    """Make `seconds` the timeout of the default process group's collectives, from now on.
+
+    torch API: `torch.distributed.distributed_c10d._set_pg_timeout(timedelta)`. graphpipe
+    needs `RuntimeConfig.timeout` to govern a process group that init_process_group created
+    with another timeout (gloo's: later than the watch's, so the watch diagnoses first;
+    NCCL's: the watchdog's limit).
+
+    Raises:
+        TorchAPIError: the function is gone.
+    """
+    api = "distributed_c10d._set_pg_timeout()"
+    setter = _private(dist.distributed_c10d, "_set_pg_timeout", api, "apply RuntimeConfig.timeout")
+    setter(datetime.timedelta(seconds=seconds))
+
+
+CLOSED_WORDS = ("closed", "reset", "broken pipe")  # gloo: "Connection closed by peer", ...
+TIMEOUT_WORDS = ("timed out", "timeout")  # gloo: "Timed out waiting 2000ms for recv ..."
+
+
+def backend_failure(exc: BaseException) -> Literal["closed", "timeout"] | None:
+    """What a backend's error says happened: a peer closed its connection, a timeout, or
+    something else (None).
+
+    torch API: the text of the RuntimeError gloo raises (torch 2.13: "Connection closed by
+    peer [...]" when a peer's process ends, "Timed out waiting ...ms for recv operation" at
+    the process group's timeout); gloo raises no exception type per cause. graphpipe needs it
+    to tell a dead peer from a collective's own error.
+    """
+    text = str(exc).lower()
+    if any(w in text for w in TIMEOUT_WORDS):
+        return "timeout"
+    if any(w in text for w in CLOSED_WORDS):
+        return "closed"
+    return None
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's version counter: it grows at each in-place change of its data.
+
+    torch API: `Tensor._version`, the counter autograd checks saved tensors with.
+    graphpipe.runtime.sync needs it to refuse a gradient written after its bucket's
+    all-reduce was launched.
+
+    Raises:
+        TorchAPIError: the attribute is gone.
+    """
+    version = _private(t, "_version", "Tensor._version", "check a launched gradient is unchanged")
+    if not isinstance(version, int):
+        raise _missing(f"Tensor._version as an int (got {type(version).__name__})", "sync")
+    return version

@@ -12,21 +12,28 @@ state-dict gather, a stalled all-reduce under launch's longer process-group time
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
+import pickle
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint
+from test_bad_inputs import _runtime_loss_worker
 from test_runtime import _optimizer, _pipeline, batch
+from torch.distributed import TCPStore
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
-from graphpipe.errors import PipelineError
+from graphpipe.errors import ConfigError, FailureKind, PipelineError
+from graphpipe.runtime import failures
+from graphpipe.runtime.failures import FailureBoard, Watch
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.pipeline import PipelinedModel
 
@@ -67,20 +74,27 @@ def _survivors(err: pytest.ExceptionInfo[PipelineError], victim: int) -> list[st
 
 
 @pytest.mark.parametrize(
-    ("fault", "victim", "cause"),
+    ("fault", "victim", "cause", "kind"),
     [
-        ("raises_in_stage", 0, "rank 0, action 0F0: RuntimeError: boom in the stage"),
-        ("dies_between_steps", 0, "rank 0: exited with code 7"),
-        ("dies_in_state_dict_gather", 1, "rank 1: exited with code 6"),
+        (
+            "raises_in_stage",
+            0,
+            "rank 0, action 0F0: RuntimeError: boom in the stage",
+            FailureKind.RAISED,
+        ),
+        ("dies_between_steps", 0, "rank 0: exited with code 7", FailureKind.DIED),
+        ("dies_in_state_dict_gather", 1, "rank 1: exited with code 6", FailureKind.DIED),
     ],
 )
 def test_every_survivor_quotes_the_first_failure_at_once(
-    fault: str, victim: int, cause: str
+    fault: str, victim: int, cause: str, kind: FailureKind
 ) -> None:
     start = time.monotonic()
     with pytest.raises(PipelineError) as err:
         launch(_failure, 3, args=(fault, victim), timeout=LIMIT, grace=SLOW)
     assert time.monotonic() - start < SLOW / 2  # not after the timeout
+    assert (err.value.kind, err.value.origin) == (kind, victim), err.value.problems
+    assert set(err.value.peers) == {0, 1, 2}  # the victim, and the survivors that echoed it
     survivors = _survivors(err, victim)
     assert len(survivors) == 2, err.value.problems
     for line in survivors:
@@ -101,6 +115,7 @@ def test_a_stalled_collective_fails_after_the_runtime_timeout_naming_the_stalled
             comm_timeout=60,
         )
     assert time.monotonic() - start < 40
+    assert err.value.kind is FailureKind.TIMED_OUT, err.value.problems
     survivors = _survivors(err, 1)
     assert len(survivors) == 2, err.value.problems
     for line in survivors:
@@ -109,23 +124,114 @@ def test_a_stalled_collective_fails_after_the_runtime_timeout_naming_the_stalled
 
 
 def test_a_failure_board_post_is_kept_and_causes_come_before_echoes() -> None:
-    from torch.distributed import TCPStore
-
-    from graphpipe.runtime.failures import FailureBoard
-
     store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     mine, launcher = FailureBoard(0, 3, store), FailureBoard(-1, 3, store)
     assert mine.first() is None
-    FailureBoard(1, 3, store).post("rank 1: stopped, another rank failed", "echo")
-    assert mine.first() == "rank 1: stopped, another rank failed"
-    launcher.post("rank 2: exited with code 9", "cause", rank=2)
-    launcher.post("rank 2: a later post", "cause", rank=2)  # the first post is kept
-    assert mine.first() == "rank 2: exited with code 9"
+    FailureBoard(1, 3, store).post("rank 1: stopped, another rank failed", FailureKind.ECHO)
+    echo = mine.first()
+    assert echo is not None
+    assert (echo.rank, echo.kind, echo.text) == (
+        1,
+        FailureKind.ECHO,
+        "rank 1: stopped, another rank failed",
+    )
+    launcher.post("rank 2: exited with code 9", FailureKind.DIED, rank=2)
+    launcher.post("rank 2: a later post", FailureKind.RAISED, rank=2)  # the first is kept
+    cause = mine.first()
+    assert cause is not None
+    assert (cause.rank, cause.kind, cause.text) == (
+        2,
+        FailureKind.DIED,
+        "rank 2: exited with code 9",
+    )
     FailureBoard(2, 3, store).set_waiting([0], "action 2RF0<0")
     assert FailureBoard(1, 3, store).blocking([2]) == (
         [0],
         ["rank 2 waits for rank 0 (action 2RF0<0)"],
     )
+
+
+def test_a_board_whose_store_is_gone_records_and_reads_nothing() -> None:
+    """The launcher ended: posting is best effort, and no read raises."""
+    server = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, 1, is_master=False, timeout=timedelta(seconds=2))
+    board = FailureBoard(0, 2, client)
+    del server
+    gc.collect()
+    board.post("rank 0: lost", FailureKind.RAISED)
+    board.set_waiting([1], "action 0RF0<1")
+    assert board.posts() == {} and board.waiting(1) is None
+
+
+# -- kinds: what a watch raises, in one process (the board on a store of its own) --------------
+
+
+def _watch(rank: int, store: TCPStore, world: int = 3) -> Watch:
+    return Watch(FailureBoard(rank, world, store), timeout=0.6)
+
+
+def _board() -> TCPStore:
+    return TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+
+
+def test_a_wait_stopped_by_another_ranks_failure_is_an_echo_of_it() -> None:
+    store = _board()
+    FailureBoard(-1, 3, store).post("rank 2: was killed by signal 9", FailureKind.DIED, rank=2)
+    with pytest.raises(PipelineError) as err:
+        _watch(0, store).wait(lambda: time.sleep(5), [1], "action 0RF0<1")
+    e = err.value
+    assert (e.kind, e.rank, e.origin, e.cause) == (FailureKind.ECHO, 0, 2, FailureKind.DIED)
+    assert e.quoted == "rank 2: was killed by signal 9"
+    assert str(e) == "rank 0, action 0RF0<1: stopped, another rank failed: " + e.quoted
+    posted = FailureBoard(1, 3, store).posts()[0]  # the echo is posted for the others
+    assert (posted.kind, posted.text) == (FailureKind.ECHO, str(e))
+
+
+def test_a_wait_past_the_timeout_names_the_rank_that_waits_for_nobody() -> None:
+    store = _board()
+    FailureBoard(1, 3, store).set_waiting([2], "action 1RF0<2")  # 1 waits for 2, 2 for nobody
+    with pytest.raises(PipelineError) as err:
+        _watch(0, store).wait(lambda: time.sleep(5), [1], "action 0RF0<1")
+    e = err.value
+    assert (e.kind, e.rank, e.peers) == (FailureKind.TIMED_OUT, 0, (2,)), str(e)
+    assert "rank 2 waits for no rank and posted no failure" in str(e)
+
+
+def test_a_peer_that_closed_its_connection_died(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(failures, "SETTLE", 0.2)  # nobody will post the cause
+    closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:29888")
+    e = _watch(0, _board()).failed([1], "action 0RF0<1", closed)
+    assert (e.kind, e.rank, e.peers) == (FailureKind.DIED, 0, (1,)), str(e)
+    assert str(e).endswith("rank 1 closed its connection: it has probably died")
+
+
+def test_a_collectives_own_error_is_raised_with_its_peers() -> None:
+    e = _watch(0, _board()).failed([1, 2], "the all-reduce of the loss", RuntimeError("shapes"))
+    assert (e.kind, e.peers) == (FailureKind.RAISED, (1, 2))
+    assert str(e) == "rank 0, the all-reduce of the loss, peer rank 1,2: RuntimeError: shapes"
+
+
+def test_a_refused_input_is_posted_as_bad_input_and_echoed_as_such() -> None:
+    store = _board()
+    _watch(1, store).post_error("step", ConfigError("loss_fn returned a [2, 4] tensor"))
+    with pytest.raises(PipelineError) as err:
+        _watch(0, store).wait(lambda: time.sleep(5), [1], "action 0RB0<1")
+    assert (err.value.kind, err.value.cause) == (FailureKind.ECHO, FailureKind.BAD_INPUT)
+    assert err.value.quoted == "rank 1, step: ConfigError: loss_fn returned a [2, 4] tensor"
+
+
+def test_a_stage_refusing_its_input_is_a_bad_input_first() -> None:
+    """Only rank 1's stage can check the loss: launch names it first, as a bad input."""
+    with pytest.raises(PipelineError) as err:
+        launch(_runtime_loss_worker, 2, timeout=LIMIT, comm_timeout=20)
+    assert (err.value.kind, err.value.origin) == (FailureKind.BAD_INPUT, 1), err.value.problems
+    assert err.value.problems[0].startswith("rank 1: ConfigError: loss_fn returned")
+
+
+def test_a_pipeline_error_keeps_its_fields_through_pickle() -> None:
+    e = PipelineError("m", ["p"], kind=FailureKind.ECHO, rank=0, origin=2, quoted="q")
+    back = pickle.loads(pickle.dumps(e))
+    assert (str(back), back.problems, back.fields()) == (str(e), e.problems, e.fields())
 
 
 # -- the fault matrix: kill -9 and SIGSTOP at every rank position and moment -------------------
@@ -193,7 +299,8 @@ def _matrix_worker(world: int, victim: int, moment: str, how: str, out: str) -> 
         pm.save(os.path.join(out, "ckpt"))
     except PipelineError as exc:
         with open(os.path.join(out, f"rank{rank}"), "w") as f:
-            f.write(f"{time.monotonic() - start}\n{exc}")
+            fields = f"{exc.kind.value}|{exc.origin}|{exc.cause and exc.cause.value}|{exc.peers}"
+            f.write(f"{time.monotonic() - start}\n{fields}\n{exc}")
         raise
 
 
@@ -220,6 +327,7 @@ def test_a_rank_killed_anywhere_is_named_by_every_survivor_at_once(
     for rank, (seconds, report) in _run_matrix(world, victim, moment, "kill", tmp_path).items():
         assert seconds < 15, (rank, report)  # the timeout is 60 s
         assert f"another rank failed: rank {victim}: was killed by signal 9" in report
+        assert report.split("\n")[1].startswith(f"echo|{victim}|died|"), (rank, report)
 
 
 @pytest.mark.parametrize(("world", "victim", "moment"), STOPS)
@@ -229,3 +337,5 @@ def test_a_stopped_rank_is_named_by_every_survivor_within_the_timeout(
     for rank, (seconds, report) in _run_matrix(world, victim, moment, "stop", tmp_path).items():
         assert STALL <= seconds < STALL + 2, (rank, report)
         assert f"rank {victim} waits for no rank and posted no failure" in report
+        kind = report.split("\n")[1]  # its own diagnosis, or the first survivor's echoed
+        assert kind == f"timed_out|None|None|({victim},)" or kind.startswith("echo|"), report

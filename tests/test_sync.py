@@ -21,9 +21,9 @@ from torch.func import functional_call
 
 from graphpipe.errors import PipelineError
 from graphpipe.ir import Action
-from graphpipe.runtime import backward
+from graphpipe.runtime import backward, sync
 from graphpipe.runtime.launch import launch
-from graphpipe.runtime.sync import GradSync, SyncGroup, final_backwards
+from graphpipe.runtime.sync import GradSync, SyncGroup, final_backwards, make_groups
 from graphpipe.runtime.weights import make_policy
 
 M = 3  # micro-batches per step
@@ -361,3 +361,129 @@ def test_final_backwards_are_each_stages_last_before_an_update(
 ) -> None:
     ops = [Action.parse(t) for t in program.split()]
     assert sorted(str(ops[i]) for i in final_backwards(ops)) == sorted(finals)
+
+
+# -- tied weights: one process group per set of ranks ---------------------------------------
+
+
+class TwoTied(nn.Module):
+    """Two weights tied across the same two stages: the embedding with the output projection,
+    and an input projection with an output one."""
+
+    def __init__(self, vocab: int = 12, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.proj_in = nn.Linear(width, width)
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.proj_out = nn.Linear(width, width)
+        self.proj_out.weight = self.proj_in.weight
+        self.out = nn.Linear(width, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj_in(self.embed(tokens)))  # (B, T, width)
+        return self.out(self.proj_out(self.body(h))).mean(dim=1)  # (B, vocab)
+
+
+TIED_PINS = {"embed": 0, "proj_in": 0, "body": 1, "proj_out": 1, "out": 1}
+TIED_M, TIED_STEPS, TIED_LR = 4, 3, 0.1  # micro-batches of 2 samples
+
+
+def _two_tied() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 12, (8, 5), generator=torch.Generator().manual_seed(3))
+    return TwoTied(), tokens
+
+
+def _tied_target(step: int) -> torch.Tensor:
+    return torch.randn(8, 12, generator=torch.Generator().manual_seed(50 + step))
+
+
+def _tied_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process: the same micro-batches accumulated, then one SGD step, per step."""
+    model, tokens = _two_tied()
+    opt = torch.optim.SGD(model.parameters(), lr=TIED_LR)
+    losses = []
+    for step in range(TIED_STEPS):
+        target, total = _tied_target(step), 0.0
+        for x, y in zip(tokens.chunk(TIED_M), target.chunk(TIED_M), strict=True):
+            loss = nn.functional.mse_loss(model(x), y)
+            (loss / TIED_M).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / TIED_M)
+    return losses, model.state_dict()
+
+
+def _tied_worker() -> dict[str, Any]:
+    from graphpipe.compile import RuntimeConfig
+    from graphpipe.compile import compile as gp_compile
+    from graphpipe.planning.partition import plan
+    from graphpipe.runtime import pipeline
+
+    made: list[list[Any]] = []
+    syncs: list[GradSync] = []
+
+    def recording_groups(*args: Any, **kwargs: Any) -> list[Any]:
+        made.append(make_groups(*args, **kwargs))
+        return made[-1]
+
+    def recording_sync(*args: Any, **kwargs: Any) -> GradSync:
+        syncs.append(GradSync(*args, **kwargs))
+        return syncs[-1]
+
+    pipeline.make_groups = recording_groups  # type: ignore[assignment]  # this worker only
+    pipeline.GradSync = recording_sync  # type: ignore[assignment,misc]
+    model, tokens = _two_tied()
+    pm = gp_compile(
+        model,
+        (tokens,),
+        loss_fn=nn.functional.mse_loss,
+        optimizer=lambda params: torch.optim.SGD(params, lr=TIED_LR),
+        plan=plan(model, (tokens,), devices=2, micro_batches=TIED_M, pins=TIED_PINS),
+        runtime=RuntimeConfig(timeout=60),
+    )
+    losses = [pm.step(tokens, target=_tied_target(step)) for step in range(TIED_STEPS)]
+    (groups,) = made
+    (sync,) = syncs
+    return {
+        "groups": len(groups),
+        "distinct": len({id(g) for g in groups if g is not None}),
+        "synced": [(g.ranks, g.label, len(g.params)) for g in sync.groups],
+        "losses": losses,
+        "state": pm.state_dict(),
+    }
+
+
+@pytest.fixture(scope="module")
+def tied_runs() -> list[dict[str, Any]]:
+    return launch(_tied_worker, 2, timeout=TIMEOUT, backend="gloo", comm_timeout=30)
+
+
+def test_weights_tied_across_the_same_ranks_share_one_group(
+    tied_runs: list[dict[str, Any]],
+) -> None:
+    for run in tied_runs:
+        assert (run["groups"], run["distinct"]) == (2, 1), run  # two tied weights, one group
+        assert run["synced"] == [((0, 1), "tied embed.weight, tied proj_in.weight", 2)], run
+
+
+def test_two_tied_weights_train_as_one_process(tied_runs: list[dict[str, Any]]) -> None:
+    losses, state = _tied_reference()
+    for run in tied_runs:
+        assert run["losses"] == pytest.approx(losses, rel=1e-5)
+        assert list(run["state"]) == list(state)
+        for key, value in state.items():
+            torch.testing.assert_close(run["state"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_make_groups_makes_one_group_per_set_of_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[list[int]] = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, timeout: made.append(ranks) or object())
+    monkeypatch.setattr(sync, "guarded", lambda what, call: call())  # no process group here
+    memberships = [((0, 1), "stage 0 replicas"), ((1, 0), "tied a"), ((1, 2), "tied b")]
+    groups = make_groups(memberships, 1, 30.0)
+    assert made == [[0, 1], [1, 2]]
+    assert groups[0] is groups[1] and groups[0] is not groups[2]
+    assert make_groups(memberships, 2, 30.0)[:2] == [None, None]

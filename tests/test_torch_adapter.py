@@ -2,15 +2,27 @@
 
 Every test asserts the behaviour graphpipe relies on, so a torch release that renames or
 changes one of these APIs fails here, naming it, before anything downstream misbehaves.
+
+The torch.distributed part runs a one-rank gloo group in this process (made and destroyed by
+a fixture), and two-rank gloo groups in spawned processes for what only a peer can show (a
+closed connection, a timeout).
 """
 
 from __future__ import annotations
 
+import datetime
+import importlib
+import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import fx, nn
+from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.utils._pytree import tree_structure
 
 import graphpipe._torch as _torch
@@ -147,3 +159,120 @@ def test_kineto_events_are_the_runs_ranges_in_epoch_nanoseconds() -> None:
     ops = [e for e in events if e.activity == "cpu_op"]
     assert ops and all(isinstance(e.correlation_id, int) for e in ops)
     assert all(isinstance(e.linked_correlation_id, int) for e in events)
+
+
+# -- torch.distributed
+
+
+@pytest.fixture
+def launcher_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[dist.TCPStore]:
+    """A store served here, as graphpipe.launch serves it, and a one-rank gloo group that
+    rendezvoused with it as a client (the agent-store convention)."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv(_torch.AGENT_STORE_ENV, "True")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield store
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_agent_store_variable_is_the_one_torch_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the module, which the package's rendezvous() function shadows as an attribute
+    read = importlib.import_module("torch.distributed.rendezvous")._torchelastic_use_agent_store
+    monkeypatch.setenv(_torch.AGENT_STORE_ENV, "True")
+    assert read()
+    monkeypatch.setenv(_torch.AGENT_STORE_ENV, "False")
+    assert not read()
+
+
+def test_the_default_store_reaches_the_launchers_store(launcher_store: dist.TCPStore) -> None:
+    """What the board writes through its connection, the launcher reads, and back."""
+    store = _torch.default_store()
+    assert isinstance(store, dist.Store)
+    board = _torch.store_connection(store)
+    assert board is not store  # a connection of its own
+    board.set("graphpipe/test/from-rank", "dead")
+    assert launcher_store.get("graphpipe/test/from-rank") == b"dead"
+    launcher_store.set("graphpipe/test/from-launcher", "posted")
+    assert board.get("graphpipe/test/from-launcher") == b"posted"
+    board.compare_set("graphpipe/test/from-rank", "", "second")  # the first post is kept
+    assert launcher_store.get("graphpipe/test/from-rank") == b"dead"
+
+
+def test_store_connection_unwraps_prefix_stores() -> None:
+    bare = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    wrapped = dist.PrefixStore("outer", dist.PrefixStore("inner", bare))
+    _torch.store_connection(wrapped).set("key", "value")
+    assert bare.get("key") == b"value"  # no prefix added
+
+
+def test_the_default_store_needs_a_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="not been initialized"):
+        _torch.default_store()
+
+
+def test_set_default_pg_timeout_changes_the_gloo_timeout(launcher_store: dist.TCPStore) -> None:
+    gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    _torch.set_default_pg_timeout(3.5)
+    assert gloo.options._timeout == datetime.timedelta(seconds=3.5)
+
+
+def test_a_missing_api_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(dist.distributed_c10d, "_set_pg_timeout")
+    with pytest.raises(TorchAPIError, match=r"_set_pg_timeout\(\).*RuntimeConfig.timeout"):
+        _torch.set_default_pg_timeout(1.0)
+    monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+    with pytest.raises(TorchAPIError, match="_get_default_store"):
+        _torch.default_store()
+
+
+def _gloo_failure(rank: int, port: int, how: str, out: str) -> None:
+    """Rank 0 waits in an all-reduce for rank 1, which exits ("closed") or stalls past a
+    timeout of 1 s set after init ("timeout"); rank 0 writes what the adapter makes of it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)  # torch's default timeout
+    _torch.set_default_pg_timeout(1.0)
+    dist.all_reduce(torch.zeros(1))  # both connected
+    if rank == 1:
+        if how == "timeout":
+            time.sleep(6)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.zeros(1))
+        seen = "no error"
+    except RuntimeError as exc:
+        seen = f"{_torch.backend_failure(exc)}|{time.monotonic() - start:.1f}|{exc}"
+    Path(out).write_text(seen)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how", ["closed", "timeout"])
+def test_backend_failure_reads_the_gloo_errors(how: str, tmp_path: Path) -> None:
+    out = tmp_path / "seen"
+    port = get_free_port()  # for rank 0's store
+    mp.start_processes(
+        _gloo_failure, args=(port, how, str(out)), nprocs=2, join=True, start_method="spawn"
+    )
+    kind, seconds, text = out.read_text().split("|", 2)
+    assert kind == how, text
+    if how == "timeout":  # the timeout set after init governs
+        assert float(seconds) < 5, text
+
+
+def test_tensor_version_counts_in_place_changes() -> None:
+    """sync.py's check: a gradient accumulated in place after its bucket's launch."""
+    p = torch.nn.Parameter(torch.ones(3))
+    (p * 2).sum().backward()
+    assert p.grad is not None
+    grad, seen = p.grad, _torch.tensor_version(p.grad)
+    (p * 3).sum().backward()  # accumulates into the same tensor
+    assert p.grad is grad and _torch.tensor_version(p.grad) > seen
+    before = _torch.tensor_version(grad)
+    grad.mul_(2)
+    assert _torch.tensor_version(grad) == before + 1

@@ -25,8 +25,8 @@ On the CPU every wait runs under the rank's `Watch` (`graphpipe.runtime.failures
 timeout, and it stops at once when another rank posts a failure. On CUDA a wait makes the
 compute stream wait for the message and returns at once; the process group's timeout and
 watchdog bound it. A timeout, a peer that closed its connection (it died) or a failure posted
-elsewhere raises `PipelineError` naming this rank, the schedule action, the peer and the rank
-that failed first.
+elsewhere raises `PipelineError` (kind TIMED_OUT, DIED or ECHO) naming this rank, the schedule
+action, the peer and the rank that failed first.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from graphpipe.errors import PipelineError
-from graphpipe.runtime.failures import BACKSTOP, Watch, first_line
+from graphpipe.runtime.failures import BACKSTOP, Watch, unwatched_error
 
 __all__ = [
     "Buffers",
@@ -266,8 +265,8 @@ class Transport:
         except RuntimeError as exc:  # e.g. a peer that died closed its connection
             if self.watch is not None:
                 raise self.watch.failed(sorted(set(peers)), f"action {what}", exc) from exc
-            text = f"rank {self.rank}, action {what}, peer rank {sorted(set(peers))}: "
-            raise PipelineError(text + first_line(exc)) from exc
+            head = f"rank {self.rank}, action {what}, peer rank {sorted(set(peers))}: "
+            raise unwatched_error(head, self.rank, sorted(set(peers)), exc) from exc
 
     def _wait(self, works: list[dist.Work], peer: int, what: str) -> None:
         for work in works:
@@ -282,6 +281,5 @@ class Transport:
             try:
                 work.wait(datetime.timedelta(seconds=self.timeout))
             except RuntimeError as exc:
-                raise PipelineError(
-                    f"rank {self.rank}, action {what}, peer rank {peer}: {first_line(exc)}"
-                ) from exc
+                head = f"rank {self.rank}, action {what}, peer rank {peer}: "
+                raise unwatched_error(head, self.rank, [peer], exc) from exc

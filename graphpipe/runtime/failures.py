@@ -2,9 +2,10 @@
 
 A rank that fails posts why on a *failure board*, a key-value store every rank reads:
 
-    graphpipe/failure/<rank>   "<time>|<kind>|<text>"   kind: "cause" (its own error, a death,
-                                                      a timeout's diagnosis) or "echo" (it
-                                                      stopped because another rank failed)
+    graphpipe/failure/<rank>   "<time>|<kind>|<text>"   kind: a FailureKind's value; "echo"
+                                                      when it stopped because another rank
+                                                      failed, else a cause (its own error, a
+                                                      death, a timeout's diagnosis)
     graphpipe/waiting/<rank>   "<time>|<ranks>|<what>"  set while a wait lasts over WAITING_AFTER s
 
 The board is the store torch.distributed rendezvoused with. Under `graphpipe.runtime.launch` and
@@ -14,10 +15,12 @@ death of a rank that could not post its own.
 
 Every wait of a rank (a receive, a send's completion, a collective) goes through `Watch.wait`:
 the blocking call runs on a waiter thread while this thread polls the board, so a failure
-anywhere stops every other rank at once with a `PipelineError` that quotes the first cause.
+anywhere stops every other rank at once with a `PipelineError` of kind ECHO that quotes the
+first cause (`origin`, `cause`, `quoted`).
 `RuntimeConfig.timeout` bounds each wait. A timeout is diagnosed by following who waits for
 whom on the board: the ranks at the end of that chain, which wait for nobody and posted nothing,
 are the ones named (busy or stalled), so no rank blames a live neighbour that is itself waiting.
+Every collective of the runtime runs through `guarded`, which puts it under the watch.
 On CUDA, waits are stream dependencies and the process group's timeout and watchdog bound them.
 """
 
@@ -25,28 +28,36 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import datetime
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch.distributed as dist
 
-from graphpipe.errors import ConfigError, PipelineError
+from graphpipe._torch import (
+    backend_failure,
+    default_store,
+    set_default_pg_timeout,
+    store_connection,
+)
+from graphpipe.errors import ConfigError, FailureKind, PipelineError
 
 __all__ = [
     "BACKSTOP",
     "FailureBoard",
+    "Post",
     "Watch",
     "current_watch",
+    "failure",
     "first_line",
     "guarded",
     "install_watch",
     "posted",
     "set_collective_timeout",
+    "unwatched_error",
 ]
 
 T = TypeVar("T")
@@ -56,6 +67,22 @@ SETTLE = 5.0  # seconds a rank whose peer closed its connection waits for the ca
 BACKSTOP = 10.0  # seconds the backend's own timeouts come after the watch's
 # torchrun's agent keeps its store across restarts: each attempt gets keys of its own
 PREFIX = f"graphpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+class Post(NamedTuple):
+    """A rank's failure post on the board."""
+
+    rank: int  # the rank that failed (posted by itself or by the launcher)
+    stamp: float  # time.time() of the post
+    kind: FailureKind  # what happened; ECHO: it stopped because another rank failed
+    text: str  # the message, as the rank's PipelineError says it
+
+    def caused(self) -> bool:
+        """Whether the post is a cause, not an echo."""
+        return self.kind is not FailureKind.ECHO
+
+
+STORE_ERRORS = (dist.DistError,)  # what a store raises when its server is gone
 
 
 def first_line(exc: BaseException) -> str:
@@ -79,61 +106,58 @@ class FailureBoard:
     @classmethod
     def of_process_group(cls) -> FailureBoard:
         """The board on the store the default process group rendezvoused with."""
-        store = None
-        with contextlib.suppress(AttributeError, RuntimeError, ValueError):
-            store = dist.distributed_c10d._get_default_store()
-            while isinstance(store, dist.PrefixStore):  # down to what the launcher also sees
-                store = store.underlying_store
-            # a connection of its own: a TCPStore client serves one call at a time, and the
-            # process group's own blocking calls on it must not hold the board up
-            store = store.clone()  # type: ignore[attr-defined]
+        # down to the store the launcher also sees, on a connection of its own: a TCPStore
+        # client serves one call at a time, and the process group's own blocking calls on it
+        # must not hold the board up
+        store = store_connection(default_store())
         return cls(dist.get_rank(), dist.get_world_size(), store)
 
     # -- failures -----------------------------------------------------------------------------
 
-    def post(self, text: str, kind: str = "cause", rank: int | None = None) -> None:
-        """Record why `rank` (default this one) fails; a rank's first post is kept."""
+    def post(self, text: str, kind: FailureKind, rank: int | None = None) -> None:
+        """Record why `rank` (default this one) fails; a rank's first post is kept.
+
+        Best effort: a store whose server is gone (the launcher ended) records nothing.
+        """
         if self.store is None:
             return
         rank = self.rank if rank is None else rank
-        with contextlib.suppress(Exception):  # best effort: the store may be gone
+        with contextlib.suppress(*STORE_ERRORS):
             self.store.compare_set(
-                f"{PREFIX}/failure/{rank}", "", f"{time.time():.6f}|{kind}|{text}"
+                f"{PREFIX}/failure/{rank}", "", f"{time.time():.6f}|{kind.value}|{text}"
             )
 
-    def posts(self) -> dict[int, tuple[float, str, str]]:
-        """Every rank's post: rank -> (time, kind, text)."""
-        found: dict[int, tuple[float, str, str]] = {}
+    def posts(self) -> dict[int, Post]:
+        """Every rank's post, by rank (none when the store's server is gone)."""
+        found: dict[int, Post] = {}
         if self.store is None:
             return found
         keys = [f"{PREFIX}/failure/{r}" for r in range(self.world)]
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*STORE_ERRORS):
             for r, key in enumerate(keys):
                 if self.store.check([key]):
                     stamp, kind, text = self.store.get(key).decode().split("|", 2)
-                    found[r] = (float(stamp), kind, text)
+                    found[r] = Post(r, float(stamp), FailureKind(kind), text)
         return found
 
-    def first(self) -> str | None:
+    def first(self) -> Post | None:
         """The first failure another rank posted: the earliest cause, else the earliest echo."""
-        posts = {r: p for r, p in self.posts().items() if r != self.rank}
-        if not posts:
-            return None
-        return min(posts.values(), key=lambda p: (p[1] != "cause", p[0]))[2]
+        posts = [p for r, p in self.posts().items() if r != self.rank]
+        return min(posts, key=lambda p: (not p.caused(), p.stamp)) if posts else None
 
     # -- who waits for whom -------------------------------------------------------------------
 
     def set_waiting(self, ranks: Sequence[int], what: str) -> None:
         """Publish that this rank waits for `ranks` (in action or collective `what`)."""
         if self.store is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*STORE_ERRORS):
                 peers = ",".join(str(r) for r in ranks)
                 self.store.set(f"{PREFIX}/waiting/{self.rank}", f"{time.time():.6f}|{peers}|{what}")
 
     def clear_waiting(self) -> None:
         """This rank waits for nobody any more."""
         if self.store is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*STORE_ERRORS):
                 self.store.delete_key(f"{PREFIX}/waiting/{self.rank}")
 
     def waiting(self, rank: int) -> tuple[list[int], str] | None:
@@ -141,7 +165,7 @@ class FailureBoard:
         if self.store is None:
             return None
         key = f"{PREFIX}/waiting/{rank}"
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*STORE_ERRORS):
             if self.store.check([key]):
                 _, peers, what = self.store.get(key).decode().split("|", 2)
                 return [int(p) for p in peers.split(",") if p], what
@@ -246,73 +270,95 @@ class Watch:
                 raise self.failed(peers, what, exc) from exc
             other = self.board.first()
             if other is not None:
-                raise self._echo(what, other)
+                raise self._echo(f"rank {self.rank}, {what}: ", other)
             if time.monotonic() > deadline:
-                diagnosis = self._diagnose(peers, what, limit)
+                text, ends = self._diagnose(peers, what, limit)
                 other = self.board.first()  # a peer that timed out first has the same story
                 if other is not None:
-                    raise self._echo(what, other)
-                raise self.raised(diagnosis, "cause")
+                    raise self._echo(f"rank {self.rank}, {what}: ", other)
+                raise self.raised(text, FailureKind.TIMED_OUT, peers=ends)
 
-    def _echo(self, what: str, other: str) -> PipelineError:
-        """Stop `what` because of another rank's post `other`."""
+    def _echo(self, head: str, other: Post, peers: Sequence[int] = ()) -> PipelineError:
+        """Stop (the wait that `head` names) because of another rank's post `other`."""
         return self.raised(
-            f"rank {self.rank}, {what}: stopped, another rank failed: {other}", "echo"
+            f"{head}stopped, another rank failed: {other.text}",
+            FailureKind.ECHO,
+            peers=peers,
+            origin=other.rank,
+            cause=other.kind,
+            quoted=other.text,
         )
 
     def failed(self, peers: Sequence[int], what: str, exc: Exception) -> PipelineError:
         """The posted error for a call that raised: when a peer closed its connection (it
         died), the cause another rank or the launcher posts, else the call's own error."""
-        text = str(exc).lower()
         head = f"rank {self.rank}, {what}, peer rank {_ranks(peers)}: "
-        if not any(w in text for w in ("closed", "reset", "broken pipe", "timed out", "timeout")):
-            return self.raised(head + first_line(exc), "cause")
-        timed_out = "timed out" in text or "timeout" in text
+        seen = backend_failure(exc)
+        if seen is None:
+            return self.raised(head + first_line(exc), FailureKind.RAISED, peers=peers)
         # a closed connection: a death, whose post the launcher makes within moments
-        cause = self.board.first() if timed_out else self._settled_cause()
+        cause = self.board.first() if seen == "timeout" else self._settled_cause()
         if cause is not None:
-            return self.raised(f"{head}stopped, another rank failed: {cause}", "echo")
-        if timed_out:
-            return self.raised(self._diagnose(peers, what, self.timeout), "cause")
+            return self._echo(head, cause, peers)
+        if seen == "timeout":
+            text, ends = self._diagnose(peers, what, self.timeout)
+            return self.raised(text, FailureKind.TIMED_OUT, peers=ends)
         return self.raised(
-            f"{head}rank {_ranks(peers)} closed its connection: it has probably died", "cause"
+            f"{head}rank {_ranks(peers)} closed its connection: it has probably died",
+            FailureKind.DIED,
+            peers=peers,
         )
 
-    def _settled_cause(self) -> str | None:
+    def _settled_cause(self) -> Post | None:
         """The first cause another rank or the launcher posts within SETTLE s, or None."""
         end = time.monotonic() + SETTLE
         while True:
-            posts = {r: p for r, p in self.board.posts().items() if r != self.rank}
-            causes = [p for p in posts.values() if p[1] == "cause"]
+            posts = [p for r, p in self.board.posts().items() if r != self.rank]
+            causes = [p for p in posts if p.caused()]
             if causes:
-                return min(causes)[2]
+                return min(causes, key=lambda p: p.stamp)
             if time.monotonic() > end:
-                return min(posts.values())[2] if posts else None
+                return min(posts, key=lambda p: p.stamp) if posts else None
             time.sleep(POLL)
 
-    def _diagnose(self, peers: Sequence[int], what: str, limit: float) -> str:
-        """Why a wait for `peers` ran out of time, naming the ranks at the end of the chain."""
+    def _diagnose(self, peers: Sequence[int], what: str, limit: float) -> tuple[str, list[int]]:
+        """Why a wait for `peers` ran out of time, naming the ranks at the end of the chain;
+        and those ranks (none when every rank waits)."""
         ends, chain = self.board.blocking(peers)
         text = f"rank {self.rank}, {what}, peer rank {_ranks(peers)}: no answer within {limit:g} s"
         via = f"; {'; '.join(chain)}" if chain else ""
         if not ends:
-            return f"{text}{via}; every rank waits for another: mismatched calls on the ranks"
-        return (
-            f"{text}{via}; rank {_ranks(ends)} waits for no rank and posted no failure: "
-            "it is alive but has not reached the matching call (a stage or user code slower "
-            "than the timeout, or mismatched calls)"
-        )
+            text = f"{text}{via}; every rank waits for another: mismatched calls on the ranks"
+        else:
+            text = (
+                f"{text}{via}; rank {_ranks(ends)} waits for no rank and posted no failure: "
+                "it is alive but has not reached the matching call (a stage or user code "
+                "slower than the timeout, or mismatched calls)"
+            )
+        return text, ends
 
-    def raised(self, text: str, kind: str) -> PipelineError:
-        """Post `text` and return the PipelineError to raise."""
+    def raised(
+        self, text: str, kind: FailureKind | Literal["cause"], **fields: Any
+    ) -> PipelineError:
+        """Post `text` and return the PipelineError of `kind` to raise.
+
+        Args:
+            text: The message.
+            kind: What happened. "cause" (the board's word before kinds) means RAISED; it
+                stays for callers not yet passing a kind (runtime/executor.py).
+            **fields: The error's other fields (`peers`, `stage`, ...); `rank` is this one.
+        """
+        kind = FailureKind.RAISED if kind == "cause" else kind
+        assert isinstance(kind, FailureKind)
         self.board.post(text, kind)
-        return PipelineError(text)
+        return PipelineError(text, kind=kind, rank=self.rank, **fields)
 
     def post_error(self, where: str, exc: BaseException) -> None:
         """Post a rank's own error (raised in `where`) unless it already posted one."""
-        if isinstance(exc, PipelineError) and str(exc).startswith(f"rank {self.rank},"):
+        if isinstance(exc, PipelineError) and exc.rank == self.rank:
             return  # the watch posted it
-        self.board.post(f"rank {self.rank}, {where}: {first_line(exc)}", "cause")
+        kind = FailureKind.BAD_INPUT if isinstance(exc, ConfigError) else FailureKind.RAISED
+        self.board.post(f"rank {self.rank}, {where}: {first_line(exc)}", kind)
 
 
 def _ranks(ranks: Sequence[int] | int) -> str:
@@ -343,11 +389,21 @@ def guarded(
     fn: Callable[[], T],
     peers: Sequence[int] | None = None,
     timeout: float | None = None,
+    *,
+    here: bool = False,
 ) -> T:
     """Run the collective `fn` (over `peers`, default every rank) under the process's watch.
 
-    On NCCL the call runs on this thread (the process group's watchdog bounds it); its
-    error is posted all the same.
+    On NCCL, or with `here`, the call runs on this thread (a CUDA wait makes this thread's
+    stream wait; the process group's timeout and watchdog bound it); its error is posted all
+    the same.
+
+    Args:
+        what: The collective, as the error names it ("the all-reduce of the loss").
+        fn: The call: a collective, or the wait of one launched asynchronously.
+        peers: The ranks of the collective (default: every rank).
+        timeout: Seconds it may take (default: the watch's).
+        here: Run `fn` on this thread even under gloo.
 
     Raises:
         PipelineError: the collective failed, ran out of time, or another rank failed.
@@ -355,15 +411,41 @@ def guarded(
     watch = current_watch()
     rank = dist.get_rank()
     others = [r for r in (range(dist.get_world_size()) if peers is None else peers) if r != rank]
-    if watch is not None and dist.get_backend() != "nccl":
+    if watch is not None and not here and dist.get_backend() != "nccl":
         return watch.wait(fn, others, what, timeout)
     try:
         return fn()
     except RuntimeError as exc:
         if watch is not None:
             raise watch.failed(others, what, exc) from exc
-        text = f"rank {rank}, {what}, peer rank {_ranks(others)}: {first_line(exc)}"
-        raise PipelineError(text) from exc
+        head = f"rank {rank}, {what}, peer rank {_ranks(others)}: "
+        raise unwatched_error(head, rank, others, exc) from exc
+
+
+def failure(text: str, kind: FailureKind, **fields: Any) -> PipelineError:
+    """The PipelineError of `kind` to raise, posted on the board when a watch is installed,
+    so no other rank waits for this one (`fields`: the error's own, `rank` aside)."""
+    watch = current_watch()
+    if watch is not None:
+        return watch.raised(text, kind, **fields)
+    rank = dist.get_rank() if dist.is_initialized() else None
+    return PipelineError(text, kind=kind, rank=rank, **fields)
+
+
+def unwatched_error(head: str, rank: int, peers: Sequence[int], exc: Exception) -> PipelineError:
+    """The PipelineError for a backend's error `exc` outside a watch (nothing is posted).
+
+    Args:
+        head: The message's start, naming the rank, the call and the peers.
+        rank: This rank.
+        peers: The ranks of the call.
+        exc: The backend's error: a closed connection is DIED, a timeout TIMED_OUT.
+    """
+    seen = backend_failure(exc)
+    kind = {"closed": FailureKind.DIED, "timeout": FailureKind.TIMED_OUT}.get(
+        seen or "", FailureKind.RAISED
+    )
+    return PipelineError(head + first_line(exc), kind=kind, rank=rank, peers=peers)
 
 
 @contextlib.contextmanager
@@ -392,5 +474,4 @@ def set_collective_timeout(seconds: float) -> None:
     `BACKSTOP` s later, so that its bare "timed out" never races the diagnosis.
     """
     backstop = 0.0 if dist.get_backend() == "nccl" else BACKSTOP
-    with contextlib.suppress(AttributeError, RuntimeError, ValueError):
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds + backstop))
+    set_default_pg_timeout(seconds + backstop)

@@ -7,11 +7,10 @@
 
     results = graphpipe.launch(main, nprocs=2, args=(10,))   # [rank 0's return, rank 1's]
 
-Built on torch.multiprocessing's spawn context. Each worker gets the torchrun variables
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port), one CPU thread unless
-told otherwise, and a process group (gloo on CPU, NCCL on CUDA). For several machines use
-torchrun instead: `torchrun --nnodes 2 --nproc-per-node 8 ... train.py`, with graphpipe.compile
-in train.py.
+Each worker gets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), one CPU thread unless told otherwise, and a process group (gloo on CPU, NCCL on
+CUDA). For several machines use torchrun instead: `torchrun --nnodes 2 --nproc-per-node 8 ...
+train.py`, with graphpipe.compile in train.py.
 
 The launcher serves the rendezvous store itself (as torchrun's agent does,
 `TORCHELASTIC_USE_AGENT_STORE`), so the failure board on it (`graphpipe.runtime.failures`)
@@ -20,8 +19,26 @@ outlives any rank, rank 0 included.
 Failures: when a worker raises or dies, the launcher posts it on the board (unless the worker
 posted its own), so the others stop waiting at once and name it; they get `grace` seconds to
 finish or fail, then the rest are stopped. `launch` raises `PipelineError` listing what
-happened on every rank, the first failure first. A worker whose parent dies stops itself, so
-no process outlives the launcher.
+happened on every rank, the first failure first; its `kind` is the first failure's. A worker
+whose parent dies stops itself, so no process outlives the launcher.
+
+What is torch's and what is graphpipe's own, and why:
+- spawning: `torch.multiprocessing.start_processes` (spawn start method, and its parent-death
+  signal for each child).
+- the rendezvous store and its free port: `torch.distributed.TCPStore` on port 0, served by
+  the launcher; every rank connects to it as a client (torch's own agent-store convention,
+  `graphpipe._torch.AGENT_STORE_ENV`). No port is picked by hand.
+- reaping and stopping children: graphpipe's own. torch's `ProcessContext.join` and
+  torch.distributed.elastic's `start_processes` / `PContext` stop every other child at the
+  first failure and report that one failure; graphpipe's protocol needs the opposite: the
+  launcher posts the death on the failure board at once, the survivors get `grace` seconds to
+  name it and exit with their own error, and every rank's outcome is reported.
+- a child's result and exception: a queue of graphpipe's own. torch's spawn returns no values
+  and passes only a traceback text; elastic's error files carry no return values either.
+  graphpipe needs each rank's return value, and for a failure its `FailureKind` and first line.
+- orphans: a thread in each worker exits when the launcher is gone. torch's parent-death
+  signal (SIGINT) is delivered as KeyboardInterrupt only when the main thread returns to
+  Python, which a rank blocked in a collective never does.
 """
 
 from __future__ import annotations
@@ -32,28 +49,35 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graphpipe.errors import ConfigError, PipelineError
+from graphpipe._torch import AGENT_STORE_ENV
+from graphpipe.errors import ConfigError, FailureKind, PipelineError
 from graphpipe.runtime.failures import FailureBoard
 
-__all__ = ["free_port", "launch"]
+__all__ = ["launch"]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@dataclass(frozen=True)
+class _Outcome:
+    """What became of one rank."""
+
+    kind: FailureKind | None  # None: it finished
+    text: str  # the failure's first line and traceback, or "" when it finished
+    value: bytes = b""  # the pickled return value, when it finished
+    reported: bool = True  # False: the launcher saw it (a death, a stop), the rank said nothing
+
+    def first_line(self) -> str:
+        return self.text.strip().splitlines()[0] if self.text.strip() else "finished"
 
 
 def launch(
@@ -85,12 +109,13 @@ def launch(
     Raises:
         ConfigError: nprocs < 1.
         PipelineError: a rank raised, died or ran out of time; the message says which and how.
+            Its `kind` is the first failure's (TIMED_OUT when nothing failed before
+            `timeout`), `origin` that rank, `peers` every rank that failed or was stopped.
     """
     if nprocs < 1:
         raise ConfigError(f"nprocs must be >= 1, got {nprocs}")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
+    results: Any = mp.get_context("spawn").Queue()
     store = dist.TCPStore(
         "127.0.0.1",
         0,  # a free port, held from now on
@@ -103,19 +128,18 @@ def launch(
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(store.port),
         "WORLD_SIZE": str(nprocs),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank is a client of this store
+        AGENT_STORE_ENV: "True",  # every rank is a client of this store
     }
-    workers = [
-        ctx.Process(
-            target=_worker,
-            daemon=True,
-            name=f"graphpipe-rank{rank}",
-            args=(rank, env, fn, tuple(args), results, backend, threads, comm_timeout, os.getpid()),
-        )
-        for rank in range(nprocs)
-    ]
-    for w in workers:
-        w.start()
+    context = mp.start_processes(
+        _worker,
+        args=(env, fn, tuple(args), results, backend, threads, comm_timeout, os.getpid()),
+        nprocs=nprocs,
+        join=False,  # reaped by _supervise: torch's join stops the others at a first failure
+        daemon=True,
+        start_method="spawn",
+    )
+    assert context is not None
+    workers = list(context.processes)
     board = FailureBoard(-1, nprocs, store)
     try:
         return _supervise(
@@ -148,15 +172,23 @@ def _worker(
         )
         # plain pickle bytes: torch's queue pickler would share tensors through file
         # descriptors that vanish with this process
-        results.put((rank, "ok", pickle.dumps(fn(*args))))
+        results.put((rank, None, pickle.dumps(fn(*args))))
     except BaseException as exc:  # report everything, then exit non-zero at once: a wait
         # abandoned after a failure must not hold the exit (no process group teardown)
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        results.put((rank, _kind_of(exc).value, text))
         results.close()
         results.join_thread()
         os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _kind_of(exc: BaseException) -> FailureKind:
+    """The kind of a worker's own error: a PipelineError's, BAD_INPUT for a refusal."""
+    if isinstance(exc, PipelineError):
+        return exc.kind
+    return FailureKind.BAD_INPUT if isinstance(exc, ConfigError) else FailureKind.RAISED
 
 
 def _orphan_watch(parent: int) -> None:
@@ -169,7 +201,7 @@ def _orphan_watch(parent: int) -> None:
 def _supervise(
     workers: list[Any], results: Any, timeout: float, grace: float, board: FailureBoard
 ) -> list[Any]:
-    outcomes: dict[int, tuple[str, Any]] = {}
+    outcomes: dict[int, _Outcome] = {}
     posted: set[int] = set()
     deadline, failed_at = time.monotonic() + timeout, None
     while any(w.is_alive() for w in workers) or len(outcomes) < len(workers):
@@ -177,9 +209,11 @@ def _supervise(
         for rank, w in enumerate(workers):
             if not w.is_alive() and rank not in outcomes and w.exitcode not in (None, 0):
                 _collect(results, outcomes, wait=0.5)
-                outcomes.setdefault(rank, ("died", _death(w.exitcode)))
+                outcomes.setdefault(
+                    rank, _Outcome(FailureKind.DIED, _death(w.exitcode), reported=False)
+                )
         _post_failures(board, outcomes, posted)
-        if failed_at is None and any(kind != "ok" for kind, _ in outcomes.values()):
+        if failed_at is None and any(o.kind is not None for o in outcomes.values()):
             failed_at = time.monotonic()
         now = time.monotonic()
         if now > deadline or (failed_at is not None and now > failed_at + grace):
@@ -188,27 +222,31 @@ def _supervise(
         if not any(w.is_alive() for w in workers) and len(outcomes) < len(workers):
             _collect(results, outcomes, wait=1.0)
             for rank in range(len(workers)):
-                outcomes.setdefault(rank, ("died", "exited without reporting"))
+                outcomes.setdefault(
+                    rank, _Outcome(FailureKind.DIED, "exited without reporting", reported=False)
+                )
     for w in workers:
         w.join(timeout=5)
     return _results_or_raise(outcomes, len(workers), timeout)
 
 
-def _post_failures(
-    board: FailureBoard, outcomes: dict[int, tuple[str, Any]], posted: set[int]
-) -> None:
+def _post_failures(board: FailureBoard, outcomes: dict[int, _Outcome], posted: set[int]) -> None:
     """Post each failed rank on the board once; a rank's own earlier post is kept."""
-    for rank, (kind, value) in outcomes.items():
-        if kind in ("died", "error") and rank not in posted:
+    for rank, outcome in outcomes.items():
+        if outcome.kind is not None and rank not in posted:
             posted.add(rank)
-            board.post(f"rank {rank}: {str(value).strip().splitlines()[0]}", "cause", rank)
+            board.post(f"rank {rank}: {outcome.first_line()}", outcome.kind, rank)
 
 
-def _collect(results: Any, outcomes: dict[int, tuple[str, Any]], wait: float = 0.05) -> None:
+def _collect(results: Any, outcomes: dict[int, _Outcome], wait: float = 0.05) -> None:
+    """Move the workers' reports from the queue into `outcomes`, waiting `wait` s for one."""
     try:
         while True:
             rank, kind, value = results.get(timeout=wait)
-            outcomes[rank] = (kind, value)
+            if kind is None:
+                outcomes[rank] = _Outcome(None, "", value)
+            else:
+                outcomes[rank] = _Outcome(FailureKind(kind), value)
             wait = 0.0
     except queue.Empty:
         return
@@ -220,7 +258,7 @@ def _death(code: int | None) -> str:
     return f"exited with code {code} without reporting an error"
 
 
-def _stop(workers: list[Any], outcomes: dict[int, tuple[str, Any]], why: str) -> None:
+def _stop(workers: list[Any], outcomes: dict[int, _Outcome], why: str) -> None:
     for rank, w in enumerate(workers):
         if w.is_alive():
             w.terminate()
@@ -229,28 +267,49 @@ def _stop(workers: list[Any], outcomes: dict[int, tuple[str, Any]], why: str) ->
             w.join(timeout=3)
             if w.is_alive():
                 w.kill()
-            outcomes.setdefault(rank, ("stopped", why))
+            outcomes.setdefault(rank, _Outcome(FailureKind.STOPPED, why, reported=False))
 
 
-def _rank_of_failure(outcome: tuple[str, Any] | None) -> int:
-    """Root causes first: deaths, then errors of a rank's own, then errors caused by a peer."""
-    kind, value = outcome or ("stopped", "")
-    if kind == "error" and ("closed its connection" in value or "did not answer" in value):
-        return 2
-    return {"died": 0, "error": 1, "stopped": 3, "ok": 4}.get(kind, 3)
+# the launcher's view of each rank, root causes first: a death it saw, then a rank's own
+# error, then a rank that failed because of a peer (a dead peer it saw, an echo), then a
+# rank the launcher stopped, then one that finished
+_ORDER = {
+    FailureKind.RAISED: 1,
+    FailureKind.BAD_INPUT: 1,
+    FailureKind.NONFINITE: 1,
+    FailureKind.TIMED_OUT: 1,
+    FailureKind.BROKEN: 1,
+    FailureKind.ECHO: 2,
+    FailureKind.STOPPED: 3,
+}
 
 
-def _results_or_raise(outcomes: dict[int, tuple[str, Any]], n: int, timeout: float) -> list[Any]:
-    if all(outcomes.get(r, ("", None))[0] == "ok" for r in range(n)):
-        return [pickle.loads(outcomes[r][1]) for r in range(n)]
-    order = sorted(range(n), key=lambda r: _rank_of_failure(outcomes.get(r)))
-    lines = []
-    for r in order:
-        kind, value = outcomes.get(r, ("stopped", f"no report within {timeout:g} s"))
-        text = "finished" if kind == "ok" else str(value).strip().splitlines()[0]
-        lines.append(f"rank {r}: {text}")
+def _rank_of_failure(outcome: _Outcome) -> int:
+    """Where a rank's outcome sorts: root causes first."""
+    if outcome.kind is None:
+        return 4
+    if outcome.kind is FailureKind.DIED:  # its own death, or a peer's that it reported
+        return 2 if outcome.reported else 0
+    return _ORDER[outcome.kind]
+
+
+def _results_or_raise(outcomes: dict[int, _Outcome], n: int, timeout: float) -> list[Any]:
+    """Every rank's return value, or a PipelineError whose kind is the first failure's."""
+    if all(r in outcomes and outcomes[r].kind is None for r in range(n)):
+        return [pickle.loads(outcomes[r].value) for r in range(n)]
+    missing = _Outcome(FailureKind.STOPPED, f"no report within {timeout:g} s", reported=False)
+    seen = {r: outcomes.get(r, missing) for r in range(n)}
+    order = sorted(range(n), key=lambda r: _rank_of_failure(seen[r]))
+    lines = [f"rank {r}: {seen[r].first_line()}" for r in order]
     first = order[0]
-    detail = outcomes.get(first, ("", ""))[1]
-    if isinstance(detail, str) and "\n" in detail:
-        lines.append(f"rank {first} said:\n{detail}")
-    raise PipelineError(f"the pipeline failed; rank {first} first", lines)
+    if "\n" in seen[first].text.strip():
+        lines.append(f"rank {first} said:\n{seen[first].text}")
+    kind = seen[first].kind
+    raise PipelineError(
+        f"the pipeline failed; rank {first} first",
+        lines,
+        # nothing failed before the launcher stopped them: the run passed launch's timeout
+        kind=FailureKind.TIMED_OUT if kind is FailureKind.STOPPED else kind or FailureKind.RAISED,
+        peers=[r for r in order if seen[r].kind is not None],
+        origin=first,
+    )

@@ -26,6 +26,7 @@ flush, as for clipping, `graphpipe.runtime.clip`) can stop it; other policies ar
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 
 from graphpipe.errors import ConfigError
 from graphpipe.ir.registry import POLICIES, policy_spec
+from graphpipe.runtime.failures import guarded
 
 __all__ = ["NanCheck", "check_nan_check"]
 NONE = torch.iinfo(torch.int64).max  # "no problem": the largest code
@@ -112,7 +114,12 @@ class NanCheck:
         if self._found is not None:
             local = torch.minimum(local, self._found.to(self.device).reshape(1))
         self._found = None
-        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
+        ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+        guarded(
+            "the all-reduce of nan_check's first problem",
+            functools.partial(dist.all_reduce, local, op=dist.ReduceOp.MIN, group=self.group),
+            ranks,
+        )
         code = int(local.item())
         return None if code == NONE else self.describe(code)
 

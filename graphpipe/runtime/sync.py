@@ -6,6 +6,10 @@ Two kinds of group, both made once at compile time, identically on every rank:
 - holders of a shared parameter: stages that each hold a copy of a tied weight (its canonical
   name is the same); the copies' gradients are summed, so the copies stay identical.
 
+There is one process group per set of ranks (`make_groups`), not per weight: groups on the
+same ranks (two weights tied across the same stages, or a tied weight and the replicas of its
+stage) share it, and `GradSync` sums them as one group, in one sequence of buckets.
+
 A group's parameters are cut into buckets, in reverse registration order (the order a
 backward produces their gradients), each at most `bucket_bytes` and of one dtype and device.
 During a stage's last backward before an update the weight policy reports each parameter
@@ -27,6 +31,8 @@ bucket not launched by the update (a parameter that got no gradient, a step with
 is reduced then, so the result never depends on what was overlapped: each `.grad` ends as
 the sum over the group, None counting as zeros. A gradient that changes after its bucket was
 launched (a parameter reported final too early) is refused at the update.
+
+Each all-reduce is launched and waited for under `failures.guarded`, as every collective is.
 """
 
 from __future__ import annotations
@@ -44,8 +50,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graphpipe.errors import PipelineError
-from graphpipe.runtime.failures import current_watch, guarded
+from graphpipe._torch import tensor_version
+from graphpipe.errors import FailureKind, PipelineError
+from graphpipe.runtime.failures import failure, guarded
 
 __all__ = ["BUCKET_BYTES", "FinalGrads", "GradSync", "SyncGroup", "final_backwards", "make_groups"]
 
@@ -65,12 +72,59 @@ class SyncGroup:
 def make_groups(
     memberships: Sequence[tuple[tuple[int, ...], str]], rank: int, timeout: float
 ) -> list[dist.ProcessGroup | None]:
-    """Create one process group per (ranks, label), in order, on every rank (a collective)."""
-    groups = []
+    """The process group of each (ranks, label): one per set of ranks, made in order of
+    first appearance, on every rank alike (`dist.new_group` is a collective of every rank,
+    run under `guarded`).
+
+    Memberships on the same ranks (in any order) get the same group object, so `GradSync`
+    sums them together.
+
+    Args:
+        memberships: (ranks, label) per group of parameters, the same list on every rank.
+        rank: This rank.
+        timeout: Seconds the groups' collectives may take.
+
+    Returns:
+        Per membership, its process group; None where this rank is not a member.
+    """
+    made: dict[frozenset[int], dist.ProcessGroup] = {}
+    groups: list[dist.ProcessGroup | None] = []
     for ranks, _ in memberships:
-        group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout))
-        groups.append(group if rank in ranks else None)
+        key = frozenset(ranks)
+        if key not in made:
+            new = functools.partial(
+                dist.new_group, sorted(key), timeout=datetime.timedelta(seconds=timeout)
+            )
+            made[key] = guarded(f"the creation of the group of ranks {sorted(key)}", new)
+        groups.append(made[key] if rank in key else None)
     return groups
+
+
+def merge_groups(groups: Sequence[SyncGroup]) -> list[SyncGroup]:
+    """This rank's groups, those on one process group merged into one, in order.
+
+    Merging is needed, not only cheaper: the collectives of one process group must be issued
+    in the same order on every member, and one group's buckets are launched strictly in order.
+
+    Args:
+        groups: Every group; those this rank is not in (`group` None) or holds nothing of
+            are dropped.
+
+    Returns:
+        One group per process group, its parameters in order (each once), labels joined.
+    """
+    merged: dict[int, SyncGroup] = {}
+    for g in groups:
+        if g.group is None or not g.params:
+            continue
+        first = merged.get(id(g.group))
+        if first is None:
+            merged[id(g.group)] = g
+            continue
+        held = {id(p) for p in first.params}
+        params = first.params + [p for p in g.params if id(p) not in held]
+        merged[id(g.group)] = SyncGroup(first.ranks, g.group, params, f"{first.label}, {g.label}")
+    return list(merged.values())
 
 
 def final_backwards(ops: Sequence[Any]) -> frozenset[int]:
@@ -113,7 +167,7 @@ class _Bucket:
     flat: torch.Tensor | None = None  # the gradients, flattened, once launched
     work: Any = None  # the all-reduce in flight (dist.Work)
     seen: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)  # grad, version
-    error: RuntimeError | None = None  # the launch failed
+    error: PipelineError | None = None  # the launch failed
 
     def complete(self) -> bool:
         return len(self.holders) == len(self.params)
@@ -144,7 +198,8 @@ class GradSync:
     """Sums gradients within every group this rank belongs to, bucket by bucket.
 
     Args:
-        groups: Every group (those this rank is not in, or holds nothing of, are ignored).
+        groups: Every group (those this rank is not in, or holds nothing of, are ignored;
+            those on one process group are summed as one, `merge_groups`).
         bucket_bytes: The size at which a group's parameters are cut into buckets.
 
     Example (on every member of the groups; a process group is needed)::
@@ -155,7 +210,7 @@ class GradSync:
     """
 
     def __init__(self, groups: Sequence[SyncGroup], bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.groups = [g for g in groups if g.group is not None and g.params]
+        self.groups = merge_groups(groups)
         self.buckets = [_buckets(g.params, bucket_bytes) for g in self.groups]
         self._where: dict[int, list[tuple[int, int]]] = {}  # id(p) -> [(group, bucket)]
         for gi, buckets in enumerate(self.buckets):
@@ -211,15 +266,17 @@ class GradSync:
         """Flatten the bucket's gradients and start their all-reduce."""
         owners = [bucket.holders.get(id(p), p) for p in bucket.params]
         grads = [h.grad for h in owners]
-        bucket.seen = [(g, -1 if g is None else g._version) for g in grads]
+        bucket.seen = [(g, -1 if g is None else tensor_version(g)) for g in grads]
         parts = [
             (g if g is not None else torch.zeros_like(p)).reshape(-1)
             for g, p in zip(grads, bucket.params, strict=True)
         ]
         bucket.flat = torch.cat(parts)
+        g = self.groups[gi]
+        launch = functools.partial(dist.all_reduce, bucket.flat, group=g.group, async_op=True)
         try:
-            bucket.work = dist.all_reduce(bucket.flat, group=self.groups[gi].group, async_op=True)
-        except RuntimeError as exc:  # raised at the update, not inside autograd
+            bucket.work = guarded(f"the launch of the all-reduce of {g.label}", launch, g.ranks)
+        except PipelineError as exc:  # raised at the update, not inside autograd
             bucket.error = exc
 
     def __call__(self) -> None:
@@ -244,31 +301,25 @@ class GradSync:
 
     def _finish(self, g: SyncGroup, bucket: _Bucket) -> None:
         """Wait for the bucket's all-reduce and write the sums into `.grad`."""
-        try:
-            if bucket.error is not None:
-                raise bucket.error
-            watch = current_watch()
-            assert bucket.flat is not None and bucket.work is not None
-            if watch is None or bucket.flat.device.type == "cuda":
-                bucket.work.wait()
-            else:
-                watch.wait(bucket.work.wait, list(g.ranks), f"the all-reduce of {g.label}")
-        except RuntimeError as exc:
-            raise PipelineError(
-                f"all-reduce of {g.label} over ranks {list(g.ranks)} failed: "
-                f"{str(exc).splitlines()[0]}"
-            ) from exc
+        if bucket.error is not None:
+            raise bucket.error
+        assert bucket.flat is not None and bucket.work is not None
+        # on CUDA the wait makes this thread's stream wait: it must run here
+        here = bucket.flat.device.type == "cuda"
+        guarded(f"the all-reduce of {g.label}", bucket.work.wait, g.ranks, here=here)
         position = {id(p): i for i, p in enumerate(g.params)}
         changed = [
             position[id(p)]
             for p, (grad, version) in zip(bucket.params, bucket.seen, strict=True)
-            if p.grad is not grad or (grad is not None and grad._version != version)
+            if p.grad is not grad or (grad is not None and tensor_version(grad) != version)
         ]
         if changed:
-            raise PipelineError(
+            raise failure(
                 f"gradients of {g.label} over ranks {list(g.ranks)} changed after their "
                 f"all-reduce was launched: its parameters {sorted(changed)} (by position) "
-                "were reported final before their last backward"
+                "were reported final before their last backward",
+                FailureKind.BROKEN,
+                peers=g.ranks,
             )
         assert bucket.flat is not None
         at = 0
