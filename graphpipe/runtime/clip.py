@@ -17,7 +17,10 @@ the device; `PipelinedModel.last_grad_norm` reads it when asked.
 What is torch's and what is graphpipe's. Each rank's local norm is
 `torch.nn.utils.get_total_norm` of the gradients it counts, and the scaling is
 `torch.nn.utils.clip_grads_with_norm_` with the total norm (the two halves of
-`clip_grad_norm_`, in torch since 2.6, hence graphpipe's floor). The reduction in between
+`clip_grad_norm_`, in torch since 2.6). graphpipe's floor is torch 2.4, so on 2.4 and 2.5
+`_total_norm` and `_clip_with_norm` compute the same two halves themselves (the norm of the
+per-tensor norms; one factor min(1, max_norm / (norm + 1e-6)) for every gradient), tested
+against torch's in tests/test_precision.py. The reduction in between
 stays graphpipe's: torch's functions see one process's tensors (or a DTensor's mesh), while a
 pipeline's parameters are plain tensors spread over the stage ranks, a tied weight or a
 replicated stage held by several ranks that must count it once (`counted`), and the
@@ -98,7 +101,7 @@ class GradClipper:
         grads = [p.grad for p in self.counted if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=device)
-        norm = nn.utils.get_total_norm(grads, self.norm_type).to(device, torch.float32)
+        norm = _total_norm(grads, self.norm_type).to(device, torch.float32)
         return norm if math.isinf(self.norm_type) else norm.pow(self.norm_type)
 
     def __call__(self, device: torch.device) -> torch.Tensor:
@@ -113,6 +116,28 @@ class GradClipper:
             ranks,
         )
         norm = total[0] if inf else total[0].pow(1.0 / self.norm_type)
-        nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
+        _clip_with_norm(self.params, self.max_norm, norm)
         self.last = norm.detach()
         return self.last
+
+
+def _total_norm(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The p-norm of `grads` taken together: `torch.nn.utils.get_total_norm` (torch 2.6+), or
+    on torch 2.4 and 2.5 the same norm of the per-tensor norms."""
+    if hasattr(nn.utils, "get_total_norm"):
+        return nn.utils.get_total_norm(grads, norm_type)
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+
+
+def _clip_with_norm(params: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale every gradient of `params` by min(1, max_norm / (total + 1e-6)):
+    `torch.nn.utils.clip_grads_with_norm_` (torch 2.6+), or on torch 2.4 and 2.5 the same
+    factor applied here."""
+    if hasattr(nn.utils, "clip_grads_with_norm_"):
+        nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(factor.to(p.grad.device))
