@@ -37,12 +37,11 @@ from torch.profiler import ProfilerActivity
 
 from graphpipe._torch import ProfilerEvent, kineto_events
 from graphpipe.errors import ConfigError, ScheduleError
-from graphpipe.ir import Action, Span
+from graphpipe.ir import Action, ActionKind, Span
 
 __all__ = ["PREFIX", "profile_actions", "spans_from_profiler"]
 
 PREFIX = "graphpipe::"  # record_function names of the executor's actions
-_TIMED = frozenset({"F", "B", "I", "W", "U"})  # the kinds the executor annotates
 _DEVICE_WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})  # kineto activity types
 _LAUNCHES = frozenset({"cuda_runtime", "cuda_driver"})  # host calls that launch device work
 _HOST_OPS = frozenset({"cpu_op", "user_annotation"})  # torch's own ranges
@@ -132,7 +131,8 @@ def _action(name: str) -> str | None:
         action = Action.parse(name[len(PREFIX) :])
     except ScheduleError:
         return None
-    return str(action) if action.kind in _TIMED else None
+    timed = action.kind.is_compute or action.kind == ActionKind.U  # what the executor annotates
+    return str(action) if timed else None
 
 
 def _host_ranges(events: Sequence[ProfilerEvent]) -> list[_Range]:

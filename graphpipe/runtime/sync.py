@@ -52,6 +52,7 @@ from torch import nn
 
 from graphpipe._torch import tensor_version
 from graphpipe.errors import FailureKind, PipelineError
+from graphpipe.ir import Action, ActionKind
 from graphpipe.runtime.failures import failure, guarded
 
 __all__ = ["BUCKET_BYTES", "FinalGrads", "GradSync", "SyncGroup", "final_backwards", "make_groups"]
@@ -149,10 +150,11 @@ def final_backwards(ops: Sequence[Any]) -> frozenset[int]:
     found: set[int] = set()
     last: dict[int, int] = {}  # stage -> position of its latest backward since the update
     for i, op in enumerate(ops):
-        kind = getattr(op, "kind", None)
-        if kind in ("B", "W"):
+        if not isinstance(op, Action):
+            continue  # a communication group
+        if op.kind.ends_backward:
             last[op.stage] = i
-        elif kind == "U":
+        elif op.kind == ActionKind.U:
             found.update(last.values())
             last.clear()
     return frozenset(found)

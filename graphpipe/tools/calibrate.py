@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from graphpipe.ir import Action, ActionKind, Plan, Timeline
 from graphpipe.ir.cost import LinkModel
+from graphpipe.runtime.failures import guarded
 
 __all__ = ["calibrated", "measure_link", "replayed"]
 
@@ -113,7 +114,7 @@ def measure_link(sizes: tuple[int, int] = (8, 1 << 22), repeats: int = 20) -> Li
     rank = dist.get_rank()
     times = [_round_trip(rank, n, repeats) for n in sizes]
     result = torch.tensor(times, dtype=torch.float64)
-    dist.broadcast(result, src=0)
+    guarded("the broadcast of the measured link", lambda: dist.broadcast(result, src=0))
     small, large = (float(t) for t in result)
     latency = small / 2
     bandwidth = sizes[1] / max(large / 2 - latency, 1e-9)
@@ -126,7 +127,7 @@ def _round_trip(rank: int, nbytes: int, repeats: int) -> float:
     samples = []
     for i in range(repeats + 2):
         pending = dist.irecv(back if rank == 0 else out, 1 - rank, tag=i) if rank < 2 else None
-        dist.barrier()
+        guarded("the barrier before a ping-pong", dist.barrier)
         start = time.perf_counter()
         if rank == 0 and pending is not None:
             dist.send(out, 1, tag=i)

@@ -42,6 +42,7 @@ from torch import fx
 from graphpipe.errors import ConfigError, PlanError, ScheduleError
 from graphpipe.ir import Plan
 from graphpipe.ir.cost import LinkModel
+from graphpipe.ir.registry import schedule_names
 from graphpipe.planning.opgraph import graph_hash, op_graph
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
 from graphpipe.planning.profile import ProfileConfig, profile
@@ -62,7 +63,10 @@ class FairConfig:
     budget: float | None = 80 * GIB  # bytes per device (None: unlimited)
     preset: str = "a100"  # roofline device preset (graphpipe.planning.devices.DEVICES)
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # M tried, those dividing B
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "zb")  # flushed schedules tried
+    # the flushed one-stage-per-device schedules tried: gpipe, 1f1b, zb
+    schedules: tuple[str, ...] = tuple(
+        schedule_names(training=True, asynchronous=False, placement=None)
+    )
     link: LinkModel = field(default_factory=LinkModel)  # between devices
     variants: tuple[tuple[bool, str], ...] = VARIANTS  # (replication, objective) pairs
 
