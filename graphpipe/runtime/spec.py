@@ -186,11 +186,6 @@ class RunSpec:
         """(max norm, p) when clipping, else None."""
         return None if self.max_grad_norm is None else (self.max_grad_norm, self.grad_norm_type)
 
-    @property
-    def asynchronous(self) -> bool:
-        """The schedule keeps micro-batches in flight across step() calls."""
-        return schedule_spec(self.schedule).asynchronous
-
 
 def _check(problems: list[str], check: Callable[..., Any], *args: Any) -> Any:
     """`check(*args)`, or None with its ConfigError's message added to `problems`."""

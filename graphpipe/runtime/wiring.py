@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan, Schedule
 from graphpipe.ir.registry import schedule_spec
 from graphpipe.runtime.batching import cpu
@@ -29,20 +28,19 @@ from graphpipe.runtime.comm import Transport
 from graphpipe.runtime.emulate import Emulate, EmulatedStage, emulated_specs
 from graphpipe.runtime.executor import Executor, StageRuntime
 from graphpipe.runtime.failures import guarded, install_watch, set_collective_timeout
+from graphpipe.runtime.groups import Modules, sum_groups
 from graphpipe.runtime.hooks import AgreeFinite, Clip, Unscale, hooks_for
 from graphpipe.runtime.materialize import materialize, names_by_id
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import LossScaler, Precision
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.stage import build_stage, micro_shapes, retarget
-from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
+from graphpipe.runtime.sync import GradSync
 from graphpipe.runtime.weights import WeightPolicy, make_policy
 from graphpipe.scheduling.generators import warmups
 from graphpipe.scheduling.program import Program, lower
 
 __all__ = ["Wiring", "runtime_device", "wire"]
-
-Modules = dict[int, tuple[Any, Any]]  # stage index -> (its module, its StageIO)
 
 
 @dataclass
@@ -108,31 +106,15 @@ def wire(
     watch = install_watch(runtime.timeout)
     set_collective_timeout(runtime.timeout)
     device = runtime_device(runtime)
-    stages = plan.stages_on(rank)
-    mine = tuple(s.index for s in stages)
-    modules: Modules = {s.index: build_stage(gm, plan, s.index) for s in plan.stages}
-    model_inputs = tuple(sorted({n for i in mine for n in modules[i][1].model_inputs}))
-    orphans = _orphans(model, [m for m, _ in modules.values()])
-    aliases = names_by_id(model)  # every name of each tensor, tied ones too
-    canon = {n: names[0] for names in aliases.values() for n in names}
+    mine = tuple(s.index for s in plan.stages_on(rank))
+    canon = {n: names[0] for names in names_by_id(model).values() for n in names}
     precision = Precision(spec.precision)
-    modules, specs = _stage_modules(gm, plan, spec, example_inputs, modules, mine, device)
-    specs = {  # what crosses stages, in the precision's dtype
-        name: (shape, precision.spec_dtype(dtype)) for name, (shape, dtype) in specs.items()
-    }
-    materialized = [
-        t
-        for i in mine
-        if runtime.emulate is None
-        for t in materialize(model, modules[i][0], device, spec.init_weights, spec.checkpoint)
-    ]
-    sync, shared = _groups(plan, spec, schedule.name, rank, canon, modules, mine)
-    # the ranks that agree on each update's clipping and loss scale (a collective)
-    needs_group = spec.clip is not None or spec.precision == "fp16"
-    update_group = _update_group(plan, runtime) if needs_group else None
-    scaler = _scaler(update_group) if spec.precision == "fp16" else None
-    agree = _agreement(modules, canon, spec.micro_batches, device) if spec.nan_check else None
-    if materialized:
+    built = _build_modules(model, gm, plan, spec, example_inputs, mine, device, precision)
+    aliases = names_by_id(model)  # by the ids of the materialised tensors: after materialize
+    modules = built.modules
+    sync, shared = sum_groups(plan, spec, schedule.name, rank, canon, modules, mine)
+    update_group, scaler, agree = _update_checks(plan, spec, modules, canon, device)
+    if built.materialized:
         sync.broadcast()  # tied copies and replicas start equal on every holder
     prefetch = dist.get_backend() == "gloo" if runtime.prefetch is None else runtime.prefetch
     program = lower(plan, schedule, prefetch=prefetch)
@@ -143,7 +125,7 @@ def wire(
         parts = _wire_stages(
             _Context(spec, plan, rank, device, gm, mine, shared, canon),
             modules,
-            specs,
+            built.specs,
             sync,
             update_group,
             precision,
@@ -160,9 +142,9 @@ def wire(
         model=model,
         gm=gm,
         stage_indices=mine,
-        model_inputs=model_inputs,
+        model_inputs=built.model_inputs,
         aliases=aliases,
-        orphans=orphans,
+        orphans=built.orphans,
         module=parts.module,
         optimizer=parts.optimizer or spec.optimizer([nn.Parameter(torch.zeros(0))]),
         policy=parts.policy,
@@ -201,25 +183,60 @@ class _Parts:
     executor: Executor | None
 
 
-def _stage_modules(
+@dataclass(frozen=True)
+class _Built:
+    """Every stage's module, and what crosses stages."""
+
+    modules: Modules  # every stage's module (or emulated stand-in) and StageIO
+    specs: dict[str, Any]  # value name -> micro-batch shape and dtype between stages
+    model_inputs: tuple[str, ...]  # the model inputs this rank's stages read
+    orphans: dict[str, torch.Tensor]  # the model's tensors no stage holds, on the CPU
+    materialized: bool  # this rank made real tensors of a meta model's
+
+
+def _build_modules(
+    model: nn.Module,
     gm: fx.GraphModule,
     plan: Plan,
     spec: RunSpec,
     example_inputs: tuple[torch.Tensor, ...],
-    modules: Modules,
     mine: tuple[int, ...],
     device: torch.device,
-) -> tuple[Modules, dict[str, Any]]:
-    """Every stage's module (or emulated stand-in) and the micro-batch specs of the values
-    crossing stages."""
+    precision: Precision,
+) -> _Built:
+    """Every stage's module carved from the trace; this rank's materialised."""
+    modules: Modules = {s.index: build_stage(gm, plan, s.index) for s in plan.stages}
+    model_inputs = tuple(sorted({n for i in mine for n in modules[i][1].model_inputs}))
+    orphans = _orphans(model, [m for m, _ in modules.values()])
     emulate = spec.runtime.emulate
     # an emulated rank with no stage still builds every stage's stand-in (on meta)
     shaped = bool(mine) or emulate is not None
     specs = micro_shapes(gm, example_inputs, plan.micro_batch_size) if shaped else {}
-    if emulate is None:
-        return modules, specs
-    stand_ins = _emulated(gm, plan, modules, specs, emulate, mine, device)
-    return stand_ins, emulated_specs(specs, emulate)
+    if emulate is not None:  # every stage's compute becomes a wait
+        modules = _emulated(gm, plan, modules, specs, emulate, mine, device)
+        specs = emulated_specs(specs, emulate)
+    specs = {  # what crosses stages, in the precision's dtype
+        name: (shape, precision.spec_dtype(dtype)) for name, (shape, dtype) in specs.items()
+    }
+    materialized = [
+        t
+        for i in mine
+        if emulate is None
+        for t in materialize(model, modules[i][0], device, spec.init_weights, spec.checkpoint)
+    ]
+    return _Built(modules, specs, model_inputs, orphans, bool(materialized))
+
+
+def _update_checks(
+    plan: Plan, spec: RunSpec, modules: Modules, canon: dict[str, str], device: torch.device
+) -> tuple[dist.ProcessGroup | None, LossScaler | None, AgreeFinite | None]:
+    """The group that agrees on clipping and the loss scale (a collective, when either is
+    on), fp16's scaler and nan_check's agreement."""
+    needs_group = spec.clip is not None or spec.precision == "fp16"
+    group = _update_group(plan, spec.runtime) if needs_group else None
+    scaler = _scaler(group) if spec.precision == "fp16" else None
+    agree = _agreement(modules, canon, spec.micro_batches, device) if spec.nan_check else None
+    return group, scaler, agree
 
 
 def _wire_stages(
@@ -346,60 +363,6 @@ def _emulated(
         )
         for i, (_, io) in modules.items()
     }
-
-
-def _groups(
-    plan: Plan,
-    spec: RunSpec,
-    schedule: str,
-    rank: int,
-    canon: dict[str, str],
-    modules: Modules,
-    mine: tuple[int, ...],
-) -> tuple[GradSync, dict[str, tuple[int, ...]]]:
-    """Gradient sums over replicas and tied copies; groups created in the same order
-    everywhere. Also returns the tied names, each with the stages holding it.
-
-    Raises:
-        ConfigError: a weight tied across ranks under an asynchronous schedule (on every
-            rank alike, before any collective).
-    """
-    holders: dict[str, set[int]] = {}
-    for index, (module, _) in modules.items():
-        for n, _p in module.named_parameters():
-            holders.setdefault(canon.get(n, n), set()).add(index)
-    shared = {n: tuple(sorted(s)) for n, s in sorted(holders.items()) if len(s) > 1}
-    stages = plan.stages
-    replicas = [(s.devices, f"stage {s.index} replicas") for s in stages if s.replicas > 1]
-    tied = [  # copies held by one rank's stages are one tensor there: nothing to sum
-        (ranks, f"tied {name}")
-        for name, held in shared.items()
-        if len(ranks := tuple(sorted({d for t in held for d in stages[t].devices}))) > 1
-    ]
-    if tied and schedule_spec(schedule).asynchronous:
-        _refuse_tied(tied[0], spec.weights, schedule)
-    groups = make_groups(replicas + tied, rank, spec.runtime.timeout)
-    local = {canon.get(n, n): p for index in mine for n, p in modules[index][0].named_parameters()}
-    sums: list[SyncGroup] = []
-    for (ranks, label), group in zip(replicas + tied, groups, strict=True):
-        if label.startswith("tied "):
-            params = [local[label[5:]]] if label[5:] in local else []
-        else:
-            params = [p for n, p in local.items() if n not in shared]
-        sums.append(SyncGroup(ranks, group, params, label))
-    return GradSync(sums), shared
-
-
-def _refuse_tied(tied: tuple[tuple[int, ...], str], weights: str, schedule: str) -> None:
-    """Raises: ConfigError: a weight tied across ranks cannot be summed asynchronously."""
-    ranks, label = tied
-    raise ConfigError(
-        f"weights={weights!r} cannot keep a weight tied across ranks: {label[5:]} is "
-        f"held on ranks {list(ranks)}, whose stages update at different points of the "
-        f"{schedule} schedule, so its copies' gradients have no moment to be "
-        "summed; use weights='flush', which sums them before each update, or give "
-        "the modules that share it copies of their own"
-    )
 
 
 def runtime_device(runtime: RuntimeConfig) -> torch.device:
