@@ -146,7 +146,8 @@ def compile(
         The pipelined model.
 
     Raises:
-        ConfigError: bad arguments, e.g. a world size the plan was not made for.
+        ConfigError: bad arguments, every one found before any work named in one error
+            (`RunSpec.build`); later, a world size the plan was not made for.
         PlanError: no plan fits, or the given plan is not for this model.
     """
     spec = RunSpec.build(

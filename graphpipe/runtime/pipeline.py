@@ -27,14 +27,14 @@ from graphpipe.runtime.batching import to_device as _to_device  # noqa: F401  (t
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Executor
 from graphpipe.runtime.inference import Inference
-from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig
+from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.state import ModelState
 from graphpipe.runtime.stepping import Programs, Stepper
 from graphpipe.runtime.timelines import Recorder
 from graphpipe.runtime.weights import WeightPolicy
-from graphpipe.runtime.wiring import runtime_device, wire
+from graphpipe.runtime.wiring import wire
 
-__all__ = ["OptimizerFactory", "PipelinedModel", "RuntimeConfig", "runtime_device"]
+__all__ = ["PipelinedModel", "RuntimeConfig"]
 
 
 class PipelinedModel:
