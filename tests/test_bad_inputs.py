@@ -82,6 +82,25 @@ def test_micro_batches_must_be_a_positive_integer() -> None:
             _compile(model, inputs, micro_batches=bad)
 
 
+def test_every_bad_argument_is_named_at_once() -> None:
+    model, inputs = ZOO["two_branch"]()
+    with pytest.raises(ConfigError) as err:
+        gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            micro_batches=0,
+            weights="stash",
+            schedule="1f1b",
+            precision="fp8",
+        )
+    message = str(err.value)
+    assert message.startswith("4 problems: ")
+    for named in ("optimizer=", "micro_batches=0", "schedule='1f1b'", "'fp8'"):
+        assert named in message
+
+
 def test_a_plan_for_another_world_size_or_an_uneven_split_is_refused() -> None:
     model, inputs = ZOO["two_branch"]()
     made = plan(model, inputs, devices=2, micro_batches=4)

@@ -63,9 +63,9 @@ def _inject(pm: PipelinedModel, fault: str) -> None:
     elif fault == "dies_between_steps":  # rank 0: the one that would host a default store
         os._exit(7)
     elif fault == "dies_in_state_dict_gather":
-        pm._gather = lambda mine, what: os._exit(6)  # type: ignore[method-assign]
+        pm._collectives.gather = lambda mine, what: os._exit(6)  # type: ignore[method-assign]
     elif fault == "stalls_before_loss_all_reduce":  # alive, never joins the all-reduce
-        pm._all_reduce = lambda t, what: time.sleep(600)  # type: ignore[method-assign]
+        pm._collectives.all_reduce = lambda t, what: time.sleep(600)  # type: ignore[method-assign]
 
 
 def _survivors(err: pytest.ExceptionInfo[PipelineError], victim: int) -> list[str]:
@@ -264,7 +264,7 @@ def _arm(pm: PipelinedModel, moment: str, how: str) -> None:
         for stage in pm._executor.stages.values():  # type: ignore[union-attr]
             stage.module.forward = halt  # type: ignore[method-assign]
     elif moment == "loss":
-        pm._all_reduce = lambda t, what: _halt(how)  # type: ignore[method-assign]
+        pm._collectives.all_reduce = lambda t, what: _halt(how)  # type: ignore[method-assign]
     elif moment == "save":  # the others wait in DCP's collectives
         torch.distributed.checkpoint.save = lambda *a, **k: _halt(how)
 

@@ -26,7 +26,8 @@ from graphpipe.ir.cost import weight_copies
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.stage import OUTPUT, build_stage, model_output
-from graphpipe.runtime.weights import PolicyOptions
+from graphpipe.runtime.sync import GradSync
+from graphpipe.runtime.weights import PolicyOptions, make_policy
 from graphpipe.scheduling.generators import make_schedule, warmups
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tracing.tracer import trace
@@ -351,3 +352,27 @@ def test_a_checkpoint_resumes_exactly(
     uninterrupted, resumed = launch(_resume_worker, 3, args=args, timeout=300)[0]
     for key, value in uninterrupted.items():
         torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_update_hooks_run_in_order_and_a_refusal_skips_the_step() -> None:
+    """make_policy's hooks run after the sums, in order, until one refuses; a refusal skips
+    the optimizer step and drops the gradients."""
+    model = nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    ran: list[str] = []
+
+    def hook(name: str, verdict: bool) -> Callable[[], bool]:
+        def run() -> bool:
+            ran.append(name)
+            return verdict
+
+        return run
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    hooks = [hook("unscale", True), hook("agree", False), hook("clip", True)]
+    policy = make_policy("flush", model, optimizer, GradSync([]), 1, hooks=hooks)
+    model(torch.ones(1, 2)).sum().backward()
+    policy.update(None)
+    assert ran == ["unscale", "agree"]
+    assert model.weight.grad is None and torch.equal(model.weight, before)
+    assert policy.version == 0

@@ -9,6 +9,18 @@
     failures.py  the failure board and the watch every wait runs under
     precision.py autocast, half-width values between stages, fp16 loss scaling
     emulate.py   emulated devices: stage compute replaced by waits of the plan's times
+    spec.py      RunSpec: compile's arguments, checked once and frozen; RuntimeConfig
+    hooks.py     update hooks run before each optimizer step: fp16 unscale, NaN check, clip
+    groups.py    process groups for replicas and tied weights
+    wiring.py    build a rank's stages, groups, hooks, policy, transport and executor
+    batching.py  a call's inputs and target checked and split into micro-batches
+    stepping.py  step() and drain(), and the program each call runs
+    inference.py eval_step() and __call__(): forward only, in eval mode
+    state.py     state dicts and the weight versions; what a checkpoint reads
+    timelines.py recording the actions' spans and gathering them
+    checkpoint.py  save and load (torch.distributed.checkpoint directories)
+    pipeline.py  PipelinedModel: the public class, delegating to the parts above
 
-`graphpipe.compile` wires them together; `graphpipe.runtime.launch` starts local processes.
+`graphpipe.compile` checks its arguments into a RunSpec and builds a PipelinedModel;
+`graphpipe.runtime.launch` starts local processes.
 """

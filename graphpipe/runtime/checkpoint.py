@@ -32,24 +32,69 @@ import os
 import pickle
 import shutil
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from graphpipe.errors import ConfigError
+from graphpipe.ir import Plan
 from graphpipe.runtime.failures import guarded
+from graphpipe.runtime.weights import WeightPolicy
 
-if TYPE_CHECKING:
-    from graphpipe.runtime.pipeline import PipelinedModel
-
-__all__ = ["export_checkpoint", "load", "resolve", "save"]
+__all__ = ["Checkpointable", "export_checkpoint", "load", "resolve", "save"]
 
 META = "graphpipe.json"
 FORMAT = 1
+
+
+class Checkpointable(Protocol):
+    """What a checkpoint reads from and restores into one rank's pipeline
+    (`graphpipe.runtime.state.ModelState` is the one a PipelinedModel hands over)."""
+
+    @property
+    def rank(self) -> int: ...  # this process's rank
+    @property
+    def plan(self) -> Plan: ...  # the plan it runs
+    @property
+    def weights(self) -> str: ...  # the weight policy's name
+    @property
+    def micro_batches(self) -> int: ...  # M
+    @property
+    def stage_indices(self) -> tuple[int, ...]: ...  # this rank's stages
+    @property
+    def module(self) -> nn.Module | None: ...  # this rank's stage module(s); None: idle
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...  # over the module's parameters
+    @property
+    def policy(self) -> WeightPolicy | None: ...  # its weight policy; None: idle
+    @property
+    def orphans(self) -> Mapping[str, torch.Tensor]: ...  # tensors no stage holds
+    @property
+    def canonical(self) -> Mapping[str, str]: ...  # every name of a tensor -> its first
+    @property
+    def names(self) -> Sequence[str]: ...  # the model's state dict keys, in order
+
+    @property
+    def loss_scale(self) -> float | None: ...  # fp16's loss scale (None without fp16)
+
+    steps_done: int  # step() calls so far
+
+    def restore_loss_scale(self, scale: float) -> None:
+        """Set fp16's loss scale to a saved one."""
+
+    def drain(self) -> None:
+        """Land an asynchronous pipeline's updates in flight."""
 
 
 # -- the directory protocol -------------------------------------------------------------------
@@ -99,67 +144,85 @@ def _publish(tmp: Path, path: Path) -> None:
 # -- what one rank holds ----------------------------------------------------------------------
 
 
-def _canonical(pm: PipelinedModel) -> dict[str, str]:
-    """Every name of every tensor of the model -> its first name."""
-    return {n: names[0] for names in pm._aliases.values() for n in names}
-
-
-def _model_items(pm: PipelinedModel) -> dict[str, torch.Tensor]:
+def _model_items(pm: Checkpointable) -> dict[str, torch.Tensor]:
     """This rank's parameters and buffers by `model/<first name>`, as live tensors."""
-    canon = _canonical(pm)
+    canon = pm.canonical
     items = {}
     if pm.module is not None:
         for name, value in pm.module.state_dict(keep_vars=True).items():
             items[f"model/{canon.get(name, name)}"] = value.detach()
     if pm.rank == 0:
-        for name, value in pm._orphans.items():
+        for name, value in pm.orphans.items():
             items[f"model/{canon.get(name, name)}"] = value.detach()
     return items
 
 
-def _param_names(pm: PipelinedModel) -> list[str]:
-    """First names of the optimizer's parameters, in its order."""
+def _names(pm: Checkpointable) -> dict[str, str]:
+    """The stage module's parameter names (DCP's FQNs) -> the model's first names.
+
+    DCP's helpers key the optimizer state by the FQNs of the module they are given, which
+    here is this rank's stage module: a ModuleList of several stages prefixes them, and a
+    tied weight may be held under another alias than the model's first one. A checkpoint
+    must be keyed by the model's names to load under another plan, so this map translates.
+    """
     assert pm.module is not None
-    canon = _canonical(pm)
-    by_id = {id(p): canon.get(n, n) for n, p in pm.module.named_parameters()}
-    return [by_id[id(p)] for g in pm.optimizer.param_groups for p in g["params"]]
+    return {n: pm.canonical.get(n, n) for n, _ in pm.module.named_parameters()}
 
 
-def _optim_items(pm: PipelinedModel) -> dict[str, Any]:
+def _optim_items(pm: Checkpointable) -> dict[str, Any]:
     """This rank's optimizer state by parameter name, its settings and its policy state."""
-    if pm.module is None:
+    if pm.module is None or pm.policy is None:
         return {}
-    names = _param_names(pm)
-    state = pm.optimizer.state_dict()
+    names = _names(pm)
     items: dict[str, Any] = {}
-    for index, entries in state["state"].items():
-        for key, value in entries.items():
-            is_tensor = isinstance(value, torch.Tensor)
-            items[f"optim/{names[index]}/{key}"] = value if is_tensor else pickle.dumps(value)
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+    # An optimizer that has not stepped holds no state; DCP's helper would make some by a
+    # step with zero gradients (moving Adam's step count), so it is not asked.
+    if pm.optimizer.state:
+        state = cast(dict[str, Any], get_optimizer_state_dict(pm.module, pm.optimizer)["state"])
+        for fqn, entries in state.items():
+            for key, value in entries.items():
+                is_tensor = isinstance(value, torch.Tensor)
+                items[f"optim/{_name(names, fqn)}/{key}"] = (
+                    value if is_tensor else pickle.dumps(value)
+                )
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in pm.optimizer.param_groups]
     items[f"optim_groups/rank{pm.rank}"] = pickle.dumps(groups)
     items[f"policy/rank{pm.rank}"] = pickle.dumps(pm.policy.state())
     return items
 
 
-def _metadata(pm: PipelinedModel) -> dict[str, Any]:
+def _name(names: Mapping[str, str], fqn: str) -> str:
+    """The model's name of DCP's `fqn`.
+
+    Raises:
+        ConfigError: an FQN that is no parameter name of the stage module.
+    """
+    if fqn not in names:
+        raise ConfigError(
+            f"the optimizer holds state for {fqn!r}, which is not a parameter of this "
+            f"rank's stage module (its parameters: {sorted(names)[:5]}...)"
+        )
+    return names[fqn]
+
+
+def _metadata(pm: Checkpointable) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "plan": json.loads(pm.plan.to_json()),
         "world_size": dist.get_world_size(),
-        "weights": pm._weights,
+        "weights": pm.weights,
         "step": pm.steps_done,
-        "micro_batches": pm._m,
+        "micro_batches": pm.micro_batches,
         "loss_scale": pm.loss_scale,
-        "names": list(pm._model.state_dict()),
-        "canonical": _canonical(pm),
+        "names": list(pm.names),
+        "canonical": dict(pm.canonical),
     }
 
 
 # -- save and load ----------------------------------------------------------------------------
 
 
-def save(pm: PipelinedModel, path: str | Path) -> Path:
+def save(pm: Checkpointable, path: str | Path) -> Path:
     """Write `pm`'s checkpoint to the directory `path`, atomically (a collective).
 
     Returns:
@@ -190,7 +253,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-def load(pm: PipelinedModel, path: str | Path) -> dict[str, Any]:
+def load(pm: Checkpointable, path: str | Path) -> dict[str, Any]:
     """Load the checkpoint at `path` into `pm` (a collective), resharding by name.
 
     Returns:
@@ -202,29 +265,29 @@ def load(pm: PipelinedModel, path: str | Path) -> dict[str, Any]:
     """
     where = resolve(path)
     meta = _read_meta(where)
-    if meta["weights"] != pm._weights:
+    if meta["weights"] != pm.weights:
         raise ConfigError(
             f"{where} was saved with weights={meta['weights']!r}; this pipeline runs "
-            f"weights={pm._weights!r}"
+            f"weights={pm.weights!r}"
         )
     saved = dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata
     same_plan = meta["plan"] == json.loads(pm.plan.to_json())
     model = _model_items(pm)
     missing = sorted(k[len("model/") :] for k in model if k not in saved)
     if missing:
-        raise ConfigError(f"{where} lacks {missing}, held by stages {list(pm._stage_indices)}")
+        raise ConfigError(f"{where} lacks {missing}, held by stages {list(pm.stage_indices)}")
     optim = _optim_template(pm, saved, same_plan)
     template = {**model, **optim}
     guarded("the checkpoint load", lambda: dcp.load(template, checkpoint_id=str(where)))
-    _restore(pm, template, saved, same_plan, meta)
+    _restore(pm, template, same_plan, meta)
     return meta
 
 
-def _optim_template(pm: PipelinedModel, saved: dict[str, Any], same_plan: bool) -> dict[str, Any]:
+def _optim_template(pm: Checkpointable, saved: dict[str, Any], same_plan: bool) -> dict[str, Any]:
     """Buffers for this rank's optimizer state, settings and policy state."""
     if pm.module is None:
         return {}
-    mine = set(_param_names(pm))
+    mine = set(_names(pm).values())
     template: dict[str, Any] = {}
     for key, info in saved.items():
         if key.startswith("optim/") and key[len("optim/") :].rsplit("/", 1)[0] in mine:
@@ -247,21 +310,30 @@ def _first_rank_key(saved: dict[str, Any], prefix: str) -> str:
 
 
 def _restore(
-    pm: PipelinedModel,
-    template: dict[str, Any],
-    saved: dict[str, Any],
-    same_plan: bool,
-    meta: dict[str, Any],
+    pm: Checkpointable, template: dict[str, Any], same_plan: bool, meta: dict[str, Any]
 ) -> None:
     """Put what DCP read into the optimizer, the policy and the counters."""
     pm.steps_done = int(meta["step"])
-    if pm._scaler is not None and meta.get("loss_scale"):
-        pm._scaler.scale = float(meta["loss_scale"])
-    if pm.module is None:
+    if pm.loss_scale is not None and meta.get("loss_scale"):
+        pm.restore_loss_scale(float(meta["loss_scale"]))
+    if pm.module is None or pm.policy is None:
         return
-    names = _param_names(pm)
-    state: dict[int, dict[str, Any]] = {}
-    for index, name in enumerate(names):
+    _restore_optimizer(pm, template)
+    policy = next((v for k, v in template.items() if k.startswith("policy/")), None)
+    if policy:
+        _restore_policy(pm, pm.policy, pickle.loads(policy), same_plan)
+
+
+def _restore_optimizer(pm: Checkpointable, template: dict[str, Any]) -> None:
+    """The optimizer's state by the stage module's FQNs, loaded with DCP's helper.
+
+    Parameters without saved state (a checkpoint made before their first step, or a
+    stateless optimizer) start fresh, as they would have: hence strict=False. The settings
+    (lr, betas, ...) are the saved ones over the current ones, group by group.
+    """
+    assert pm.module is not None
+    state: dict[str, dict[str, Any]] = {}
+    for fqn, name in _names(pm).items():
         prefix = f"optim/{name}/"
         entries = {
             k[len(prefix) :]: v if isinstance(v, torch.Tensor) else pickle.loads(v)
@@ -269,29 +341,39 @@ def _restore(
             if k.startswith(prefix)
         }
         if entries:
-            state[index] = entries
-    current = pm.optimizer.state_dict()
-    groups = current["param_groups"]
+            state[fqn] = entries
+    fqn_of = {id(p): n for n, p in pm.module.named_parameters()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in pm.optimizer.param_groups]
     settings = next((v for k, v in template.items() if k.startswith("optim_groups/")), None)
     if settings:
         loaded = pickle.loads(settings)
         groups = [{**g, **loaded[min(i, len(loaded) - 1)]} for i, g in enumerate(groups)]
-    pm.optimizer.load_state_dict({"state": state, "param_groups": groups})
-    policy = next((v for k, v in template.items() if k.startswith("policy/")), None)
-    if policy:
-        _restore_policy(pm, pickle.loads(policy), same_plan)
+    if not fqn_of:  # a stage without parameters: its optimizer holds a placeholder
+        for current, group in zip(pm.optimizer.param_groups, groups, strict=True):
+            current.update(group)
+        return
+    for group, current in zip(groups, pm.optimizer.param_groups, strict=True):
+        group["params"] = [fqn_of[id(p)] for p in current["params"]]
+    set_optimizer_state_dict(
+        pm.module,
+        pm.optimizer,
+        cast(Any, {"state": state, "param_groups": groups}),
+        options=StateDictOptions(strict=False),
+    )
 
 
-def _restore_policy(pm: PipelinedModel, state: dict[str, Any], same_plan: bool) -> None:
+def _restore_policy(
+    pm: Checkpointable, policy: WeightPolicy, state: dict[str, Any], same_plan: bool
+) -> None:
     if same_plan:
-        pm.policy.load_state(state)
+        policy.load_state(state)
         return
     if set(state) != {"version"}:
         raise ConfigError(
-            f"the {pm._weights} policy keeps per-stage state ({sorted(set(state) - {'version'})})"
+            f"the {pm.weights} policy keeps per-stage state ({sorted(set(state) - {'version'})})"
             " that cannot be resharded: resume it under the plan it was saved with"
         )
-    pm.policy.version = int(state["version"])
+    policy.version = int(state["version"])
 
 
 # -- export -----------------------------------------------------------------------------------

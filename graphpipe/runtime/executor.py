@@ -98,6 +98,10 @@ class Executor:
         stages: The rank's stages, by stage index.
         policy: Its weight policy (one for all its stages).
         transport: Its point-to-point messages.
+        precision: Autocast and the dtype of values between stages (default float32).
+        nancheck: Notes non-finite losses and gradients (`compile(nan_check=True)`).
+        grad_scale: Reads the current loss scale each backward multiplies the loss by (fp16's
+            `LossScaler.scale`); None: 1.
     """
 
     def __init__(
@@ -106,10 +110,12 @@ class Executor:
         policy: WeightPolicy,
         transport: Transport,
         precision: Precision | None = None,
+        nancheck: NanCheck | None = None,
+        grad_scale: Callable[[], float] | None = None,
     ) -> None:
         self.stages, self.policy, self.transport = stages, policy, transport
         self.precision = precision or Precision()
-        self.grad_scale = 1.0  # fp16's loss scale (`graphpipe.runtime.precision.LossScaler`)
+        self._grad_scale = grad_scale
         first = next(iter(stages.values()))
         self.rank, self.plan = first.rank, first.plan
         self.edges = list(self.plan.edges)
@@ -121,7 +127,7 @@ class Executor:
         self.clock = {"wait": 0.0, "post": 0.0}  # with record: seconds waited, and posting
         self._is_final = False
         self.training = True
-        self.nancheck: NanCheck | None = None  # notes non-finite losses and gradients
+        self.nancheck = nancheck
         self._handlers: dict[str, Callable[[Action, Batch], None]] = {
             "F": self._forward,
             "B": self._backward,
@@ -129,6 +135,11 @@ class Executor:
             "W": self._weight_half,
             "U": self._update,
         }
+
+    @property
+    def grad_scale(self) -> float:
+        """fp16's current loss scale (`graphpipe.runtime.precision.LossScaler`), else 1."""
+        return 1.0 if self._grad_scale is None else self._grad_scale()
 
     def run(self, ops: Sequence[Op], batch: Batch) -> None:
         """Execute `ops` in order, then wait for the sends to complete."""

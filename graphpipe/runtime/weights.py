@@ -69,15 +69,28 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from graphpipe.errors import ConfigError
+from graphpipe.ir.registry import POLICIES, policy_spec
 from graphpipe.runtime.sync import FinalGrads, GradSync
 
-__all__ = ["POLICIES", "Flush", "PipeMare", "PolicyOptions", "Stash", "TwoBW", "make_policy"]
+__all__ = [
+    "CLASSES",
+    "Flush",
+    "PipeMare",
+    "PolicyOptions",
+    "Stash",
+    "TwoBW",
+    "UpdateHook",
+    "WeightPolicy",
+    "make_policy",
+]
 
 T = TypeVar("T")
 LOG = 4096  # micro-batches whose weight versions `log` keeps
 Weights = dict[str, torch.Tensor] | None
 OnGrad = Callable[[torch.Tensor], None]  # called with a tensor once its .grad was added to
+# runs after the gradient sums, before the optimizer step; False skips the step (on every
+# rank alike) and drops the gradients (`graphpipe.runtime.hooks`)
+UpdateHook = Callable[[], bool]
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,8 @@ class WeightPolicy:
         micro_batches: M.
         warmup: The stage's warm-up w.
         options: PipeMare settings.
+        hooks: Update hooks, run in this order before every optimizer step until one
+            returns False (fp16's unscale, the NaN check, clipping; `graphpipe.runtime.hooks`).
     """
 
     name = "base"
@@ -114,6 +129,7 @@ class WeightPolicy:
         micro_batches: int,
         warmup: int = 0,
         options: PolicyOptions | None = None,
+        hooks: Sequence[UpdateHook] = (),
     ) -> None:
         self.module, self.optimizer, self.sync, self.m = module, optimizer, sync, micro_batches
         self.warmup, self.options = warmup, options or PolicyOptions()
@@ -125,9 +141,7 @@ class WeightPolicy:
         self._names = {id(p): n for n, p in self.params.items()}  # kept by swap_tensors
         parts = list(module) if isinstance(module, nn.ModuleList) else [module]
         self.finals = FinalGrads(sync, parts)
-        # after the sums, before the step: unscaling, clipping, the nan check; False skips
-        # the step and drops the gradients
-        self.before_step: Callable[[], bool] | None = None
+        self.hooks = tuple(hooks)
 
     def loss_scale(self) -> float:
         """What each micro-batch's loss is multiplied by before its backward."""
@@ -195,7 +209,7 @@ class WeightPolicy:
         self.note_copies()
         self.finals.clear()
         self.sync()
-        if self.before_step is not None and not self.before_step():
+        if not all(hook() for hook in self.hooks):  # in order, up to the first refusal
             self.optimizer.zero_grad(set_to_none=True)  # skipped on every rank (fp16 overflow)
             return
         self.optimizer.step()
@@ -404,20 +418,30 @@ class PipeMare(WeightPolicy):
             self.delta[n].copy_(d)
 
 
-POLICIES: dict[str, type[WeightPolicy]] = {
+CLASSES: dict[str, type[WeightPolicy]] = {
     "flush": Flush,
     "stash": Stash,
     "2bw": TwoBW,
     "pipemare": PipeMare,
 }
+if set(CLASSES) != set(POLICIES):  # the registry names every policy; each needs its class
+    raise ImportError(f"weight policies {sorted(POLICIES)} but classes for {sorted(CLASSES)}")
 
 
-def make_policy(name: str, *args: Any, **kwargs: Any) -> WeightPolicy:
-    """The policy called `name`.
+def make_policy(
+    name: str,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sync: GradSync,
+    micro_batches: int,
+    warmup: int = 0,
+    options: PolicyOptions | None = None,
+    hooks: Sequence[UpdateHook] = (),
+) -> WeightPolicy:
+    """The policy called `name` (see `WeightPolicy` for the other arguments).
 
     Raises:
         ConfigError: an unknown policy, naming the known ones.
     """
-    if name not in POLICIES:
-        raise ConfigError(f"unknown weight policy {name!r}; known: {sorted(POLICIES)}")
-    return POLICIES[name](*args, **kwargs)
+    policy_spec(name)  # refuses an unknown name
+    return CLASSES[name](module, optimizer, sync, micro_batches, warmup, options, hooks)

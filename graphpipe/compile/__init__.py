@@ -1,0 +1,214 @@
+"""compile: train a model pipelined across processes, exactly as it trains in one process.
+
+    pm = graphpipe.compile(model, example_inputs, loss_fn=F.cross_entropy,
+                           optimizer=functools.partial(torch.optim.Adam, lr=1e-3),
+                           micro_batches=4)
+    for inputs, target in data:
+        loss = pm.step(*inputs, target=target)      # every rank, the same call
+
+Run it with one process per device: `torchrun --nproc-per-node 2 train.py`, or
+`graphpipe.launch(main, nprocs=2)` on one machine. Every rank builds the same model (same
+seed), traces it, and rank 0 plans it (or `plan=` a saved Plan) and sends the plan to all. Each
+rank then keeps only its own stage: a GraphModule whose parameters have their original names.
+
+Semantics with the flush policy (the default): `step()` takes one mini-batch, splits it into
+M micro-batches along dim 0, runs them through the schedule and makes one optimizer step; it
+returns the mean of the M micro-batch losses, and the gradient is that mean's gradient. With
+equal micro-batches and a mean-reduced loss this is one full-batch step, and for models whose
+samples do not interact (no BatchNorm) it equals single-process training; with BatchNorm it
+equals single-process gradient accumulation over the same micro-batches.
+
+`compile()` is a short sequence of named steps: check every argument into one frozen
+`RunSpec` (`graphpipe.runtime.spec`), join the process group, trace, plan on rank 0 and
+broadcast (or check a given plan), schedule and dry-run, and build the `PipelinedModel`
+(`graphpipe.compile.steps` holds the steps that talk to other ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from graphpipe.compile.steps import (
+    check_world,
+    checked_plan,
+    ensure_process_group,
+    plan_on_rank_0,
+    schedule_plan,
+)
+from graphpipe.ir import Plan
+from graphpipe.planning.profile import ProfileConfig
+from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
+from graphpipe.runtime.failures import install_watch, posted
+from graphpipe.runtime.materialize import InitFn
+from graphpipe.runtime.pipeline import PipelinedModel
+from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig, schedule_for
+from graphpipe.runtime.weights import PolicyOptions
+from graphpipe.runtime.wiring import runtime_device
+from graphpipe.tracing.bind import check_output, flat_inputs, normalise
+from graphpipe.tracing.tracer import LeafSpec, trace
+
+__all__ = ["PipelinedModel", "RunSpec", "RuntimeConfig", "compile", "schedule_for"]
+
+
+def compile(
+    model: nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: OptimizerFactory,
+    micro_batches: int | None = None,
+    schedule: str | None = None,
+    weights: str = "flush",
+    weight_options: PolicyOptions | None = None,
+    partitioner: str | None = None,
+    plan: Plan | str | Path | None = None,
+    leaf_modules: Sequence[LeafSpec] = (),
+    profile_config: ProfileConfig | None = None,
+    runtime: RuntimeConfig | None = None,
+    init_weights: InitFn | None = None,
+    checkpoint: str | Path | None = None,
+    max_grad_norm: float | None = None,
+    grad_norm_type: float = 2.0,
+    compile_stages: bool = False,
+    recompute: RecomputeSpec = False,
+    precision: str | None = None,
+    nan_check: bool = False,
+    **plan_options: Any,
+) -> PipelinedModel:
+    """Turn `model` into a pipelined model over every rank of the process group.
+
+    Call it the same way on every rank. The process group is initialised from the
+    environment (torchrun's env://) unless it already is.
+
+    Args:
+        model: The model; each rank keeps only its stage's parameters.
+        example_inputs: One mini-batch: a tensor, a tuple of positional tensors, or a dict
+            of keyword inputs as Hugging Face models take them (`input_ids`,
+            `attention_mask`; non-tensor values such as `use_cache=False` are constants of
+            the trace). Dim 0 of every tensor is the batch. It fixes the shapes: the model
+            is traced at the micro-batch size (batch / M).
+        loss_fn: (model output, target) -> scalar, mean-reduced over the batch.
+        optimizer: Builds the optimizer from a list of parameters, e.g.
+            `functools.partial(torch.optim.SGD, lr=0.1)`.
+        micro_batches: M, micro-batches per mini-batch (default: the plan's, or 4).
+        schedule: "1f1b", "gpipe" or "zb" for flush, or "interleaved" / "zbv" with several
+            stages per rank (the plan is a chain of 2 stages per device, folded "loop" or
+            "v"; pin the stages, or pass virtual_stages and placement); "graph_interleaved"
+            for a stage DAG folded onto the devices (`interleave=True`; the default for
+            such a plan); "async" for stash
+            and pipemare; "2bw" for 2bw. Default: 1f1b, or the one the weight policy needs.
+        weights: The weight policy: "flush", "stash", "2bw" or "pipemare" (see
+            `graphpipe.runtime.weights`).
+        weight_options: PipeMare's fixes.
+        partitioner: "graph", "sequential" or "manual", when no plan is given. Default
+            "manual" when `pins` are given (a plan_options field), else "graph".
+        plan: A Plan, or a path to its JSON, instead of planning.
+        leaf_modules: Module types or paths to trace as single nodes.
+        profile_config: How rank 0 obtains op times when it plans.
+        runtime: Timeouts, backend, device, timeline recording.
+        init_weights: For a model on the meta device: `init_weights(model)` initialises
+            this rank's tensors once they are real (see `graphpipe.runtime.materialize`).
+            Default: each module's `reset_parameters()`.
+        checkpoint: For a model on the meta device: a state_dict file, safetensors file(s)
+            or a DCP directory to load this rank's stage from, by parameter name.
+        max_grad_norm: Clip the gradients of the whole model to this total norm in every
+            update, as `torch.nn.utils.clip_grad_norm_` on one process would (the norm is
+            reduced over the stages; tied copies and replicas count once). weights="flush"
+            only. `pm.last_grad_norm` is the norm before clipping.
+        grad_norm_type: p of the p-norm (`math.inf` for the largest value).
+        recompute: Activation checkpointing: True (every stage), a list of stage indices,
+            or "auto" (on each device over the plan's memory budget, the stages that save
+            most, until it fits). A recomputing stage keeps only its inputs per micro-batch
+            and re-runs its forward in its backward (`graphpipe.planning.recompute`); the
+            plan's times and memory say so.
+        compile_stages: `torch.compile` each of this rank's stage modules (in place: state
+            dict keys stay). Not with zero-bubble schedules (zb, zbv), whose backward is
+            split into input and weight halves, which a compiled backward cannot do.
+        precision: "bf16" or "fp16": autocast on each stage's forward, float32 master
+            weights, values crossing stages in that dtype (half the bytes; the planner
+            counts them so), and for fp16 a loss scale agreed by every rank: an overflow
+            anywhere skips the step everywhere (`pm.loss_scale`, `pm.skipped_steps`;
+            weights="flush" only). None: float32 (`graphpipe.runtime.precision`).
+        nan_check: Stop a step at its first non-finite loss or gradient: every rank raises
+            the same PipelineError naming the stage, the micro-batch and (for a gradient)
+            the parameter, before the optimizer update, which is skipped and the gradients
+            dropped. Costs one all-reduce per step. weights="flush" only
+            (`graphpipe.runtime.nancheck`).
+        **plan_options: More `PlanConfig` fields (memory_budget, replication, ...);
+            devices, if given, must equal the world size (one device per rank).
+
+    Returns:
+        The pipelined model.
+
+    Raises:
+        ConfigError: bad arguments, every one found before any work named in one error
+            (`RunSpec.build`); later, a world size the plan was not made for.
+        PlanError: no plan fits, or the given plan is not for this model.
+    """
+    spec = RunSpec.build(
+        example_inputs,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        micro_batches=micro_batches,
+        schedule=schedule,
+        weights=weights,
+        weight_options=weight_options,
+        partitioner=partitioner,
+        plan=plan,
+        leaf_modules=leaf_modules,
+        profile_config=profile_config,
+        runtime=runtime,
+        init_weights=init_weights,
+        checkpoint=checkpoint,
+        max_grad_norm=max_grad_norm,
+        grad_norm_type=grad_norm_type,
+        compile_stages=compile_stages,
+        recompute=recompute,
+        precision=precision,
+        nan_check=nan_check,
+        **plan_options,
+    )
+    _join(spec)
+    gm, inputs = _trace(model, example_inputs, spec)
+    the_plan = _plan(gm, inputs, spec)
+    check_world(spec, the_plan)
+    sched = schedule_plan(the_plan, spec)
+    with posted("compile"):
+        return PipelinedModel(model, gm, inputs, the_plan, sched, spec)
+
+
+def _join(spec: RunSpec) -> None:
+    """Join the process group, check its size, and start watching the other ranks."""
+    ensure_process_group(spec.runtime)
+    check_world(spec, None)
+    install_watch(spec.runtime.timeout)  # every wait from here on stops when a rank fails
+    runtime_device(spec.runtime)  # NCCL's object collectives below need the rank's GPU current
+
+
+def _trace(
+    model: nn.Module, example_inputs: Any, spec: RunSpec
+) -> tuple[fx.GraphModule, tuple[torch.Tensor, ...]]:
+    """The model traced at the micro-batch size, and its flat example inputs."""
+    gm = trace(
+        model,
+        example_inputs,
+        leaf_modules=spec.leaf_modules,
+        micro_batch_size=spec.micro_batch_size,
+    )
+    check_output(gm)
+    args, kwargs = normalise(example_inputs)
+    tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    return gm, tuple(flat_inputs(gm, *args, **tensors))
+
+
+def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:
+    """The given plan checked against the trace, or rank 0's, with its recomputation."""
+    made = (
+        checked_plan(spec.plan, gm) if spec.plan is not None else plan_on_rank_0(gm, inputs, spec)
+    )
+    return choose_recompute(made, spec.recompute)

@@ -1,0 +1,180 @@
+"""The steps of `graphpipe.compile` that reach the other ranks: the process group, the plan
+made on rank 0 and broadcast to all (or a given plan, checked against this model's trace),
+and the schedule chosen for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from graphpipe.errors import ConfigError, GraphPipeError, PlanError
+from graphpipe.ir import Plan, Schedule
+from graphpipe.ir.registry import SCHEDULES
+from graphpipe.planning.opgraph import graph_hash, input_shapes
+from graphpipe.planning.partition import PlanConfig, partition
+from graphpipe.planning.profile import ProfileConfig, profile
+from graphpipe.planning.validate import validate_plan
+from graphpipe.runtime.failures import guarded
+from graphpipe.runtime.spec import RunSpec, RuntimeConfig
+from graphpipe.scheduling.dryrun import check_run
+from graphpipe.scheduling.generators import make_schedule
+from graphpipe.tracing.annotate import is_meta, trace_info
+
+__all__ = [
+    "check_world",
+    "checked_plan",
+    "ensure_process_group",
+    "plan_on_rank_0",
+    "schedule_plan",
+]
+
+log = logging.getLogger("graphpipe")
+# runs any placement of single-device stages: a folded stage DAG's default
+FOLDED = next(s.name for s in SCHEDULES.values() if s.placement == "any" and s.training)
+
+
+def check_world(spec: RunSpec, plan: Plan | None) -> None:
+    """The world size must be the devices asked for and the plan's.
+
+    Raises:
+        ConfigError: naming both numbers.
+    """
+    world = dist.get_world_size()
+    if spec.devices is not None and spec.devices != world:
+        raise ConfigError(
+            f"devices={spec.devices!r}, but the process group has {world} ranks: "
+            "compile plans for one device per rank; launch that many processes (devices= is "
+            "only needed by plan(), without a process group)"
+        )
+    if plan is not None and plan.num_devices != world:
+        raise ConfigError(
+            f"the plan is for {plan.num_devices} devices but the process group "
+            f"has {world} ranks; launch {plan.num_devices} processes"
+        )
+
+
+def schedule_plan(plan: Plan, spec: RunSpec) -> Schedule:
+    """The schedule for `plan`, checked by a dry run: the spec's, or for a folded stage DAG
+    (`PlanConfig.interleave`, several stages on a device) when none was named, the one
+    that runs any placement.
+
+    Raises:
+        ScheduleError: the schedule cannot run the plan.
+    """
+    name = spec.schedule
+    if not spec.schedule_given and name == "1f1b" and plan.shared_devices():
+        name = FOLDED
+    schedule = make_schedule(plan, name, spec.micro_batches)
+    check_run(plan, name, spec.micro_batches)
+    return schedule
+
+
+def ensure_process_group(runtime: RuntimeConfig) -> None:
+    if dist.is_initialized():
+        return
+    missing = [
+        v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
+    ]
+    if missing:
+        raise ConfigError(
+            f"no process group and no {missing} in the environment: launch with torchrun, "
+            "graphpipe.runtime.launch, or call torch.distributed.init_process_group first"
+        )
+    backend = runtime.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=runtime.timeout))
+
+
+def checked_plan(plan: Plan, gm: fx.GraphModule) -> Plan:
+    """A given plan, checked against this model's trace.
+
+    Raises:
+        PlanError: the plan was made for another graph, or is invalid for this one.
+        ConfigError: the plan was made for another micro-batch size or input shapes.
+    """
+    b = trace_info(gm).micro_batch_size
+    if plan.micro_batch_size != b:
+        raise ConfigError(
+            f"the plan was made for micro-batches of {plan.micro_batch_size} samples, but "
+            f"this batch of {trace_info(gm).batch_size} in {plan.micro_batches} "
+            f"micro-batches gives {b}"
+        )
+    traced = input_shapes(gm)
+    for name, shape in plan.input_shapes.items():
+        if name in traced and traced[name] != shape:
+            raise ConfigError(
+                f"the plan was made for input {name} of shape {list(shape)} per micro-batch, "
+                f"but this batch traces it at {list(traced[name])}; plan again for these shapes"
+            )
+    if plan.graph_hash != graph_hash(gm):
+        raise PlanError(
+            f"the plan was made for another graph (hash {plan.graph_hash}, "
+            f"this model traces to {graph_hash(gm)})"
+        )
+    validate_plan(plan, gm)
+    return plan
+
+
+def _profile_config(gm: fx.GraphModule, config: ProfileConfig | None) -> ProfileConfig:
+    """The profile settings; a model on the meta device cannot be measured, so it is
+    estimated from FLOPs instead, with a notice."""
+    config = config or ProfileConfig()
+    if config.mode == "measure" and is_meta(gm):
+        log.warning(
+            "graphpipe: the model is on the meta device, so op times are estimated from "
+            "FLOPs (ProfileConfig.device_flops=%.3g), not measured",
+            config.device_flops,
+        )
+        return replace(config, mode="flops")
+    return config
+
+
+def plan_on_rank_0(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:
+    """The plan made on rank 0 and broadcast to every rank.
+
+    The broadcast runs on a group of its own whose timeout is `runtime.plan_timeout`: the other
+    ranks wait as long as planning may take, not the step's timeout, and still fail at once
+    if rank 0 dies. The group's rendezvous (before planning) and rank 0's side of the
+    broadcast (after it: the others wait already) are bounded by `runtime.timeout`, so a rank
+    that stalls in compile is named as a stall in a step would be.
+    """
+    runtime = spec.runtime
+    group = guarded(  # its rendezvous, too, stops when a rank dies
+        "the plan broadcast's group",
+        lambda: dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=runtime.plan_timeout)
+        ),
+        timeout=runtime.timeout,
+    )
+    message: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            config = PlanConfig.build(
+                dist.get_world_size(), micro_batches=spec.micro_batches, **spec.plan_options
+            )
+            b = trace_info(gm).micro_batch_size
+            made = partition(
+                gm, profile(gm, inputs, b, _profile_config(gm, spec.profile_config)), config
+            )
+            message[0] = ("plan", made.to_json())
+        except GraphPipeError as exc:
+            message[0] = ("error", f"{type(exc).__name__}: {exc}")
+    try:
+        guarded(
+            "the plan broadcast",
+            lambda: dist.broadcast_object_list(message, src=0, group=group),
+            timeout=runtime.timeout if dist.get_rank() == 0 else runtime.plan_timeout,
+        )
+    finally:
+        dist.destroy_process_group(group)
+    kind, payload = message[0]
+    if kind == "error":
+        raise PlanError(f"planning on rank 0 failed: {payload}")
+    return Plan.from_json(payload)

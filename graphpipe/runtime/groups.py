@@ -1,0 +1,73 @@
+"""Where gradients are summed: process groups for replicated stages and tied weights.
+
+Every rank creates the same groups in the same order (`make_groups` is a collective); each
+rank's `GradSync` then sums its own parameters' gradients over the groups it is in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphpipe.errors import ConfigError
+from graphpipe.ir import Plan
+from graphpipe.ir.registry import schedule_spec
+from graphpipe.runtime.spec import RunSpec
+from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
+
+__all__ = ["Modules", "sum_groups"]
+
+Modules = dict[int, tuple[Any, Any]]  # stage index -> (its module, its StageIO)
+
+
+def sum_groups(
+    plan: Plan,
+    spec: RunSpec,
+    schedule: str,
+    rank: int,
+    canon: dict[str, str],
+    modules: Modules,
+    mine: tuple[int, ...],
+) -> tuple[GradSync, dict[str, tuple[int, ...]]]:
+    """Gradient sums over replicas and tied copies; groups created in the same order
+    everywhere. Also returns the tied names, each with the stages holding it.
+
+    Raises:
+        ConfigError: a weight tied across ranks under an asynchronous schedule (on every
+            rank alike, before any collective).
+    """
+    holders: dict[str, set[int]] = {}
+    for index, (module, _) in modules.items():
+        for n, _p in module.named_parameters():
+            holders.setdefault(canon.get(n, n), set()).add(index)
+    shared = {n: tuple(sorted(s)) for n, s in sorted(holders.items()) if len(s) > 1}
+    stages = plan.stages
+    replicas = [(s.devices, f"stage {s.index} replicas") for s in stages if s.replicas > 1]
+    tied = [  # copies held by one rank's stages are one tensor there: nothing to sum
+        (ranks, f"tied {name}")
+        for name, held in shared.items()
+        if len(ranks := tuple(sorted({d for t in held for d in stages[t].devices}))) > 1
+    ]
+    if tied and schedule_spec(schedule).asynchronous:
+        _refuse_tied(tied[0], spec.weights, schedule)
+    groups = make_groups(replicas + tied, rank, spec.runtime.timeout)
+    local = {canon.get(n, n): p for index in mine for n, p in modules[index][0].named_parameters()}
+    sums: list[SyncGroup] = []
+    for (ranks, label), group in zip(replicas + tied, groups, strict=True):
+        if label.startswith("tied "):
+            params = [local[label[5:]]] if label[5:] in local else []
+        else:
+            params = [p for n, p in local.items() if n not in shared]
+        sums.append(SyncGroup(ranks, group, params, label))
+    return GradSync(sums), shared
+
+
+def _refuse_tied(tied: tuple[tuple[int, ...], str], weights: str, schedule: str) -> None:
+    """Raises: ConfigError: a weight tied across ranks cannot be summed asynchronously."""
+    ranks, label = tied
+    raise ConfigError(
+        f"weights={weights!r} cannot keep a weight tied across ranks: {label[5:]} is "
+        f"held on ranks {list(ranks)}, whose stages update at different points of the "
+        f"{schedule} schedule, so its copies' gradients have no moment to be "
+        "summed; use weights='flush', which sums them before each update, or give "
+        "the modules that share it copies of their own"
+    )

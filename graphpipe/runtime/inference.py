@@ -1,0 +1,82 @@
+"""Inference: forward-only calls in eval mode, outside the weight policy.
+
+The micro-batches run through the stages with the live weights, without gradients, with
+every module in eval mode (dropout off, BatchNorm on its running statistics) and back in its
+own mode afterwards. Parameters, gradients, optimizer state and the policy's versions are
+left as they were, under every policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from graphpipe.errors import ConfigError
+from graphpipe.runtime.batching import Inputs, cpu
+from graphpipe.runtime.collectives import Collectives
+from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor
+from graphpipe.runtime.stage import OUTPUT
+from graphpipe.runtime.stepping import Programs
+from graphpipe.runtime.wiring import Wiring
+from graphpipe.scheduling.generators import make_schedule
+
+__all__ = ["Inference"]
+
+
+class Inference:
+    """The model's output or mean loss for one mini-batch, on every rank."""
+
+    def __init__(
+        self, w: Wiring, inputs: Inputs, programs: Programs, collectives: Collectives
+    ) -> None:
+        self.w, self.inputs, self.programs, self.collectives = w, inputs, programs, collectives
+
+    def outputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """The model's output for this mini-batch (see `PipelinedModel.__call__`)."""
+        batch = self.inputs.batch(args, kwargs, None, first=0)
+        run = self._forward_only(batch)
+        mine: dict[int, Any] = {}
+        if run is not None:
+            mine = {
+                j: mb.outputs[OUTPUT] for (_, j), mb in run.state.items() if OUTPUT in mb.outputs
+            }
+        gathered = self.collectives.gather(tree_map(cpu, mine), "the outputs")
+        merged = {j: out for part in gathered for j, out in part.items()}
+        pieces = [merged[j] for j in range(self.w.spec.micro_batches)]
+        return tree_map(lambda *xs: torch.cat(xs), *pieces) if pieces else None
+
+    def mean_loss(self, args: Sequence[Any], kwargs: dict[str, Any], target: Any) -> float:
+        """The mean loss of this mini-batch (see `PipelinedModel.eval_step`).
+
+        Raises:
+            ConfigError: no target, or inputs of the wrong shape (before any communication).
+        """
+        if target is None:
+            raise ConfigError(
+                "eval_step() needs target=...: the loss is computed on the last stage"
+            )
+        batch = self.inputs.batch(args, kwargs, target, first=0)
+        self.inputs.check_loss(target)
+        run = self._forward_only(batch)
+        losses = [] if run is None else run.losses.values()
+        return self.collectives.mean_loss(losses, self.w.spec.micro_batches)
+
+    def _forward_only(self, batch: Batch) -> Executor | None:
+        """Run the forward schedule in eval mode with the live weights, outside the policy."""
+        w = self.w
+        if w.executor is None or w.module is None:
+            return None
+        run = Executor(w.executor.stages, LIVE_WEIGHTS, w.executor.transport)
+        run.training = False
+        modes = [(m, m.training) for m in w.module.modules()]
+        w.module.eval()
+        try:
+            forward = make_schedule(w.plan, "forward", w.spec.micro_batches)
+            run.run(self.programs.lowered(forward, 0), batch)
+        finally:
+            for m, training in modes:
+                m.training = training
+        return run

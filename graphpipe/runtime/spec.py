@@ -1,0 +1,332 @@
+"""RunSpec: everything `graphpipe.compile` was asked for, checked once and frozen.
+
+`compile()` keeps its keyword arguments for users; it turns them into one `RunSpec` with
+`RunSpec.build`, which checks every argument at once and reports every problem in one
+ConfigError, naming the values. Everything downstream (the planning step, `PipelinedModel`
+and the runtime's parts) reads the spec, never loose arguments:
+
+    >>> spec = RunSpec.build(torch.randn(8, 4), loss_fn=F.mse_loss,
+    ...                      optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    >>> spec.schedule, spec.micro_batches, spec.micro_batch_size
+    ('1f1b', 4, 2)
+
+It lives in the runtime, not in `graphpipe.compile`, because the runtime consumes it and
+must not import the layer above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphpipe.errors import ConfigError
+from graphpipe.ir import Plan
+from graphpipe.ir.registry import policy_spec, schedule_spec
+from graphpipe.planning.partition import micro_batch_size
+from graphpipe.planning.profile import ProfileConfig
+from graphpipe.planning.recompute import RecomputeSpec
+from graphpipe.runtime.clip import check_clipping
+from graphpipe.runtime.emulate import Emulate
+from graphpipe.runtime.materialize import InitFn
+from graphpipe.runtime.nancheck import check_nan_check
+from graphpipe.runtime.precision import check_precision
+from graphpipe.runtime.weights import PolicyOptions
+from graphpipe.tracing.bind import batch_of, normalise
+from graphpipe.tracing.tracer import LeafSpec
+
+__all__ = ["OptimizerFactory", "RunSpec", "RuntimeConfig", "schedule_for"]
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[Any, Any], torch.Tensor]
+DEFAULT_MICRO_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the pipeline runs."""
+
+    timeout: float = 60.0  # seconds any receive or collective may wait before failing
+    backend: str | None = None  # None: "nccl" when CUDA is available, else "gloo"
+    device: str | None = None  # None: cuda:LOCAL_RANK with nccl, else cpu
+    record: bool = False  # time every action (see PipelinedModel.timeline)
+    timer: str | None = None  # how: "host" ranges or "profiler"; None: profiler on CUDA only
+    plan_timeout: float = 1800.0  # seconds ranks wait for rank 0's plan (profiling included)
+    prefetch: bool | None = None  # post every receive of a call first; None: on gloo only
+    emulate: Emulate | None = None  # stages wait the plan's times instead of computing
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0 or self.plan_timeout <= 0:
+            raise ConfigError(
+                f"timeouts must be positive, got timeout={self.timeout}, "
+                f"plan_timeout={self.plan_timeout}"
+            )
+        if self.timer not in (None, "host", "profiler"):
+            raise ConfigError(f"timer must be 'host' or 'profiler', got {self.timer!r}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One compiled run, as asked for and checked (see `graphpipe.compile` for each argument).
+
+    Build it with `RunSpec.build`, which checks every field; the fields are then consistent
+    with each other (the schedule runs the policy, M agrees with a given plan, ...).
+    """
+
+    # -- the training problem
+    loss_fn: LossFn  # (model output, target) -> scalar, mean-reduced over the batch
+    optimizer: OptimizerFactory  # builds one rank's optimizer from its parameter list
+    # -- the pipeline's shape
+    micro_batches: int  # M: the asked one, the given plan's, or 4
+    micro_batch_size: int  # samples per micro-batch: the example batch / M
+    weights: str  # the weight policy (`graphpipe.ir.registry.POLICIES`)
+    schedule: str  # the schedule: the asked one, or the policy's (`SCHEDULES`)
+    schedule_given: bool  # the user named the schedule (else a folded plan may change it)
+    weight_options: PolicyOptions | None = None  # PipeMare's fixes
+    # -- planning (rank 0), or the plan to use
+    plan: Plan | None = None  # a given plan (loaded from its JSON); None: plan on rank 0
+    plan_options: Mapping[str, Any] = field(default_factory=dict)  # PlanConfig fields
+    devices: int | None = None  # the device count asked for; must equal the world size
+    leaf_modules: tuple[LeafSpec, ...] = ()  # module types or paths traced as single nodes
+    profile_config: ProfileConfig | None = None  # how rank 0 obtains op times
+    recompute: RecomputeSpec = False  # activation checkpointing: True, stage list, "auto"
+    # -- the runtime
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # timeouts, device, ...
+    init_weights: InitFn | None = None  # initialises a meta model's real tensors
+    checkpoint: Path | None = None  # a meta model's weights: state dict, safetensors, DCP
+    compile_stages: bool = False  # torch.compile each stage module in place
+    precision: str | None = None  # "bf16", "fp16" or None (float32)
+    # -- the update hooks, in the order they run (fp16 unscale, NaN check, clipping)
+    nan_check: bool = False  # stop a step at its first non-finite loss or gradient
+    max_grad_norm: float | None = None  # clip the whole model's gradient norm to this
+    grad_norm_type: float = 2.0  # p of that p-norm
+
+    @classmethod
+    def build(
+        cls,
+        example_inputs: Any,
+        *,
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        micro_batches: int | None = None,
+        schedule: str | None = None,
+        weights: str = "flush",
+        weight_options: PolicyOptions | None = None,
+        partitioner: str | None = None,
+        plan: Plan | str | Path | None = None,
+        leaf_modules: Sequence[LeafSpec] = (),
+        profile_config: ProfileConfig | None = None,
+        runtime: RuntimeConfig | None = None,
+        init_weights: InitFn | None = None,
+        checkpoint: str | Path | None = None,
+        max_grad_norm: float | None = None,
+        grad_norm_type: float = 2.0,
+        compile_stages: bool = False,
+        recompute: RecomputeSpec = False,
+        precision: str | None = None,
+        nan_check: bool = False,
+        **plan_options: Any,
+    ) -> RunSpec:
+        """Check `compile()`'s arguments and freeze them (the same names and meanings).
+
+        Raises:
+            ConfigError: every problem found, at once, naming the values.
+        """
+        problems: list[str] = []
+        _check(problems, _check_loss_fn, loss_fn)
+        _check(problems, _check_optimizer, optimizer)
+        known = len(problems)
+        _check(problems, _check_micro_batches, micro_batches)
+        bad_m = len(problems) > known
+        resolved = _check(problems, schedule_for, weights, schedule)
+        _check(problems, check_clipping, max_grad_norm, grad_norm_type, weights)
+        _check(problems, check_precision, precision, weights)
+        _check(problems, check_nan_check, nan_check, weights)
+        _check(problems, _check_combinations, nan_check, precision, compile_stages, resolved)
+        devices = plan_options.pop("devices", None)  # the world size; said if it differs
+        options = _check(problems, _plan_options, partitioner, plan_options)
+        given = None if plan is None else _load_plan(plan)
+        m = None if bad_m else _check(problems, _micro_batches, micro_batches, given)
+        b = None if m is None else _check(problems, _micro_batch_size, example_inputs, m)
+        if problems:
+            raise ConfigError(_joined(problems))
+        assert resolved is not None and options is not None and m is not None and b is not None
+        return cls(
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            micro_batches=m,
+            micro_batch_size=b,
+            weights=weights,
+            schedule=resolved,
+            schedule_given=schedule is not None,
+            weight_options=weight_options,
+            plan=given,
+            plan_options=MappingProxyType(_planner_defaults(options, precision, weights, resolved)),
+            devices=devices,
+            leaf_modules=tuple(leaf_modules),
+            profile_config=profile_config,
+            recompute=recompute,
+            runtime=runtime or RuntimeConfig(),
+            init_weights=init_weights,
+            checkpoint=None if checkpoint is None else Path(checkpoint),
+            compile_stages=compile_stages,
+            precision=precision,
+            nan_check=nan_check,
+            max_grad_norm=max_grad_norm,
+            grad_norm_type=grad_norm_type,
+        )
+
+    @property
+    def clip(self) -> tuple[float, float] | None:
+        """(max norm, p) when clipping, else None."""
+        return None if self.max_grad_norm is None else (self.max_grad_norm, self.grad_norm_type)
+
+
+def _check(problems: list[str], check: Callable[..., Any], *args: Any) -> Any:
+    """`check(*args)`, or None with its ConfigError's message added to `problems`."""
+    try:
+        return check(*args)
+    except ConfigError as exc:
+        problems.append(str(exc))
+        return None
+
+
+def _joined(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems: " + "; ".join(problems)
+
+
+def _check_loss_fn(loss_fn: Any) -> None:
+    """Raises: ConfigError: a loss_fn that is not callable."""
+    if not callable(loss_fn):
+        raise ConfigError(
+            f"loss_fn={loss_fn!r} is not callable; it must map (output, target) to a scalar"
+        )
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Raises: ConfigError: an optimizer instead of a factory of one."""
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer={optimizer!r} must build an optimizer from a parameter list, e.g. "
+            "functools.partial(torch.optim.Adam, lr=1e-3); each rank owns "
+            "only its stage's parameters"
+        )
+
+
+def _check_micro_batches(micro_batches: Any) -> None:
+    """M must be a positive int (or None for the default).
+
+    Raises:
+        ConfigError: naming the value.
+    """
+    if micro_batches is None:
+        return
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ConfigError(
+            f"micro_batches={micro_batches!r}: it must be a positive integer (or None for the "
+            f"plan's, or {DEFAULT_MICRO_BATCHES})"
+        )
+
+
+def _check_combinations(
+    nan_check: bool, precision: str | None, compile_stages: bool, schedule: str | None
+) -> None:
+    """Raises: ConfigError: two settings that exclude each other."""
+    if nan_check and precision == "fp16":
+        raise ConfigError(
+            "nan_check=True with precision='fp16': fp16's loss scaler already skips a step "
+            "whose gradients overflow (pm.skipped_steps); use one or the other"
+        )
+    if compile_stages and schedule is not None and schedule_spec(schedule).split_backward:
+        raise ConfigError(
+            f"compile_stages=True cannot run schedule={schedule!r}: it splits each backward "
+            "into input and weight halves, which a compiled backward does not; use 1f1b, "
+            "gpipe, interleaved or graph_interleaved"
+        )
+
+
+def schedule_for(weights: str, schedule: str | None) -> str:
+    """The schedule to run: the one given, checked against the policy, or the policy's.
+
+    Raises:
+        ConfigError: an unknown policy or schedule, or a schedule the policy cannot run with.
+    """
+    policy = policy_spec(weights)
+    if schedule is None:
+        return policy.schedule or "1f1b"
+    flushed = not schedule_spec(schedule).asynchronous
+    if (policy.flushed and not flushed) or (not policy.flushed and schedule != policy.schedule):
+        need = policy.schedule or "a flushed schedule (gpipe, 1f1b, zb)"
+        raise ConfigError(f"weights={weights!r} runs with {need}, not schedule={schedule!r}")
+    return schedule
+
+
+def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """PlanConfig options: pins imply the manual partitioner, and refuse any other.
+
+    Raises:
+        ConfigError: pins with a partitioner other than "manual".
+    """
+    pins = options.get("pins")
+    if pins and partitioner not in (None, "manual"):
+        raise ConfigError(
+            f"pins={dict(pins)} place stages by hand, which needs partitioner='manual' "
+            f"(or none), not {partitioner!r}"
+        )
+    chosen = partitioner or ("manual" if pins else "graph")
+    return {**options, "partitioner": chosen}
+
+
+def _planner_defaults(
+    options: dict[str, Any], precision: str | None, weights: str, schedule: str
+) -> dict[str, Any]:
+    """What the planner must know of the run, unless the options say otherwise: the dtype
+    crossing stages, no replicas for a policy without them, a folded chain for a placed
+    schedule."""
+    options = dict(options)
+    options.setdefault("precision", precision)
+    if not policy_spec(weights).replicas:
+        options.setdefault("replication", False)
+        options.setdefault("weight_versions", 2)
+    placement = schedule_spec(schedule).placement
+    if placement in ("loop", "v"):  # a chain of stages folded onto the devices
+        options.setdefault("placement", placement)
+        options.setdefault("virtual_stages", 2)
+    return options
+
+
+def _load_plan(plan: Plan | str | Path) -> Plan:
+    return plan if isinstance(plan, Plan) else Plan.from_json(Path(plan).read_text())
+
+
+def _micro_batches(micro_batches: int | None, plan: Plan | None) -> int:
+    """M: the one asked for, the given plan's, or 4.
+
+    Raises:
+        ConfigError: M differs from the given plan's.
+    """
+    if plan is None:
+        return micro_batches or DEFAULT_MICRO_BATCHES
+    if micro_batches is not None and micro_batches != plan.micro_batches:
+        raise ConfigError(
+            f"micro_batches={micro_batches}, but the plan was made for "
+            f"{plan.micro_batches} micro-batches; plan again or leave micro_batches out"
+        )
+    return plan.micro_batches
+
+
+def _micro_batch_size(example_inputs: Any, m: int) -> int:
+    """The example batch / M.
+
+    Raises:
+        ConfigError: inputs that are not a batch, or a batch M does not divide.
+    """
+    args, kwargs = normalise(example_inputs)
+    return micro_batch_size(batch_of(args, kwargs), m)

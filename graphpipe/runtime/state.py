@@ -1,0 +1,152 @@
+"""State: the model's weights under their original names, and what a checkpoint reads.
+
+`ModelState` gathers and loads full state dicts, reports the weight policy's versions, and is
+the `graphpipe.runtime.checkpoint.Checkpointable` a checkpoint saves and loads: the
+checkpoint module reads this public interface, never the pipeline's internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphpipe.errors import ConfigError
+from graphpipe.ir import Plan
+from graphpipe.runtime.batching import cpu
+from graphpipe.runtime.collectives import Collectives
+from graphpipe.runtime.stepping import Stepper
+from graphpipe.runtime.weights import WeightPolicy
+from graphpipe.runtime.wiring import Wiring
+
+__all__ = ["ModelState"]
+
+
+class ModelState:
+    """This rank's weights, optimizer, policy and counters, by the model's names."""
+
+    def __init__(self, w: Wiring, stepper: Stepper, collectives: Collectives) -> None:
+        self.w, self.stepper, self.collectives = w, stepper, collectives
+        self.canonical: Mapping[str, str] = w.canonical
+        self.names: tuple[str, ...] = tuple(w.model.state_dict())  # the model's order
+
+    # -- the Checkpointable interface ----------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.w.rank
+
+    @property
+    def plan(self) -> Plan:
+        return self.w.plan
+
+    @property
+    def weights(self) -> str:
+        return self.w.spec.weights
+
+    @property
+    def micro_batches(self) -> int:
+        return self.w.spec.micro_batches
+
+    @property
+    def stage_indices(self) -> tuple[int, ...]:
+        return self.w.stage_indices
+
+    @property
+    def module(self) -> nn.Module | None:
+        return self.w.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.w.optimizer
+
+    @property
+    def policy(self) -> WeightPolicy | None:
+        return self.w.policy
+
+    @property
+    def orphans(self) -> Mapping[str, torch.Tensor]:
+        return self.w.orphans
+
+    @property
+    def steps_done(self) -> int:
+        return self.stepper.steps_done
+
+    @steps_done.setter
+    def steps_done(self, steps: int) -> None:
+        self.stepper.steps_done = steps
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale (None without fp16)."""
+        return None if self.w.scaler is None else self.w.scaler.scale
+
+    def restore_loss_scale(self, scale: float) -> None:
+        """Set fp16's loss scale to a saved one.
+
+        Raises:
+            ConfigError: this pipeline has no fp16 loss scale.
+        """
+        if self.w.scaler is None:
+            raise ConfigError(f"loss_scale={scale} set on a pipeline without precision='fp16'")
+        self.w.scaler.scale = scale
+
+    def drain(self) -> None:
+        """Land an asynchronous pipeline's updates in flight."""
+        self.stepper.drain()
+
+    # -- full state dicts ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's state dict under the original names, gathered on every rank."""
+        self.drain()
+        mine: dict[str, torch.Tensor] = {}
+        if self.module is not None:
+            for name, value in self.module.state_dict(keep_vars=True).items():
+                for alias in self.w.aliases.get(id(value), (name,)):
+                    mine[alias] = cpu(value)
+        if self.rank == 0:
+            mine.update(self.w.orphans)
+        gathered = self.collectives.gather(mine, "the state dict")
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        return {k: merged[k] for k in self.names if k in merged}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Take this rank's stages' part of a full state dict (tied weights under any name).
+
+        Raises:
+            ConfigError: names this rank's stages need that `state` lacks.
+        """
+        if self.module is None:
+            return
+        found: dict[str, torch.Tensor] = {}
+        missing = []
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            names = [a for a in self.w.aliases.get(id(value), (key,)) if a in state]
+            if names:
+                found[key] = state[names[0]]
+            else:
+                missing.append(key)
+        if missing:
+            raise ConfigError(
+                f"state dict lacks {missing} (needed by stages {list(self.stage_indices)})"
+            )
+        self.module.load_state_dict(found)
+
+    def versions(self) -> dict[str, Any]:
+        """This rank's weight bookkeeping: the copies it holds and, per micro-batch, the
+        updates reflected in the weights its forward and its backward used."""
+        policy = self.policy
+        if self.w.executor is None or policy is None:
+            return {"copies": 0, "peak_copies": 0, "forward": {}, "backward": {}}
+        log = policy.log
+        return {
+            "copies": policy.copies(),
+            "peak_copies": policy.peak_copies,
+            "forward": {j: k for kind, j, k in log if kind == "F"},
+            "backward": {j: k for kind, j, k in log if kind == "B"},
+        }

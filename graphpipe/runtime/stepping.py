@@ -1,0 +1,133 @@
+"""Stepping: step() and drain(), and the programs each call runs.
+
+A flushed schedule runs the same lowered program every call. An asynchronous one (async,
+2bw) keeps micro-batches in flight across calls: call c runs micro-batches cM..cM+M-1 with
+the backwards and updates that fall due, and `drain` finishes the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from graphpipe.errors import ConfigError, PipelineError
+from graphpipe.ir import Schedule
+from graphpipe.runtime.batching import Inputs
+from graphpipe.runtime.collectives import Collectives
+from graphpipe.runtime.executor import Batch
+from graphpipe.runtime.failures import posted
+from graphpipe.runtime.timelines import Recorder
+from graphpipe.runtime.wiring import Wiring
+from graphpipe.scheduling.generators import drain_schedule, make_schedule
+from graphpipe.scheduling.program import Comm, Op, Program, lower
+
+__all__ = ["Programs", "Stepper"]
+
+
+class Programs:
+    """This rank's lowered operations for each call, cached by the schedule's shape."""
+
+    def __init__(self, w: Wiring) -> None:
+        self.w = w
+        self._cache: dict[Any, Program] = {}
+
+    def for_call(self, call: int) -> Sequence[Op]:
+        """This rank's operations for step() call `call`."""
+        w = self.w
+        if not w.asynchronous:
+            return w.program.ranks[w.rank]
+        m = w.spec.micro_batches
+        schedule = make_schedule(w.plan, w.schedule.name, m, first_call=call)
+        return self.lowered(schedule, call * m)
+
+    def lowered(self, schedule: Schedule, shift: int) -> Sequence[Op]:
+        """This rank's part of `schedule` lowered; asynchronous calls repeat one shape with
+        micro-batch ids moved on, so the lowering is cached by that shape."""
+        shape = tuple(tuple(_moved(a, -shift) for a in actions) for actions in schedule.ranks)
+        key = (schedule.name, shape)
+        if key not in self._cache:
+            base = Schedule(schedule.name, schedule.micro_batches, shape, schedule.calls)
+            self._cache[key] = lower(self.w.plan, base, prefetch=self.w.prefetch)
+        return [_moved(op, shift) for op in self._cache[key].ranks[self.w.rank]]
+
+
+class Stepper:
+    """Training calls: one mini-batch per step(), and drain() for asynchronous schedules.
+
+    Attributes:
+        calls: step() calls since the last drain (the next call's number).
+        steps_done: step() calls so far (a checkpoint records and restores it).
+    """
+
+    def __init__(
+        self,
+        w: Wiring,
+        inputs: Inputs,
+        programs: Programs,
+        collectives: Collectives,
+        recorder: Recorder,
+    ) -> None:
+        self.w, self.inputs, self.programs, self.collectives = w, inputs, programs, collectives
+        self.recorder = recorder
+        self.calls = 0
+        self.steps_done = 0
+
+    def step(self, args: Sequence[Any], kwargs: dict[str, Any], target: Any) -> float:
+        """One mini-batch through the schedule, and the updates (see `PipelinedModel.step`).
+
+        Raises:
+            ConfigError: a missing or malformed target or inputs, before any communication.
+            PipelineError: a failure while running, or nan_check's non-finite value.
+        """
+        if target is None:
+            raise ConfigError("step() needs target=...: the loss is computed on the last stage")
+        w, m = self.w, self.w.spec.micro_batches
+        first = self.calls * m if w.asynchronous else 0
+        batch = self.inputs.batch(args, kwargs, target, first=first)
+        self.inputs.check_loss(target)
+        ops = self.programs.for_call(self.calls)
+        if w.agree is not None:
+            w.agree.problem = None
+        with posted("step"):
+            self._run(ops, batch)
+            self.calls += 1
+            self.steps_done += 1
+            losses = [] if w.executor is None else w.executor.losses.values()
+            loss = self.collectives.mean_loss(losses, m)
+        if w.agree is not None and w.agree.problem is not None:
+            raise PipelineError(w.agree.problem)
+        return loss
+
+    def _run(self, ops: Sequence[Op], batch: Batch) -> None:
+        executor = self.w.executor
+        if executor is not None:
+            executor.losses.clear()
+            executor.training = True
+            with self.recorder.timed():
+                executor.run(ops, batch)
+        elif self.w.agree is not None:  # a rank without a stage takes part in the agreement
+            self.w.agree()
+
+    def drain(self) -> None:
+        """Finish the backwards and updates an asynchronous pipeline still has in flight.
+
+        The next step() starts with a new warm-up. Flushed schedules have nothing to drain.
+        """
+        w = self.w
+        if not w.asynchronous or self.calls == 0:
+            return
+        m = w.spec.micro_batches
+        actions = drain_schedule(w.plan, w.schedule.name, self.calls, m)
+        if w.executor is not None:
+            end = self.calls * m
+            w.executor.run(self.programs.lowered(actions, end), Batch(end, {}, None))
+            w.executor.state.clear()
+        self.calls = 0
+
+
+def _moved(op: Any, shift: int) -> Any:
+    """An action or communication group with its micro-batch ids moved by `shift`."""
+    if isinstance(op, Comm):
+        return Comm(tuple(_moved(a, shift) for a in op.actions))
+    return op if op.mb is None or shift == 0 else replace(op, mb=op.mb + shift)
