@@ -31,6 +31,7 @@ from __future__ import annotations
 from graphpipe.compile import PipelinedModel, RuntimeConfig, compile
 from graphpipe.errors import (
     ConfigError,
+    FailureKind,
     GraphPipeError,
     PipelineError,
     PlanError,
@@ -48,6 +49,7 @@ from graphpipe.tracing.tracer import trace
 
 __all__ = [
     "ConfigError",
+    "FailureKind",
     "GraphPipeError",
     "PipelineError",
     "PipelinedModel",

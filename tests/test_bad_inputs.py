@@ -22,7 +22,7 @@ from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
-from graphpipe.errors import ConfigError, PipelineError
+from graphpipe.errors import ConfigError, FailureKind, PipelineError
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
 from graphpipe.tools.cli import main
@@ -373,6 +373,7 @@ def _nan_worker() -> dict[str, Any]:
                 got[name] = "no error"
             except PipelineError as exc:
                 got[name] = str(exc)
+                got[name + " kind"] = exc.kind
         after = pm.state_dict()
         got["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
         got["again"] = pm.step(x, target=(y, ones))  # every rank still in step
@@ -394,5 +395,6 @@ def test_nan_check_stops_every_rank_before_the_update_and_names_the_culprit() ->
                 f"non-finite gradient of {first_param[label]} at stage {stage}, micro-batch 1"
             ), (label, r["grad"])
             assert "the optimizer step was skipped" in r["loss"]
+            assert r["loss kind"] == r["grad kind"] == FailureKind.NONFINITE
             assert r["unchanged"]
             assert r["again"] < r["good"]  # trained on from where it stopped

@@ -11,8 +11,8 @@ over the ranks:
 A parameter is counted once: a tied weight held by several stages by the rank of the first
 of them, a replicated stage's parameters by its first device. The weight policy calls the
 clipper after the gradient sums over replicas and tied copies and before the optimizer step
-(`WeightPolicy.before_step`), so every copy is scaled by the same factor. The norm stays on
-the device; `PipelinedModel.last_grad_norm` reads it when asked.
+(the last of its update hooks, `graphpipe.runtime.hooks`), so every copy is scaled by the
+same factor. The norm stays on the device; `PipelinedModel.last_grad_norm` reads it when asked.
 
 What is torch's and what is graphpipe's. Each rank's local norm is
 `torch.nn.utils.get_total_norm` of the gradients it counts, and the scaling is

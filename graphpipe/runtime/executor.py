@@ -32,11 +32,11 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from graphpipe.errors import ConfigError, PipelineError
+from graphpipe.errors import ConfigError, FailureKind, PipelineError
 from graphpipe.ir import Action, ActionKind, Message, Plan, Span, sends
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
-from graphpipe.runtime.failures import first_line
+from graphpipe.runtime.failures import failure, first_line
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import Precision
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
@@ -175,8 +175,9 @@ class Executor:
     def _failed(self, op: Op, exc: Exception) -> PipelineError:
         """Post why this rank stops, so a peer left waiting for it names this failure."""
         text = f"rank {self.rank}, action {op}: {first_line(exc)}"
-        watch = self.transport.watch
-        return watch.raised(text, "cause") if watch is not None else PipelineError(text)
+        kind = FailureKind.BAD_INPUT if isinstance(exc, ConfigError) else FailureKind.RAISED
+        fields = {"stage": op.stage, "micro_batch": op.mb} if isinstance(op, Action) else {}
+        return failure(text, kind, **fields)
 
     def _tick(self, kind: str, start: float) -> None:
         """With record, add the time since `start` to `clock[kind]`."""

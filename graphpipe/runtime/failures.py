@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
 
@@ -337,19 +337,14 @@ class Watch:
             )
         return text, ends
 
-    def raised(
-        self, text: str, kind: FailureKind | Literal["cause"], **fields: Any
-    ) -> PipelineError:
+    def raised(self, text: str, kind: FailureKind, **fields: Any) -> PipelineError:
         """Post `text` and return the PipelineError of `kind` to raise.
 
         Args:
             text: The message.
-            kind: What happened. "cause" (the board's word before kinds) means RAISED; it
-                stays for callers not yet passing a kind (runtime/executor.py).
+            kind: What happened.
             **fields: The error's other fields (`peers`, `stage`, ...); `rank` is this one.
         """
-        kind = FailureKind.RAISED if kind == "cause" else kind
-        assert isinstance(kind, FailureKind)
         self.board.post(text, kind)
         return PipelineError(text, kind=kind, rank=self.rank, **fields)
 

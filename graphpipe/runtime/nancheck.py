@@ -12,12 +12,13 @@ on the device and without reading anything back, the first problem it sees:
 
 Each problem is one int64 code ordered by (micro-batch, loss before gradient, later stage
 first: a NaN flows backwards from where it starts, parameter), so the smallest code is the
-first problem. At the update (`WeightPolicy.before_step`, after the gradient sums) every rank
-holding a stage all-reduces its smallest code with MIN, ranks without a stage take part from
-step(); the one value is read once per step. Every rank then knows the same problem: the
-optimizer step is skipped, the gradients dropped, and step() raises the same PipelineError on
-every rank, after the step's usual loss all-reduce, so nobody is left waiting. The names come
-from the stage modules every rank builds, so a rank can name another rank's parameter.
+first problem. At the update (an update hook of the policy, `graphpipe.runtime.hooks`, after
+the gradient sums) every rank holding a stage all-reduces its smallest code with MIN, ranks
+without a stage take part from step(); the one value is read once per step. Every rank then
+knows the same problem: the optimizer step is skipped, the gradients dropped, and step() raises
+the same PipelineError on every rank, after the step's usual loss all-reduce, so nobody is left
+waiting. The names come from the stage modules every rank builds, so a rank can name another
+rank's parameter.
 
 Only a policy with one update per step on every rank at once (`PolicySpec.whole_step`:
 flush, as for clipping, `graphpipe.runtime.clip`) can stop it; other policies are refused

@@ -102,8 +102,9 @@ class LossScaler:
     - Both record the flag per optimizer (`unscale_(optimizer)` walks its `param_groups`)
       and act on it only inside `step(optimizer)`, which runs `optimizer.step()` itself;
       the flag has no public reader. graphpipe's update belongs to the weight policy
-      (`WeightPolicy.before_step`), which holds one optimizer per stage on a rank and needs
-      one agreed answer before any of them steps, to skip them all and drop the gradients.
+      (its update hooks, `graphpipe.runtime.hooks`), which holds one optimizer per stage
+      on a rank and needs one agreed answer before any of them steps, to skip them all and
+      drop the gradients.
     - ShardedGradScaler's agreement is a bare `dist.all_reduce` per optimizer and device
       inside `unscale_`. Here it is one collective per step, `all_reduce_max`, which the
       pipeline runs under its failure guard, so a dead peer is a PipelineError naming it

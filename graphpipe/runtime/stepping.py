@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from graphpipe.errors import ConfigError, PipelineError
+from graphpipe.errors import ConfigError, FailureKind, PipelineError
 from graphpipe.ir import Schedule
 from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.collectives import Collectives
@@ -96,7 +96,7 @@ class Stepper:
             losses = [] if w.executor is None else w.executor.losses.values()
             loss = self.collectives.mean_loss(losses, m)
         if w.agree is not None and w.agree.problem is not None:
-            raise PipelineError(w.agree.problem)
+            raise PipelineError(w.agree.problem, kind=FailureKind.NONFINITE)
         return loss
 
     def _run(self, ops: Sequence[Op], batch: Batch) -> None:

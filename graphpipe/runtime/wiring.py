@@ -119,7 +119,8 @@ def wire(
     prefetch = dist.get_backend() == "gloo" if runtime.prefetch is None else runtime.prefetch
     program = lower(plan, schedule, prefetch=prefetch)
     if device.type == "cuda":  # the first batched send must not be the first use of
-        dist.all_reduce(torch.zeros(1, device=device))  # NCCL's communicator
+        warm = torch.zeros(1, device=device)  # NCCL's communicator
+        guarded("the all-reduce that starts NCCL", lambda: dist.all_reduce(warm))
     parts = _Parts(None, None, None, None, None)
     if mine:
         parts = _wire_stages(
@@ -300,7 +301,8 @@ def _update_group(plan: Plan, runtime: RuntimeConfig) -> dist.ProcessGroup | Non
     busy = sorted({d for s in plan.stages for d in s.devices})
     if len(busy) == dist.get_world_size():
         return None
-    return dist.new_group(busy, timeout=datetime.timedelta(seconds=runtime.timeout))
+    timeout = datetime.timedelta(seconds=runtime.timeout)
+    return guarded("the update group's creation", lambda: dist.new_group(busy, timeout=timeout))
 
 
 def _scaler(group: dist.ProcessGroup | None) -> LossScaler:

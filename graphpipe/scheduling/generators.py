@@ -73,7 +73,6 @@ from graphpipe.ir import (
     ScheduleSpec,
     device_of,
     edges_to_sink,
-    registry,
     schedule_spec,
     with_messages,
 )
@@ -370,9 +369,3 @@ def _zero_bubble(plan: Plan, mbs: list[int]) -> dict[int, Order]:
 
 
 _BUILDERS = _builders()  # after every builder is defined; refuses a registry mismatch
-
-# Derived from the registry for `graphpipe.compile` and `graphpipe.runtime.pipeline` until
-# they read it themselves; nothing else should use them.
-ASYNC = frozenset(n for n, s in SCHEDULES.items() if s.asynchronous)
-PLACED = {n: str(s.placement) for n, s in SCHEDULES.items() if s.folds_chain}
-ANY_PLACEMENT = registry.ANY_PLACEMENT
