@@ -20,10 +20,12 @@ become concurrent stages on disjoint devices, where a sequential pipeline would 
 Plans and schedules are plain data: `Plan.to_json()`, `Plan.from_json(text)`,
 `validate_plan(plan, gm)`, `str(schedule)`.
 
-Modules: trace, profile, partition, schedule, simulate, render and timeline (pictures),
-runtime (the per-rank executor), compile, launch; `graphpipe plan` and `graphpipe run` on the
-command line;
-`graphpipe export CKPT OUT` turns a checkpoint (`pm.save`) into a plain state dict.
+Phases, one folder each, in import order: ir (the shared vocabulary: Plan, Schedule,
+ActionKind, the schedule and policy registry), tracing, scheduling (generators, lowering,
+simulator, dry run), planning (profile, partition), runtime (the per-rank pieces), compile;
+tools (render, timeline, report, calibrate, fair, cli). `graphpipe plan` and `graphpipe run`
+on the command line; `graphpipe export CKPT OUT` turns a checkpoint (`pm.save`) into a plain
+state dict. docs/ARCHITECTURE.md has the map.
 """
 
 from __future__ import annotations

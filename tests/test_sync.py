@@ -420,7 +420,7 @@ def _tied_worker() -> dict[str, Any]:
     from graphpipe.compile import RuntimeConfig
     from graphpipe.compile import compile as gp_compile
     from graphpipe.planning.partition import plan
-    from graphpipe.runtime import pipeline
+    from graphpipe.runtime import groups as wiring_groups
 
     made: list[list[Any]] = []
     syncs: list[GradSync] = []
@@ -433,8 +433,8 @@ def _tied_worker() -> dict[str, Any]:
         syncs.append(GradSync(*args, **kwargs))
         return syncs[-1]
 
-    pipeline.make_groups = recording_groups  # type: ignore[assignment]  # this worker only
-    pipeline.GradSync = recording_sync  # type: ignore[assignment,misc]
+    wiring_groups.make_groups = recording_groups  # type: ignore[assignment]  # this worker only
+    wiring_groups.GradSync = recording_sync  # type: ignore[assignment,misc]
     model, tokens = _two_tied()
     pm = gp_compile(
         model,
