@@ -197,7 +197,7 @@ def test_cpu_inputs_give_the_losses_of_cuda_inputs(gpu_rank: dict[str, Any]) -> 
 
 
 def test_pinned_copy_keeps_the_values() -> None:
-    from graphpipe.runtime.pipeline import _to_device
+    from graphpipe.runtime.batching import to_device as _to_device
 
     x = torch.randn(1 << 20)
     on_gpu = _to_device(x, torch.device(DEVICE))

@@ -23,7 +23,6 @@ from torch import fx, nn
 from graphpipe.ir import Plan, Schedule, Timeline
 from graphpipe.runtime import checkpoint
 from graphpipe.runtime.batching import Inputs
-from graphpipe.runtime.batching import to_device as _to_device  # noqa: F401  (tests use it)
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Executor
 from graphpipe.runtime.inference import Inference
