@@ -12,12 +12,13 @@ from test_schedule import chain_plan, random_plan
 from graphpipe.errors import ScheduleError
 from graphpipe.ir import Plan, parse_ranks
 from graphpipe.ir.cost import CostModel, LinkModel
+from graphpipe.ir.program import Comm, Program, parse_ops
 from graphpipe.ir.registry import SCHEDULES
 from graphpipe.planning.interleave import foldings, place_graph
 from graphpipe.planning.partition import PlanConfig, partition_op_graph
 from graphpipe.scheduling.dryrun import check_program, check_run
 from graphpipe.scheduling.generators import drain_schedule, make_schedule
-from graphpipe.scheduling.program import Comm, Program, lower, lower_calls, parse_ops
+from graphpipe.scheduling.program import lower, lower_calls
 
 ONE_F_ONE_B_2x4 = [  # the steady-state pairs share a group: SF with RB, SB with RF
     "0F0 [0SF0>1] 0F1 [0SF1>1 0RB0<1] 0B0 0F2 [0SF2>1 0RB1<1] 0B1 0F3 [0SF3>1 0RB2<1] 0B2 "

@@ -13,11 +13,12 @@ from test_partition import cost, random_branchy, random_dag, synthetic
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Action, Plan, Schedule, parse_ranks
 from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.ir.program import Comm
 from graphpipe.ir.registry import SCHEDULES
 from graphpipe.planning.partition import PlanConfig, partition_op_graph
 from graphpipe.scheduling.dryrun import check_program, check_schedule
 from graphpipe.scheduling.generators import drain_schedule, make_schedule
-from graphpipe.scheduling.program import Comm, lower
+from graphpipe.scheduling.program import lower
 from graphpipe.scheduling.simulate import steady_run
 
 

@@ -4,6 +4,7 @@
     Schedule  (actions.py)   per rank, an ordered tuple of `Action`s (`2F0`, `2SF0>3`, `2U`),
                              each of an `ActionKind`; a send or receive carries a `Message`
     messages.py              the communication rule: what a compute action awaits and sends
+    Program   (program.py)     per rank, compute actions and fused communication groups
     Timeline  (timeline.py)  spans of actions, simulated or measured
     CostModel (cost.py)      links, memory and replication assumed by planning and simulation
     registry.py              what each schedule and weight policy is (ScheduleSpec, PolicySpec)
@@ -38,6 +39,7 @@ from graphpipe.ir.plan import (
     transfer_time,
     weight_share,
 )
+from graphpipe.ir.program import Comm, Op, Program, parse_ops
 from graphpipe.ir.registry import (
     ANY_PLACEMENT,
     DEFAULT_SCHEDULE,
@@ -61,13 +63,16 @@ __all__ = [
     "WEIGHT_SHARE",
     "Action",
     "ActionKind",
+    "Comm",
     "CostModel",
     "LinkModel",
     "MemoryModel",
     "Message",
     "Occurrences",
+    "Op",
     "Plan",
     "PolicySpec",
+    "Program",
     "Schedule",
     "ScheduleSpec",
     "Span",
@@ -81,6 +86,7 @@ __all__ = [
     "edges_to_sink",
     "freed",
     "message_time",
+    "parse_ops",
     "parse_ranks",
     "policy_spec",
     "schedule_names",

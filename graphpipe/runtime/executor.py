@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from graphpipe.errors import ConfigError, FailureKind, PipelineError
 from graphpipe.ir import Action, ActionKind, Message, Plan, Span, sends
+from graphpipe.ir.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
 from graphpipe.runtime.failures import failure, first_line
@@ -42,7 +43,6 @@ from graphpipe.runtime.precision import Precision
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
 from graphpipe.runtime.sync import final_backwards
 from graphpipe.runtime.weights import WeightPolicy
-from graphpipe.scheduling.program import Comm, Op
 
 __all__ = ["Batch", "Executor", "StageRuntime"]
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from graphpipe.errors import ConfigError, FailureKind, PipelineError
 from graphpipe.ir import Schedule
+from graphpipe.ir.program import Comm, Op, Program
 from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Batch
@@ -20,7 +21,7 @@ from graphpipe.runtime.failures import posted
 from graphpipe.runtime.timelines import Recorder
 from graphpipe.runtime.wiring import Wiring
 from graphpipe.scheduling.generators import drain_schedule, make_schedule
-from graphpipe.scheduling.program import Comm, Op, Program, lower
+from graphpipe.scheduling.program import lower
 
 __all__ = ["Programs", "Stepper"]
 

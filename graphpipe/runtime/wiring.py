@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from graphpipe.ir import Plan, Schedule
+from graphpipe.ir.program import Program
 from graphpipe.ir.registry import schedule_spec
 from graphpipe.runtime.batching import cpu
 from graphpipe.runtime.clip import GradClipper
@@ -38,7 +39,7 @@ from graphpipe.runtime.stage import build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync
 from graphpipe.runtime.weights import WeightPolicy, make_policy
 from graphpipe.scheduling.generators import warmups
-from graphpipe.scheduling.program import Program, lower
+from graphpipe.scheduling.program import lower
 
 __all__ = ["Wiring", "runtime_device", "wire"]
 

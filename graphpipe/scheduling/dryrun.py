@@ -38,8 +38,9 @@ from graphpipe.ir import (
     schedule_spec,
     sends,
 )
+from graphpipe.ir.program import Comm, Op, Program
 from graphpipe.scheduling.generators import drain_schedule, make_schedule
-from graphpipe.scheduling.program import Comm, Op, Program, lower_calls
+from graphpipe.scheduling.program import lower_calls
 from graphpipe.scheduling.simulate import Deadlock, Engine, UpdateBarrier, simulate
 
 __all__ = ["SEMANTICS", "check_program", "check_run", "check_schedule", "grid"]

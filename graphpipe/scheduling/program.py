@@ -1,4 +1,4 @@
-"""Program: a Schedule lowered to what each rank issues, with its messages fused into groups.
+"""The lowering: a Schedule -> a Program (`graphpipe.ir.program`), messages fused into groups.
 
     program = lower(make_schedule(plan, "1f1b"))
     print(program)          # rank 0: 0F0 [0SF0>1] 0F1 [0SF1>1 0RB0<1] 0B0 ...
@@ -23,138 +23,20 @@ Lowerings:
     lower(schedule, fuse=False)      one group per message: how graphpipe issued messages before,
                                      kept to show that it deadlocks under NCCL's semantics
 
-The text form brackets each group; `Program.parse` reads it back.
+The text form brackets each group; `graphpipe.ir.program.parse_ops` reads it back.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from graphpipe.errors import ScheduleError
 from graphpipe.ir import Action, Message, Occurrences, Plan, Schedule
+from graphpipe.ir.program import Comm, Op, Program
 from graphpipe.scheduling.simulate import Engine
 
-__all__ = ["Comm", "Op", "Program", "lower", "lower_calls", "self_contained"]
-
-
-@dataclass(frozen=True)
-class Comm:
-    """One communication group: sends and receives issued together."""
-
-    actions: tuple[Action, ...]
-
-    def __post_init__(self) -> None:
-        bad = [str(a) for a in self.actions if not a.kind.is_message]
-        if bad or not self.actions:
-            raise ScheduleError(f"a communication group holds sends and receives only, got {bad}")
-
-    def __str__(self) -> str:
-        return "[" + " ".join(str(a) for a in self.actions) + "]"
-
-    @property
-    def receives(self) -> tuple[Action, ...]:
-        """The group's receives."""
-        return tuple(a for a in self.actions if a.kind.is_receive)
-
-
-Op = Action | Comm  # a compute or update action, or a communication group
-
-
-@dataclass(frozen=True)
-class Program:
-    """What every rank issues for one or more step() calls.
-
-    Attributes:
-        name: The schedule's generator.
-        micro_batches: M.
-        ranks: ranks[r] is rank r's ordered operations.
-        calls: step() calls covered (as the Schedule's).
-        prefetch: Whether every receive is posted in a first group (`lower`).
-    """
-
-    name: str
-    micro_batches: int
-    ranks: tuple[tuple[Op, ...], ...]
-    calls: int = 1
-    prefetch: bool = False
-
-    def __str__(self) -> str:
-        return "\n".join(
-            f"rank {r}: " + " ".join(str(op) for op in ops) for r, ops in enumerate(self.ranks)
-        )
-
-    def groups(self, rank: int) -> list[Comm]:
-        """Rank `rank`'s communication groups, in issue order."""
-        return [op for op in self.ranks[rank] if isinstance(op, Comm)]
-
-    def to_json(self) -> str:
-        """Serialise (each rank's program as its text)."""
-        return json.dumps(
-            {
-                "name": self.name,
-                "micro_batches": self.micro_batches,
-                "calls": self.calls,
-                "prefetch": self.prefetch,
-                "ranks": [" ".join(str(op) for op in ops) for ops in self.ranks],
-            }
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> Program:
-        """Inverse of `to_json`.
-
-        Raises:
-            ScheduleError: malformed text, naming the problem.
-        """
-        try:
-            data = json.loads(text)
-            return cls(
-                str(data["name"]),
-                int(data["micro_batches"]),
-                tuple(parse_ops(r) for r in data["ranks"]),
-                int(data.get("calls", 1)),
-                bool(data.get("prefetch", False)),
-            )
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ScheduleError(f"malformed program: {type(exc).__name__}: {exc}") from exc
-
-
-_TOKEN = re.compile(r"\[|\]|[^\s\[\]]+")
-
-
-def parse_ops(text: str) -> tuple[Op, ...]:
-    """One rank's program from its text form (`0F0 [0SF0>1 0RB0<1] 0B0`).
-
-    Raises:
-        ScheduleError: an unknown action or unbalanced brackets.
-
-    Example:
-        >>> [str(op) for op in parse_ops("0F0 [0SF0>1] 0B0")]
-        ['0F0', '[0SF0>1]', '0B0']
-    """
-    ops: list[Op] = []
-    group: list[Action] | None = None
-    for token in _TOKEN.findall(text):
-        if token == "[":
-            if group is not None:
-                raise ScheduleError(f"nested '[' in program text {text!r}")
-            group = []
-        elif token == "]":
-            if group is None:
-                raise ScheduleError(f"']' without '[' in program text {text!r}")
-            ops.append(Comm(tuple(group)))
-            group = None
-        elif group is not None:
-            group.append(Action.parse(token))
-        else:
-            ops.append(Action.parse(token))
-    if group is not None:
-        raise ScheduleError(f"unclosed '[' in program text {text!r}")
-    return tuple(ops)
+__all__ = ["lower", "lower_calls", "self_contained"]
 
 
 def lower(plan: Plan, schedule: Schedule, *, fuse: bool = True, prefetch: bool = False) -> Program:
