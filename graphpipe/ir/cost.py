@@ -23,24 +23,19 @@ from typing import Any
 import numpy as np
 
 from graphpipe.errors import ConfigError
+from graphpipe.ir.registry import policy_spec
 
 __all__ = ["CostModel", "LinkModel", "MemoryModel", "weight_copies"]
 
 
 def weight_copies(policy: str, warmup: int, correction: bool = True) -> int:
-    """Peak copies of a stage's weights under a weight policy (see graphpipe.runtime.weights).
+    """Peak copies of a stage's weights under a weight policy (see graphpipe.runtime.weights):
+    `PolicySpec.weight_copies` of the registry's policy.
 
-    flush 1; stash warm-up + 1 (one per micro-batch in flight, the live one among them); 2bw 2;
-    pipemare 1, plus the moving average of its steps and the corrected weights of the
-    backward in progress when its correction is on and the stage has a warm-up.
+    Raises:
+        ConfigError: an unknown policy.
     """
-    if policy == "stash":
-        return warmup + 1
-    if policy == "2bw":
-        return 2
-    if policy == "pipemare":
-        return 1 + (2 if correction and warmup > 0 else int(correction))
-    return 1
+    return policy_spec(policy).weight_copies(warmup, correction)
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,9 @@ class PolicySpec:
             can be skipped or scaled as a whole: gradient clipping, fp16's loss scaler and
             the NaN check need it.
         replicas: Allows data-parallel (replicated) stages and weights tied across ranks.
+        versions: The weight copies a stage keeps (`weight_copies`): "live" (the weights
+            alone), "stashed" (one per micro-batch in flight), "double" (two buffers) or
+            "corrected" (PipeMare's moving average and corrected weights).
     """
 
     name: str
@@ -170,6 +173,22 @@ class PolicySpec:
     schedule: str | None = None
     whole_step: bool = False
     replicas: bool = False
+    versions: str = "live"
+
+    def weight_copies(self, warmup: int, correction: bool = True) -> int:
+        """Peak copies of a stage's weights whose 1F1B warm-up is `warmup` forwards.
+
+        live 1; stashed warm-up + 1 (one per micro-batch in flight, the live one among them);
+        double 2; corrected 1, plus the moving average of its steps and the corrected weights
+        of the backward in progress when `correction` is on and the stage has a warm-up.
+        """
+        if self.versions == "stashed":
+            return warmup + 1
+        if self.versions == "double":
+            return 2
+        if self.versions == "corrected":
+            return 1 + (2 if correction and warmup > 0 else int(correction))
+        return 1
 
     @property
     def flushed(self) -> bool:
@@ -181,9 +200,11 @@ POLICIES: dict[str, PolicySpec] = {
     p.name: p
     for p in (
         PolicySpec("flush", "synchronous: one update per step", None, True, True),
-        PolicySpec("stash", "PipeDream's weight stashing", "async"),
-        PolicySpec("2bw", "PipeDream-2BW's double-buffered weights", "2bw"),
-        PolicySpec("pipemare", "PipeMare: asynchronous with corrections", "async"),
+        PolicySpec("stash", "PipeDream's weight stashing", "async", versions="stashed"),
+        PolicySpec("2bw", "PipeDream-2BW's double-buffered weights", "2bw", versions="double"),
+        PolicySpec(
+            "pipemare", "PipeMare: asynchronous with corrections", "async", versions="corrected"
+        ),
     )
 }
 

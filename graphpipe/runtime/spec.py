@@ -27,7 +27,7 @@ from torch import nn
 
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
-from graphpipe.ir.registry import policy_spec, schedule_spec
+from graphpipe.ir.registry import DEFAULT_SCHEDULE, policy_spec, schedule_spec
 from graphpipe.planning.partition import micro_batch_size
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.planning.recompute import RecomputeSpec
@@ -260,7 +260,7 @@ def schedule_for(weights: str, schedule: str | None) -> str:
     """
     policy = policy_spec(weights)
     if schedule is None:
-        return policy.schedule or "1f1b"
+        return policy.schedule or DEFAULT_SCHEDULE
     flushed = not schedule_spec(schedule).asynchronous
     if (policy.flushed and not flushed) or (not policy.flushed and schedule != policy.schedule):
         need = policy.schedule or "a flushed schedule (gpipe, 1f1b, zb)"
