@@ -153,6 +153,8 @@ class DataParallel:
 
     def describe(self) -> str:
         """A short text, e.g. "dp 2 (sharded)"."""
+        if self.degree == 1:
+            return "dp 1"
         how = "sharded" if self.shard else "replicated"
         if self.shard and not self.reshard_after_forward:
             how += ", kept unsharded over the step"

@@ -9,8 +9,10 @@ is a plan over the N / k pp coordinates (`Plan.num_devices`), with k in its cost
 (`CostModel.dp`, whose docstring gives the costs). The planner plans one dp rank: its op graph
 is the traced one with every op's forward and backward time and every output's bytes divided
 by k (`per_rank_graph`). That assumes both are linear in the rows, as the FLOP estimate and
-the activation bytes (bytes per sample x rows) are; a roofline or measured profile would
-charge a small slice more (re-costing at b / k is not done here).
+the activation bytes (bytes per sample x rows) are. A roofline profile is not: `partition`
+re-costs it at b / k rows instead (a small slice pays its weight reads and launches in
+full), and so does the fair protocol. A measured profile is scaled linearly (measuring at
+b / k would need the model run again per k).
 
 dp is uniform: every stage gets the same k. A graph plan whose towers of unequal cost would
 each want their own dp degree needs dp sub-meshes of unequal size per pp coordinate, which
@@ -22,6 +24,7 @@ memory budget (the partitioner's or the simulated peak) lose to those that do, t
 shortest step wins, then the smaller k. `Plan.info["mesh"]` says what bound each other k:
 
     memory      no plan fits the budget, or its simulated peak does not
+    ops         pp = N / k is more than the graph's ops (not planned)
     depth       its pipeline is deeper (fill and drain) at no better bottleneck
     dp link     its all-gathers and reduce-scatters (per micro-batch) are at least half of
                 its bottleneck
@@ -106,7 +109,11 @@ Candidate = tuple[int, Plan | None, float, bool, str]  # k, plan, step, fits, wh
 
 
 def choose_mesh(
-    plan_at: Callable[[int], Plan], devices: int, degrees: Sequence[int], budget: float | None
+    plan_at: Callable[[int], Plan],
+    devices: int,
+    degrees: Sequence[int],
+    budget: float | None,
+    ops: int,
 ) -> Plan:
     """The fastest plan over the dp degrees `degrees` (see the module docstring).
 
@@ -115,6 +122,7 @@ def choose_mesh(
         devices: N, all devices of the mesh.
         degrees: The k to try.
         budget: Bytes per device, or None.
+        ops: The graph's op count: a k whose pp = devices / k exceeds it is not planned.
 
     Returns:
         The chosen plan, with `info["mesh"]` naming the choice and what bound every other k.
@@ -124,10 +132,15 @@ def choose_mesh(
     """
     tried: list[Candidate] = []
     for k in degrees:
+        if devices // k > ops:
+            why = f"ops: pp={devices // k} is more than the graph's {ops} ops"
+            tried.append((k, None, float("inf"), False, why))
+            continue
         try:
             p = plan_at(k)
         except PlanError as exc:
-            tried.append((k, None, float("inf"), False, str(exc)))
+            why = f"memory: {exc}" if budget is not None else f"infeasible: {exc}"
+            tried.append((k, None, float("inf"), False, why))
             continue
         run = simulate(p, DEFAULT_SCHEDULE)
         fits = budget is None or max(run.peak_memory, default=0) <= budget
@@ -155,7 +168,7 @@ def choose_mesh(
 def _why_not(c: Candidate, best: Plan, budget: float | None) -> str:
     _, p, step, fits, error = c
     if p is None:
-        return f"memory: {error}" if budget is not None else f"infeasible: {error}"
+        return error
     if not fits:
         return f"memory: simulated peak over {budget:.4g} bytes"
     if p.depth > best.depth and p.bottleneck <= best.bottleneck * (1 + 1e-9):

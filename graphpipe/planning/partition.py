@@ -27,7 +27,7 @@ int from a size query, None) in the stage of all its users; pins that would spli
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -217,8 +217,15 @@ def partition(gm: fx.GraphModule, prof: Profile, config: PlanConfig) -> Plan:
         PlanError: more devices than ops, nothing fits the memory budget, or pins split a
             value that is not a single tensor from its users.
     """
-    g = op_graph(gm, prof, config.precision)
-    made = partition_mesh(g, prof.micro_batch_size, config, graph_hash(gm), prof.mode, prof.device)
+    g, b = op_graph(gm, prof, config.precision), prof.micro_batch_size
+    graph_at = None
+    if prof.mode == "roofline":  # re-costed at b / k rows: a small slice pays its weight reads
+
+        def graph_at(k: int) -> nx.DiGraph:
+            sliced = profile(gm, (), b // k, ProfileConfig(mode="roofline", preset=prof.device))
+            return op_graph(gm, sliced, config.precision)
+
+    made = partition_mesh(g, b, config, graph_hash(gm), prof.mode, prof.device, graph_at)
     return replace(made, input_shapes=input_shapes(gm))
 
 
@@ -229,6 +236,7 @@ def partition_mesh(
     digest: str,
     profile: str = "flops",
     device: str = "cpu",
+    graph_at: Callable[[int], nx.DiGraph] | None = None,
 ) -> Plan:
     """`partition_op_graph` over the mesh `config` names: its dp degree, or each one that
     divides the devices and the rows when `config.dp` is "auto" (`planning.mesh`).
@@ -240,6 +248,8 @@ def partition_mesh(
         digest: The traced graph's hash, recorded in the plan.
         profile: Where the op times came from, recorded in the cost model.
         device: The device the op times are for.
+        graph_at: k -> the op graph of one dp rank (b / k rows), for k > 1; by default
+            `per_rank_graph(g, k)` (times and bytes linear in the rows).
 
     Returns:
         The plan over N / k pp coordinates, validated against the per-rank op graph.
@@ -255,7 +265,8 @@ def partition_mesh(
         if k == 1:
             return partition_op_graph(g, cost, replace(config, dp=1), digest)
         pp = replace(config, devices=config.devices // k, dp=1, replication=False)
-        made = partition_op_graph(per_rank_graph(g, k), cost, pp, digest)
+        sliced = graph_at(k) if graph_at is not None else per_rank_graph(g, k)
+        made = partition_op_graph(sliced, cost, pp, digest)
         note = mesh_info(config.devices, k, config.replication)
         return replace(made, info={**made.info, "mesh": note})
 
@@ -263,10 +274,8 @@ def partition_mesh(
         assert isinstance(config.dp, int)  # checked by PlanConfig
         return plan_at(config.dp)
     ops = sum(1 for n in g if n != "output")
-    degrees = [
-        k for k in dp_degrees(config.devices, micro_batch_size) if config.devices // k <= ops
-    ]
-    return choose_mesh(plan_at, config.devices, degrees, config.memory_budget)
+    degrees = dp_degrees(config.devices, micro_batch_size)
+    return choose_mesh(plan_at, config.devices, degrees, config.memory_budget, ops)
 
 
 def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str) -> Plan:
