@@ -18,8 +18,8 @@ from graphpipe.ir.actions import Action, ActionKind
 from graphpipe.ir.cost import CostModel, DataParallel, LinkModel, MemoryModel
 from graphpipe.planning.mesh import per_rank_graph
 from graphpipe.planning.opgraph import op_graph
-from graphpipe.planning.partition import PlanConfig, plan
-from graphpipe.planning.profile import profile
+from graphpipe.planning.partition import PlanConfig, partition, plan
+from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tools.cli import main
 from graphpipe.tools.fair import FairConfig, choose
@@ -79,6 +79,18 @@ def test_the_per_rank_graph_divides_times_and_bytes() -> None:
         for key in ("forward", "backward", "act"):
             assert half.nodes[n][key] == data[key] / 2
     assert all(half.edges[e]["bytes"] == g.edges[e]["bytes"] / 2 for e in g.edges)
+
+
+def test_a_roofline_profile_is_re_costed_at_the_dp_slice() -> None:
+    model, x = _wide()
+    gm = trace(model, x, micro_batch_size=16)
+    roofline = ProfileConfig(mode="roofline")
+    free = LinkModel(bandwidth=1e18, latency=0.0)  # no gathers to expose
+    config = PlanConfig(devices=4, micro_batches=1, dp=4, dp_link=free)
+    (stage,) = partition(gm, profile(gm, x, 16, roofline), config).stages
+    whole, quarter = (profile(gm, x, b, roofline).times for b in (16, 4))
+    assert stage.forward_time == pytest.approx(sum(t.forward for t in quarter.values()))
+    assert stage.forward_time > 2 * sum(t.forward for t in whole.values()) / 4  # weight reads
 
 
 # -- time ---------------------------------------------------------------------------------------
