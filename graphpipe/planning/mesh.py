@@ -35,6 +35,7 @@ Cost: one partition and one simulation per divisor k (6 at N = 32).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -125,12 +126,13 @@ def choose_mesh(
         ops: The graph's op count: a k whose pp = devices / k exceeds it is not planned.
 
     Returns:
-        The chosen plan, with `info["mesh"]` naming the choice and what bound every other k.
+        The chosen plan, with `info["mesh"]` naming the choice and what bound every other k,
+        and the seconds spent on every k as its search time.
 
     Raises:
         PlanError: no k has a plan (every one's error is named).
     """
-    tried: list[Candidate] = []
+    start, tried = time.perf_counter(), list[Candidate]()
     for k in degrees:
         if devices // k > ops:
             why = f"ops: pp={devices // k} is more than the graph's {ops} ops"
@@ -162,7 +164,7 @@ def choose_mesh(
         "bound": bound,
         "summary": summary,
     }
-    return replace(best, info={**best.info, "mesh": info})
+    return replace(best, search_time=time.perf_counter() - start, info={**best.info, "mesh": info})
 
 
 def _why_not(c: Candidate, best: Plan, budget: float | None) -> str:
