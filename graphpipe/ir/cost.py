@@ -15,9 +15,9 @@ its gradient all-reduce runs once per mini-batch, so it is spread over M.
 
 Sharded data parallelism (`DataParallel`, FSDP2 over a ("pp", "dp") mesh of degree k): every
 stage runs on k ranks, each taking 1/k of every micro-batch's rows. The planner plans one dp
-rank: its op times and activation bytes are those of a micro-batch of b/k rows (assumed
-linear in the rows: `planning.mesh.per_rank_graph`), so c and a above are per rank. On the
-dp link (`DataParallel.link`), with p the stage's parameter bytes:
+rank: its op times and activation bytes are those of a micro-batch of b/k rows (linear in
+the rows, or a roofline re-costed at b/k: `planning.mesh`), so c and a above are per rank.
+On the dp link (`DataParallel.link`, else the pp link), with p the stage's parameter bytes:
 
     gather(p)            = (k-1)/k * p / bandwidth + (k-1) latency            (ring all-gather)
     scatter(p)           = gather(p)                                     (ring reduce-scatter)
@@ -29,6 +29,7 @@ dp link (`DataParallel.link`), with p the stage's parameter bytes:
     dp weights(p)        = p (versions + optimizer_slots) / k       sharded state, on each rank
                            + p * gather_share                       the unsharded copy held
                            + p                                      the unsharded gradient
+                         = p (versions + 1 + optimizer_slots)       (shard=False)
     dp stage_memory      = dp weights(p) + a * min(k_in_flight, M)
 
 The gradient is accumulated unsharded over the step's micro-batches and reduce-scattered once,
@@ -182,7 +183,8 @@ class CostModel:
 
     def stage_time(self, compute: float, param_bytes: float, replicas: int) -> float:
         """Seconds per micro-batch of a stage: its busiest replica's share of the compute plus
-        its all-reduce, both spread over the M micro-batches of a mini-batch."""
+        its all-reduce, both spread over the M micro-batches of a mini-batch; with a dp
+        dimension, "dp stage_time" of the module docstring (`replicas` must be 1)."""
         m = self.micro_batches
         if self.dp.degree > 1:
             return self._dp_stage_time(compute, param_bytes, replicas)
