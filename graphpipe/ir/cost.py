@@ -12,6 +12,32 @@ parallel replicas, M the micro-batches per mini-batch, a its activation bytes pe
 and k its in-flight micro-batches. A replicated stage takes every r-th micro-batch on each
 replica, so its busiest replica runs ceil(M / r) of the M (replicas beyond M would idle), and
 its gradient all-reduce runs once per mini-batch, so it is spread over M.
+
+Sharded data parallelism (`DataParallel`, FSDP2 over a ("pp", "dp") mesh of degree k): every
+stage runs on k ranks, each taking 1/k of every micro-batch's rows. The planner plans one dp
+rank: its op times and activation bytes are those of a micro-batch of b/k rows (linear in
+the rows, or a roofline re-costed at b/k: `planning.mesh`), so c and a above are per rank.
+On the dp link (`DataParallel.link`, else the pp link), with p the stage's parameter bytes:
+
+    gather(p)            = (k-1)/k * p / bandwidth + (k-1) latency            (ring all-gather)
+    scatter(p)           = gather(p)                                     (ring reduce-scatter)
+    gathers per mb       g = 2 gather(p) (reshard_after_forward: forward and backward each
+                         gather) or gather(p) / M (kept unsharded over the step)
+    dp stage_time(c, p)  = max(c, g) + scatter(p) / M     (shard; prefetch hides the gathers
+                         behind the compute unless they are longer)
+                         = c + allreduce_dp(p, k) / M     (shard=False: replicated, HSDP-like)
+    dp weights(p)        = p (versions + optimizer_slots) / k       sharded state, on each rank
+                           + p * gather_share                       the unsharded copy held
+                           + p                                      the unsharded gradient
+                         = p (versions + 1 + optimizer_slots)       (shard=False)
+    dp stage_memory      = dp weights(p) + a * min(k_in_flight, M)
+
+The gradient is accumulated unsharded over the step's micro-batches and reduce-scattered once,
+after the stage's last backward (FSDP2's `set_requires_gradient_sync(False)` until then), so
+it does not divide by k; the reduce-scatter is paid in the update (U). `gather_share` is the
+share of the stage's parameters unsharded at once: 1 when the stage is one `fully_shard`
+unit, about 2/L when each of L blocks is one (the current block and the prefetched next).
+Without reshard_after_forward the whole stage stays unsharded (share 1).
 """
 
 from __future__ import annotations
@@ -25,7 +51,7 @@ import numpy as np
 from graphpipe.errors import ConfigError
 from graphpipe.ir.registry import policy_spec
 
-__all__ = ["CostModel", "LinkModel", "MemoryModel", "weight_copies"]
+__all__ = ["CostModel", "DataParallel", "LinkModel", "MemoryModel", "weight_copies"]
 
 
 def weight_copies(policy: str, warmup: int, correction: bool = True) -> int:
@@ -63,6 +89,19 @@ class LinkModel:
         steps = 2 * (replicas - 1)
         return steps / replicas * nbytes / self.bandwidth + steps * self.latency
 
+    def all_gather(self, nbytes: float, ranks: int) -> float:
+        """Seconds for a ring all-gather of `nbytes` (the gathered size) over `ranks` devices:
+        (r-1)/r * bytes / bandwidth + (r-1) latency. A ring reduce-scatter of `nbytes` (the
+        unreduced size) takes the same (`reduce_scatter`)."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        steps = ranks - 1
+        return steps / ranks * nbytes / self.bandwidth + steps * self.latency
+
+    def reduce_scatter(self, nbytes: float, ranks: int) -> float:
+        """Seconds for a ring reduce-scatter of `nbytes` over `ranks` devices (`all_gather`)."""
+        return self.all_gather(nbytes, ranks)
+
 
 @dataclass(frozen=True)
 class MemoryModel:
@@ -92,6 +131,38 @@ class MemoryModel:
 
 
 @dataclass(frozen=True)
+class DataParallel:
+    """The mesh's data-parallel dimension: every stage runs on `degree` ranks of the "dp" dim.
+
+    Uniform: every stage has the same degree (one dp sub-mesh size for every pp coordinate).
+    See the module docstring for the costs.
+    """
+
+    degree: int = 1  # k: ranks per stage on the "dp" mesh dim, each with 1/k of the rows
+    shard: bool = True  # FSDP: parameters, gradients and optimizer state sharded over k;
+    # False: every rank keeps a full replica and gradients are all-reduced (HSDP-like)
+    reshard_after_forward: bool = True  # FSDP2's option: gather again for the backward
+    gather_share: float = 1.0  # share of the stage's parameters unsharded at once
+    link: LinkModel | None = None  # the dp link; None: the same as the pp link
+
+    def __post_init__(self) -> None:
+        if self.degree < 1 or not 0 < self.gather_share <= 1:
+            raise ConfigError(
+                f"dp degree must be >= 1 and gather_share in (0, 1], got degree="
+                f"{self.degree}, gather_share={self.gather_share}"
+            )
+
+    def describe(self) -> str:
+        """A short text, e.g. "dp 2 (sharded)"."""
+        if self.degree == 1:
+            return "dp 1"
+        how = "sharded" if self.shard else "replicated"
+        if self.shard and not self.reshard_after_forward:
+            how += ", kept unsharded over the step"
+        return f"dp {self.degree} ({how})"
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Everything planning assumes besides the per-op times, recorded in every Plan."""
 
@@ -101,6 +172,7 @@ class CostModel:
     memory: MemoryModel = field(default_factory=MemoryModel)
     profile: str = "flops"  # where op times came from: "flops" (estimate) or "measure"
     device: str = "cpu"  # the device the op times are for
+    dp: DataParallel = field(default_factory=DataParallel)  # the mesh's dp dimension
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.micro_batches < 1:
@@ -111,8 +183,11 @@ class CostModel:
 
     def stage_time(self, compute: float, param_bytes: float, replicas: int) -> float:
         """Seconds per micro-batch of a stage: its busiest replica's share of the compute plus
-        its all-reduce, both spread over the M micro-batches of a mini-batch."""
+        its all-reduce, both spread over the M micro-batches of a mini-batch; with a dp
+        dimension, "dp stage_time" of the module docstring (`replicas` must be 1)."""
         m = self.micro_batches
+        if self.dp.degree > 1:
+            return self._dp_stage_time(compute, param_bytes, replicas)
         share = math.ceil(m / replicas) / m
         return compute * share + self.link.allreduce(param_bytes, replicas) / m
 
@@ -120,6 +195,10 @@ class CostModel:
         """`stage_time` on 1..`replicas` replicas, as one array (the same operations per
         element, so the same values)."""
         m, link = self.micro_batches, self.link
+        if self.dp.degree > 1:  # no replicas beside the dp dimension
+            times = np.full(replicas, np.inf)
+            times[0] = self._dp_stage_time(compute, param_bytes, 1)
+            return times
         r = np.arange(1, replicas + 1, dtype=np.float64)
         share = np.ceil(m / r) / m
         steps = 2 * (r - 1)
@@ -134,11 +213,77 @@ class CostModel:
     ) -> float:
         """Peak bytes on one replica of a stage with `in_flight` micro-batches in flight."""
         held = math.ceil(min(in_flight, self.micro_batches) / replicas)
-        return self.memory.weights(param_bytes) + activation_bytes * held
+        return self.weights(param_bytes) + activation_bytes * held
+
+    # -- the dp dimension (module docstring) ------------------------------------------------
+
+    @property
+    def dp_link(self) -> LinkModel:
+        """The link of the dp dimension: its own, or the pp link."""
+        return self.dp.link or self.link
+
+    def weights(self, param_bytes: float, versions: int | None = None) -> float:
+        """Bytes for a stage's parameters on one rank: `MemoryModel.weights`, or with sharded
+        dp, the sharded state + the unsharded copy held + the unsharded gradient."""
+        k, dp = self.dp.degree, self.dp
+        if k == 1 or not dp.shard:
+            return self.memory.weights(param_bytes, versions)
+        kept = self.memory.weight_versions if versions is None else versions
+        share = dp.gather_share if dp.reshard_after_forward else 1.0
+        sharded = param_bytes * (kept + self.memory.optimizer_slots) / k
+        return sharded + param_bytes * share + param_bytes
+
+    def gather_time(self, param_bytes: float) -> float:
+        """Seconds of all-gathers of a stage's parameters per micro-batch on the dp link: two
+        (forward, backward) with reshard_after_forward, else one per step spread over M."""
+        if self.dp.degree == 1 or not self.dp.shard:
+            return 0.0
+        once = self.dp_link.all_gather(param_bytes, self.dp.degree)
+        return 2 * once if self.dp.reshard_after_forward else once / self.micro_batches
+
+    def dp_sync_time(self, param_bytes: float) -> float:
+        """Seconds per step to sync a stage's gradients over the dp dimension: a ring
+        reduce-scatter (sharded) or all-reduce (replicated); 0 without dp."""
+        k, link = self.dp.degree, self.dp_link
+        if k == 1:
+            return 0.0
+        if self.dp.shard:
+            return link.reduce_scatter(param_bytes, k)
+        return link.allreduce(param_bytes, k)
+
+    def update_sync(self, param_bytes: float, replicas: int) -> float:
+        """Seconds of an update's gradient communication: the replicas' all-reduce and the
+        dp dimension's sync (`dp_sync_time`)."""
+        allreduce = self.link.allreduce(param_bytes, replicas)
+        return allreduce + self.dp_sync_time(param_bytes) if self.dp.degree > 1 else allreduce
+
+    def exposed_gather(
+        self, forward: float, backward: float, param_bytes: float
+    ) -> tuple[float, float]:
+        """A stage's forward and backward seconds per micro-batch with the all-gathers that
+        prefetch does not hide, max(0, g - c), added in proportion to each (c = f + b)."""
+        c = forward + backward
+        exposed = max(0.0, self.gather_time(param_bytes) - c)
+        if exposed == 0.0:
+            return forward, backward
+        f_share = forward / c if c > 0 else 0.5
+        return forward + exposed * f_share, backward + exposed * (1 - f_share)
+
+    def _dp_stage_time(self, compute: float, param_bytes: float, replicas: int) -> float:
+        if replicas > 1:
+            raise ConfigError(
+                f"a stage has {replicas} replicas and dp degree {self.dp.degree}: replication "
+                "inside the pp dimension and dp > 1 are exclusive"
+            )
+        m = self.micro_batches
+        return max(compute, self.gather_time(param_bytes)) + self.dp_sync_time(param_bytes) / m
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for JSON."""
-        return asdict(self)
+        """Plain data for JSON (without `dp` when it is the default, as before it existed)."""
+        data = asdict(self)
+        if self.dp == DataParallel():
+            del data["dp"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModel:
@@ -146,4 +291,8 @@ class CostModel:
         fields = dict(data)
         fields["link"] = LinkModel(**fields.get("link", {}))
         fields["memory"] = MemoryModel(**fields.get("memory", {}))
+        dp = dict(fields.get("dp", {}))
+        if dp.get("link") is not None:
+            dp["link"] = LinkModel(**dp["link"])
+        fields["dp"] = DataParallel(**dp)
         return cls(**fields)

@@ -97,7 +97,10 @@ class Plan:
     Attributes:
         stages: The stages, in a topological order of the stage graph.
         edges: Stage-graph edges with the tensors they carry.
-        num_devices: Devices (ranks) the plan is for; a plan may leave some idle.
+        num_devices: Devices (ranks) the plan is for; a plan may leave some idle. With a dp
+            dimension (`cost_model.dp`, degree k) these are the pp coordinates: each is k
+            ranks, and stage times, activation and edge bytes are those of one of them
+            (1/k of every micro-batch's rows).
         cost_model: The assumptions behind the predictions.
         partitioner: "graph", "sequential" or "manual".
         bottleneck: Predicted seconds per micro-batch of the slowest stage or link.
@@ -128,6 +131,11 @@ class Plan:
     def micro_batch_size(self) -> int:
         """Samples per micro-batch."""
         return self.cost_model.micro_batch_size
+
+    @property
+    def mesh(self) -> str:
+        """The data-parallel dimension in words ("dp 1" without one)."""
+        return self.cost_model.dp.describe()
 
     @property
     def throughput(self) -> float:
@@ -216,6 +224,8 @@ class Plan:
             f"{self.num_devices} devices, depth {self.depth}, bottleneck "
             f"{format_time(self.bottleneck)}/micro-batch)"
         ]
+        if self.cost_model.dp.degree > 1:
+            lines[0] = lines[0][:-1] + f", mesh pp {self.num_devices} x {self.mesh})"
         lines += [
             f"  S{s.index} dev{list(s.devices)} {len(s.nodes)} ops "
             f"{format_time(s.time)} {format_bytes(s.memory_bytes)}"

@@ -9,6 +9,8 @@ Every partitioner (graph, sequential, manual) ends here, so all plans are costed
   between them (a dependency-only edge, 0 bytes), as in PipeDream, so its depth is its
   number of stages and the baseline gains no concurrency the graph partitioner alone finds;
 - in_flight(s) = min(M, stages on the longest path from s to a sink), the graph 1F1B count;
+- with a dp dimension, a stage's forward and backward times carry the all-gathers that
+  prefetch does not hide (`CostModel.exposed_gather`), so the simulator pays them too;
 - the bottleneck is the largest of every stage's `time` and every stage's send and receive
   time: `link.transfer` of the bytes it sends (receives) per micro-batch, all edges together.
 """
@@ -146,6 +148,7 @@ def _stage(
     pbytes = int(sum(g.graph["param_bytes"].get(p, 0) for p in params))
     act = int(sum(g.nodes[n]["act"] for n in ordered))
     in_flight = min(height, cost.micro_batches)
+    forward, backward = cost.exposed_gather(forward, backward, pbytes)  # dp all-gathers
     return Stage(
         index=index,
         nodes=ordered,

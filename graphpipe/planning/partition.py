@@ -27,7 +27,7 @@ int from a size query, None) in the stage of all its users; pins that would spli
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -37,11 +37,12 @@ from torch import fx, nn
 
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan
-from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.ir.cost import CostModel, DataParallel, LinkModel, MemoryModel
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.fold import folded_groups
 from graphpipe.planning.interleave import interleavings
 from graphpipe.planning.manual import groups_from_pins
+from graphpipe.planning.mesh import check_dp, choose_mesh, dp_degrees, mesh_info, per_rank_graph
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.planning.place import PLACEMENTS, place_stages
 from graphpipe.planning.profile import Profile, ProfileConfig, profile
@@ -57,6 +58,7 @@ __all__ = [
     "cost_model",
     "micro_batch_size",
     "partition",
+    "partition_mesh",
     "partition_op_graph",
     "plan",
 ]
@@ -85,10 +87,19 @@ class PlanConfig:
     placement: str = "loop"  # with virtual_stages > 1: "loop" (interleaved) or "v" (ZB-V)
     interleave: bool = False  # graph: also try finer stage DAGs folded onto the devices
     precision: str | None = None  # "bf16"/"fp16": floating values cross stages in 2 bytes
+    # the mesh (planning.mesh): devices = pp x dp; each stage FSDP-sharded over dp ranks
+    dp: int | str = 1  # k: ranks per stage on the "dp" dim, or "auto" (the planner chooses)
+    shard: bool = True  # dp shards parameters, gradients, optimizer state (False: replicas)
+    reshard_after_forward: bool = True  # FSDP2's option: parameters gathered again for B
+    dp_link: LinkModel | None = None  # the dp dimension's link; None: the same as `link`
 
     def __post_init__(self) -> None:
         if self.devices < 1:
             raise ConfigError(f"devices must be >= 1, got {self.devices}")
+        if self.dp != "auto":
+            if not isinstance(self.dp, int):
+                raise ConfigError(f"dp must be an int or 'auto', got {self.dp!r}")
+            check_dp(self.devices, self.dp)
         if self.micro_batches < 1:
             raise ConfigError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.partitioner not in PARTITIONERS:
@@ -147,14 +158,21 @@ def plan(
         example_inputs: One mini-batch (a tensor, a tuple, or a dict of keyword inputs);
             dim 0 is the batch and must split into `micro_batches` equal micro-batches. The
             model is traced at the micro-batch size.
-        devices: N, the number of devices.
+        devices: N, the number of devices: pp x dp with `dp=k` (see `graphpipe.planning.mesh`).
         **options: Any `PlanConfig` field (micro_batches, partitioner, memory_budget, ...).
+            `dp=k` plans the stages over N / k pp coordinates, each stage sharded over k dp
+            ranks that take 1/k of every micro-batch's rows; `dp="auto"` tries every k
+            dividing N and the rows and keeps the fastest simulated step under the memory
+            budget, recording what bound the others in `plan.info["mesh"]`. dp is uniform
+            over the stages; with dp > 1 replication inside the pp dimension is turned off
+            (said in `plan.info["mesh"]`).
 
     Returns:
         A validated `Plan`.
 
     Raises:
-        ConfigError: an unknown option, or a batch that does not split into micro-batches.
+        ConfigError: an unknown option, a batch that does not split into micro-batches, or a
+            dp that does not divide N or the micro-batch's rows.
         TraceError: the model cannot be traced.
         PlanError: no plan meets the constraints, or pins split a value that is not a single
             tensor from its users.
@@ -199,9 +217,65 @@ def partition(gm: fx.GraphModule, prof: Profile, config: PlanConfig) -> Plan:
         PlanError: more devices than ops, nothing fits the memory budget, or pins split a
             value that is not a single tensor from its users.
     """
-    cost = cost_model(config, prof.micro_batch_size, prof.mode, prof.device)
-    made = partition_op_graph(op_graph(gm, prof, config.precision), cost, config, graph_hash(gm))
+    g, b = op_graph(gm, prof, config.precision), prof.micro_batch_size
+    graph_at = None
+    if prof.mode == "roofline":  # re-costed at b / k rows: a small slice pays its weight reads
+
+        def graph_at(k: int) -> nx.DiGraph:
+            sliced = profile(gm, (), b // k, ProfileConfig(mode="roofline", preset=prof.device))
+            return op_graph(gm, sliced, config.precision)
+
+    made = partition_mesh(g, b, config, graph_hash(gm), prof.mode, prof.device, graph_at)
     return replace(made, input_shapes=input_shapes(gm))
+
+
+def partition_mesh(
+    g: nx.DiGraph,
+    micro_batch_size: int,
+    config: PlanConfig,
+    digest: str,
+    profile: str = "flops",
+    device: str = "cpu",
+    graph_at: Callable[[int], nx.DiGraph] | None = None,
+) -> Plan:
+    """`partition_op_graph` over the mesh `config` names: its dp degree, or each one that
+    divides the devices and the rows when `config.dp` is "auto" (`planning.mesh`).
+
+    Args:
+        g: The op graph of a whole micro-batch.
+        micro_batch_size: b, the rows of a micro-batch (all dp ranks together).
+        config: What to plan for; `config.devices` is N = pp x dp.
+        digest: The traced graph's hash, recorded in the plan.
+        profile: Where the op times came from, recorded in the cost model.
+        device: The device the op times are for.
+        graph_at: k -> the op graph of one dp rank (b / k rows), for k > 1; by default
+            `per_rank_graph(g, k)` (times and bytes linear in the rows).
+
+    Returns:
+        The plan over N / k pp coordinates, validated against the per-rank op graph.
+
+    Raises:
+        ConfigError: a dp that does not divide the micro-batch's rows.
+        PlanError: as `partition_op_graph`; with "auto", when no k has a plan.
+    """
+
+    def plan_at(k: int) -> Plan:
+        check_dp(config.devices, k, micro_batch_size)
+        cost = cost_model(config, micro_batch_size, profile, device, dp=k)
+        if k == 1:
+            return partition_op_graph(g, cost, replace(config, dp=1), digest)
+        pp = replace(config, devices=config.devices // k, dp=1, replication=False)
+        sliced = graph_at(k) if graph_at is not None else per_rank_graph(g, k)
+        made = partition_op_graph(sliced, cost, pp, digest)
+        note = mesh_info(config.devices, k, config.replication)
+        return replace(made, info={**made.info, "mesh": note})
+
+    if config.dp != "auto":
+        assert isinstance(config.dp, int)  # checked by PlanConfig
+        return plan_at(config.dp)
+    ops = sum(1 for n in g if n != "output")
+    degrees = dp_degrees(config.devices, micro_batch_size)
+    return choose_mesh(plan_at, config.devices, degrees, config.memory_budget, ops)
 
 
 def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str) -> Plan:
@@ -290,9 +364,16 @@ def _interleaved_or(
 
 
 def cost_model(
-    config: PlanConfig, micro_batch_size: int, profile: str = "flops", device: str = "cpu"
+    config: PlanConfig,
+    micro_batch_size: int,
+    profile: str = "flops",
+    device: str = "cpu",
+    dp: int | None = None,
 ) -> CostModel:
-    """The CostModel a PlanConfig implies for micro-batches of `micro_batch_size`."""
+    """The CostModel a PlanConfig implies for micro-batches of `micro_batch_size`, with dp
+    degree `dp` (by default `config.dp`, 1 when it is "auto")."""
+    k = dp if dp is not None else (config.dp if isinstance(config.dp, int) else 1)
+    mesh = DataParallel(k, config.shard, config.reshard_after_forward, link=config.dp_link)
     return CostModel(
         micro_batch_size=micro_batch_size,
         micro_batches=config.micro_batches,
@@ -300,6 +381,7 @@ def cost_model(
         memory=MemoryModel(config.memory_budget, config.weight_versions, config.optimizer_slots),
         profile=profile,
         device=device,
+        dp=mesh,
     )
 
 

@@ -16,9 +16,14 @@ Every rank runs its actions in order. Costs (seconds):
     receive       waits for the matching send's arrival (k-th receive of a channel matches its
                   k-th send)
     U             replicas of a stage meet, then all-reduce (link.allreduce(param_bytes, r))
-                  and step the optimizer (the stage's update_time)
+                  and step the optimizer (the stage's update_time); with a dp dimension
+                  (`CostModel.dp`) the update also reduce-scatters (sharded) or all-reduces
+                  (replicated) the stage's gradients over it (`CostModel.update_sync`). The
+                  dp ranks of a stage run in lockstep, so one rank of each stands for all;
+                  the all-gathers that prefetch does not hide are in F and B already
+                  (`CostModel.exposed_gather`, applied by the planner)
 
-Memory per rank: the weights of its stages (`MemoryModel.weights`) + the most activation
+Memory per rank: the weights of its stages (`CostModel.weights`) + the most activation
 bytes held at once (a stage's activation_bytes per unit). A forward adds one unit; a full
 backward frees it; an I frees all but the weight share, which its W frees (the weight
 gradient still needs the layer inputs).
@@ -156,7 +161,7 @@ def _peak_memory(plan: Plan, rank: int, held_bytes: float, policy: str | None) -
         copies = None
         if policy is not None:
             copies = weight_copies(policy, warmups(plan)[stage.index])
-        total += plan.cost_model.memory.weights(stage.param_bytes, copies)
+        total += plan.cost_model.weights(stage.param_bytes, copies)
     return int(total)
 
 
@@ -168,8 +173,8 @@ def _durations(
             return measured[str(a)]
         stage = plan.stages[a.stage]
         if a.kind == ActionKind.U:
-            allreduce = plan.cost_model.link.allreduce(stage.param_bytes, stage.replicas)
-            return allreduce + stage.update_time
+            sync = plan.cost_model.update_sync(stage.param_bytes, stage.replicas)
+            return sync + stage.update_time
         return compute_time(stage, a.kind)
 
     return duration

@@ -4,6 +4,8 @@
     graphpipe plan models.mmt --preset paper --devices 32 --render plans.svg
     graphpipe plan path/to/model.py:make --devices 4 --json plan.json
     graphpipe plan models.nbranch --devices 8 --schedule zb --timeline zb.svg --trace zb.json
+    graphpipe plan models.mmt --devices 16 --dp 2             pp 8 x dp 2 (FSDP over dp)
+    graphpipe plan models.mmt --devices 16 --dp auto          the planner chooses pp x dp
     graphpipe run models.mmt --devices 2                      train it on 2 local processes
 
 MODEL follows the factory protocol of `graphpipe.tools.workload`: a module path such as
@@ -99,6 +101,14 @@ def _parser() -> argparse.ArgumentParser:
         help="link bandwidth per device (default: 12.5)",
     )
     plan.add_argument("--no-replication", action="store_true", help="forbid data-parallel stages")
+    plan.add_argument(
+        "--dp",
+        type=_dp_degree,
+        default=1,
+        metavar="K|auto",
+        help="data-parallel degree of the (pp, dp) mesh: every stage sharded over K ranks, "
+        "pp = devices / K; 'auto' tries every K and keeps the fastest (default: 1)",
+    )
     plan.add_argument(
         "--interleave",
         action="store_true",
@@ -278,6 +288,21 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
+def _dp_degree(text: str) -> int | str:
+    """--dp's value: a positive int or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--dp takes a positive int or 'auto', got {text!r}"
+        ) from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"--dp takes a positive int or 'auto', got {k}")
+    return k
+
+
 def _log(message: str) -> None:
     print(f"[graphpipe] {message}", file=sys.stderr, flush=True)
 
@@ -315,6 +340,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             link=LinkModel(bandwidth=args.bandwidth * 1e9),
             replication=not args.no_replication,
             interleave=args.interleave and kind == "graph",
+            dp=args.dp,
         )
         plans[kind] = _timed(
             f"{kind} plan searched", functools.partial(partition, gm, prof, config)

@@ -24,6 +24,12 @@ step time, within a per-device memory budget. Here:
 
 The step time is the simulated flushed step (`simulate`), so throughput is B / step.
 
+Both strategies plan on the same mesh: with `FairConfig.dp` = k > 1 the N devices are pp = N / k
+coordinates of k dp ranks each (`graphpipe.planning.mesh`), every stage FSDP-sharded over its
+k ranks, each taking b / k rows of every micro-batch (re-costed by the roofline at b / k);
+only the M whose micro-batch divides by k are tried, and the replication variants are dropped
+(dp replaces replication inside the pp dimension).
+
     result = compare(gm, example_inputs, devices=8, config=FairConfig(budget=80 * GIB))
     result.ratio, result.graph.micro_batches, result.sequential.schedule, result.binding
 
@@ -44,7 +50,7 @@ from graphpipe.ir import Plan
 from graphpipe.ir.cost import LinkModel
 from graphpipe.ir.registry import schedule_names
 from graphpipe.planning.opgraph import graph_hash, op_graph
-from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
+from graphpipe.planning.partition import PlanConfig, partition_mesh
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tracing.annotate import trace_info
@@ -69,10 +75,13 @@ class FairConfig:
     )
     link: LinkModel = field(default_factory=LinkModel)  # between devices
     variants: tuple[tuple[bool, str], ...] = VARIANTS  # (replication, objective) pairs
+    dp: int = 1  # k: the mesh's dp degree (devices = pp x dp), the same for both strategies
 
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget <= 0:
             raise ConfigError(f"memory budget must be positive, got {self.budget}")
+        if self.dp < 1:
+            raise ConfigError(f"dp must be >= 1, got {self.dp}")
         if min(self.micro_batches, default=0) < 1 or not self.schedules or not self.variants:
             raise ConfigError(
                 f"need micro_batches >= 1, schedules and variants, got "
@@ -189,11 +198,12 @@ def binding(
     memory      the step it would reach with unlimited memory, as a speed-up (only
                 computed when a budget is set: the whole search again, unbudgeted)
     depth       the fill and drain share of its pipeline, (depth - 1) / (M + depth - 1)
-    all-reduce  its slowest stage's gradient all-reduce, as a share of the step
+    all-reduce  its slowest stage's gradient all-reduce (with dp, and the reduce-scatter or
+                all-reduce over the dp ranks: `CostModel.update_sync`), as a share of the step
     """
     figures = {"depth": (seq.depth - 1) / (seq.micro_batches + seq.depth - 1)}
-    link, m = seq.plan.cost_model.link, seq.micro_batches
-    allreduce = max(link.allreduce(s.param_bytes, s.replicas) for s in seq.plan.stages)
+    cost, m = seq.plan.cost_model, seq.micro_batches
+    allreduce = max(cost.update_sync(s.param_bytes, s.replicas) for s in seq.plan.stages)
     figures["all-reduce"] = allreduce / seq.step_time
     if config.budget is not None:
         free = choose(gm, example_inputs, devices, "sequential", replace(config, budget=None))
@@ -219,6 +229,8 @@ def _choose_all(
     start = time.perf_counter()
     runs = 0
     for m in micro_batch_counts(batch, config.micro_batches):
+        if (batch // m) % config.dp:
+            continue  # the micro-batch does not split over the dp ranks
         plans = _plans(gm, inputs, devices, m, config, strategies)
         for strategy in strategies:
             for plan, variant in plans[strategy]:
@@ -252,12 +264,16 @@ def _plans(
 ) -> dict[str, list[tuple[Plan, Variant]]]:
     """Per strategy, the plans of every variant at M = m (graph: its own and the sequential
     ones). A variant with no plan (too few ops, nothing fits) is left out."""
-    b = trace_info(gm).batch_size // m
-    prof = profile(gm, inputs, b, ProfileConfig(mode="roofline", preset=config.preset))
-    g, digest = op_graph(gm, prof), graph_hash(gm)
+    b, k = trace_info(gm).batch_size // m, config.dp
+    roofline = ProfileConfig(mode="roofline", preset=config.preset)
+    g, digest = op_graph(gm, profile(gm, inputs, b, roofline)), graph_hash(gm)
+    sliced = g if k == 1 else op_graph(gm, profile(gm, inputs, b // k, roofline))
+    variants = (
+        config.variants if k == 1 else tuple(dict.fromkeys((False, o) for _, o in config.variants))
+    )
     out: dict[str, list[tuple[Plan, Variant]]] = {"graph": [], "sequential": []}
     for kind in ("sequential", "graph") if "graph" in strategies else ("sequential",):
-        for variant in config.variants:
+        for variant in variants:
             for budget in (None, config.budget) if config.budget is not None else (None,):
                 plan_config = PlanConfig(
                     devices,
@@ -267,10 +283,12 @@ def _plans(
                     link=config.link,
                     replication=variant[0],
                     objective=variant[1],
+                    dp=k,
                 )
-                cost = cost_model(plan_config, b, "roofline", config.preset)
                 try:
-                    plan = partition_op_graph(g, cost, plan_config, digest)
+                    plan = partition_mesh(
+                        g, b, plan_config, digest, "roofline", config.preset, lambda _: sliced
+                    )
                 except PlanError:
                     continue
                 out[kind].append((plan, variant))

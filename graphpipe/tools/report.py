@@ -25,6 +25,8 @@ def plan_table(plan: Plan, modules: dict[str, str] | None = None) -> str:
             modules a stage holds; without it ops are only counted.
     """
     inputs = {s.index: sorted(plan.stage_graph.predecessors(s.index)) for s in plan.stages}
+    if plan.cost_model.dp.degree > 1:
+        return _mesh_table(plan, modules, inputs)
     rows = [
         [
             f"S{s.index}",
@@ -43,6 +45,45 @@ def plan_table(plan: Plan, modules: dict[str, str] | None = None) -> str:
     return tabulate(rows, headers=headers, tablefmt="simple")
 
 
+def _mesh_table(plan: Plan, modules: dict[str, str] | None, inputs: dict[int, list[int]]) -> str:
+    """`plan_table` for a plan with a dp dimension: a stage's pp coordinate, its dp ranks,
+    and its dp link time per micro-batch (all-gathers + reduce-scatter / M)."""
+    cost, k = plan.cost_model, plan.cost_model.dp.degree
+    rows = [
+        [
+            f"S{s.index}",
+            ",".join(map(str, s.devices)),
+            k,
+            _ops_summary(s, modules),
+            format_time(s.forward_time),
+            format_time(s.backward_time),
+            format_time(
+                cost.gather_time(s.param_bytes)
+                + cost.dp_sync_time(s.param_bytes) / plan.micro_batches
+            ),
+            format_time(s.time),
+            format_bytes(s.memory_bytes),
+            s.in_flight,
+            ",".join(f"S{i}" for i in inputs[s.index]) or "-",
+        ]
+        for s in plan.stages
+    ]
+    headers = [
+        "stage",
+        "pp",
+        "dp",
+        "ops",
+        "fwd",
+        "bwd",
+        "dp link/mb",
+        "time/mb",
+        "memory",
+        "in flight",
+        "from",
+    ]
+    return tabulate(rows, headers=headers, tablefmt="simple")
+
+
 def plan_summary(plan: Plan) -> str:
     """The predicted bottleneck and what it means, in one line."""
     slowest = max(plan.stages, key=lambda s: s.time)
@@ -56,7 +97,18 @@ def plan_summary(plan: Plan) -> str:
         f"{plan.num_devices} devices, depth {plan.depth}; predicted bottleneck "
         f"{format_time(plan.bottleneck)} per micro-batch at {where}; "
         f"{plan.throughput:,.1f} samples/s; searched in {plan.search_time:.2f} s"
-    )
+    ) + _mesh_summary(plan)
+
+
+def _mesh_summary(plan: Plan) -> str:
+    """ "; mesh pp 8 x dp 2 (sharded)", and what bound the other degrees when chosen."""
+    mesh = plan.info.get("mesh", {})
+    if plan.cost_model.dp.degree == 1 and "summary" not in mesh:
+        return ""
+    text = f"; mesh pp {plan.num_devices} x {plan.mesh}, dp uniform over the stages"
+    if "summary" in mesh:
+        text += f"; chosen: {mesh['summary']}"
+    return text
 
 
 def compare_plans(graph: Plan, sequential: Plan) -> str:
