@@ -36,6 +36,7 @@ class Inference:
 
     def outputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """The model's output for this mini-batch (see `PipelinedModel.__call__`)."""
+        self.w.refuse_under_mesh("pm(...) (the outputs)")
         batch = self.inputs.batch(args, kwargs, None, first=0)
         run = self._forward_only(batch)
         mine: dict[int, Any] = {}
@@ -62,7 +63,8 @@ class Inference:
         self.inputs.check_loss(target)
         run = self._forward_only(batch)
         losses = [] if run is None else run.losses.values()
-        return self.collectives.mean_loss(losses, self.w.spec.micro_batches)
+        # every rank's losses of its dp slices: the mean over the whole mini-batch
+        return self.collectives.mean_loss(losses, self.w.spec.micro_batches * self.w.dp)
 
     def _forward_only(self, batch: Batch) -> Executor | None:
         """Run the forward schedule in eval mode with the live weights, outside the policy."""

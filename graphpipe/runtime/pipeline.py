@@ -79,9 +79,10 @@ class PipelinedModel:
         has_output = w.executor is not None and any(
             r.io.has_output for r in w.executor.stages.values()
         )
+        layout = w.layout
         inputs = Inputs(
             gm, example_inputs, w.model_inputs, spec.loss_fn, spec.micro_batches, w.device,
-            has_output,
+            has_output, w.dp, 0 if layout is None else layout.dp_index,
         )  # fmt: skip
         programs = Programs(w)
         self._recorder = Recorder(w, self._collectives)
@@ -176,6 +177,7 @@ class PipelinedModel:
         An asynchronous pipeline is drained first (`drain`), so the weights are the ones
         after every update of the micro-batches seen so far.
         """
+        self._wiring.refuse_under_mesh("pm.state_dict()")
         return self._state.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -186,6 +188,7 @@ class PipelinedModel:
         Raises:
             ConfigError: names this stage needs that `state` lacks.
         """
+        self._wiring.refuse_under_mesh("pm.load_state_dict()")
         self._state.load_state_dict(state)
 
     def versions(self) -> dict[str, Any]:
@@ -200,6 +203,7 @@ class PipelinedModel:
         name; the directory is replaced atomically, so a kill at any moment leaves the
         previous checkpoint loadable (`graphpipe.runtime.checkpoint`).
         """
+        self._wiring.refuse_under_mesh("pm.save()")
         return checkpoint.save(self._state, path)
 
     def load(self, path: str | Path) -> dict[str, Any]:
@@ -211,6 +215,7 @@ class PipelinedModel:
             ConfigError: no complete checkpoint there, another weight policy, or keys this
                 rank's stages need that it lacks.
         """
+        self._wiring.refuse_under_mesh("pm.load()")
         return checkpoint.load(self._state, path)
 
     # -- timelines ------------------------------------------------------------------------------
