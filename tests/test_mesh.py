@@ -74,8 +74,9 @@ def batch(name: str, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]
     return fresh, torch.randn(out.shape, generator=gen)
 
 
-def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the whole mini-batch, gradient accumulation over the M micro-batches."""
+def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """One process, the whole mini-batch, gradient accumulation over the M micro-batches:
+    the losses, the parameters after them, and then the mean loss of step 0's batch."""
     model, _ = MODELS[name]()
     opt = _optimizer()(model.parameters())
     losses = []
@@ -89,7 +90,11 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.step()
         opt.zero_grad()
         losses.append(total / M)
-    return losses, {k: v.detach() for k, v in model.named_parameters()}
+    inputs, target = batch(name, 0)
+    with torch.no_grad():
+        parts = [model(*[x.chunk(M)[j] for x in inputs]) for j in range(M)]
+    evaluated = sum(float(dict_loss(p, t)) for p, t in zip(parts, target.chunk(M), strict=True)) / M
+    return losses, {k: v.detach() for k, v in model.named_parameters()}, evaluated
 
 
 def _compile(name: str, schedule: str, variant: str, m: int = M) -> Any:
@@ -126,7 +131,9 @@ def _full_parameters(pm: Any) -> dict[str, torch.Tensor]:
 
 def _train(pm: Any, name: str) -> dict[str, Any]:
     losses = [pm.step(*batch(name, s)[0], target=batch(name, s)[1]) for s in range(STEPS)]
-    return {"losses": losses, "params": _full_parameters(pm)}
+    inputs, target = batch(name, 0)
+    evaluated = pm.eval_step(*inputs, target=target)
+    return {"losses": losses, "params": _full_parameters(pm), "eval": evaluated}
 
 
 def _equality_worker(cases: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Any]:
@@ -152,10 +159,11 @@ def runs() -> list[dict[tuple[str, str, str], Any]]:
 def test_a_mesh_step_equals_one_process_on_the_whole_mini_batch(
     runs: list[dict[tuple[str, str, str], Any]], case: tuple[str, str, str]
 ) -> None:
-    ref_losses, ref_params = reference(case[0])
+    ref_losses, ref_params, ref_eval = reference(case[0])
     merged: dict[str, torch.Tensor] = {}
     for rank, result in enumerate(runs):
         assert result[case]["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        assert result[case]["eval"] == pytest.approx(ref_eval, rel=1e-5), f"rank {rank}"
         for n, value in result[case]["params"].items():
             if n in merged:  # the other dp rank of the same stage holds the same whole
                 torch.testing.assert_close(value, merged[n], rtol=0, atol=0)
@@ -284,6 +292,8 @@ def _refusal_worker() -> list[str]:
     pm = _compile("chain", "1f1b", "mesh")
     for call in (
         pm.state_dict,
+        lambda: pm.load_state_dict({}),
+        lambda: pm.load("/nonexistent"),
         lambda: pm.save("/nonexistent"),
         lambda: pm(batch("chain", 0)[0][0]),
     ):
@@ -336,6 +346,8 @@ def test_what_needs_the_process_group_is_refused_by_name() -> None:
         "data_parallel=3 does not divide the world size 4",
         "meta device is not yet supported with a mesh",
         "pm.state_dict() is not yet available with a mesh",
+        "pm.load_state_dict() is not yet available with a mesh",
+        "pm.load() is not yet available with a mesh",
         "pm.save() is not yet available with a mesh",
         "pm(...) (the outputs) is not yet available with a mesh",
         "a weight tied across pp ranks is not yet summed with a mesh",

@@ -174,8 +174,9 @@ class Executor:
         self._tick("wait", start)
 
     def _failed(self, op: Op, exc: Exception) -> PipelineError:
-        """Post why this rank stops, so a peer left waiting for it names this failure."""
-        text = f"rank {self.rank}, action {op}: {first_line(exc)}"
+        """Post why this rank stops, so a peer left waiting for it names this failure (by
+        its global rank: with a mesh, `self.rank` is its plan device)."""
+        text = f"rank {self.transport.rank}, action {op}: {first_line(exc)}"
         kind = FailureKind.BAD_INPUT if isinstance(exc, ConfigError) else FailureKind.RAISED
         fields = {"stage": op.stage, "micro_batch": op.mb} if isinstance(op, Action) else {}
         return failure(text, kind, **fields)

@@ -18,6 +18,7 @@ from graphpipe.errors import ConfigError
 from graphpipe.runtime.batching import Inputs, cpu
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor
+from graphpipe.runtime.mesh import reshard
 from graphpipe.runtime.stage import OUTPUT
 from graphpipe.runtime.stepping import Programs
 from graphpipe.runtime.wiring import Wiring
@@ -81,4 +82,5 @@ class Inference:
         finally:
             for m, training in modes:
                 m.training = training
+            reshard(w.module)  # FSDP2 (a mesh) keeps a root gathered, awaiting a backward
         return run

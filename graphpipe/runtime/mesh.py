@@ -36,7 +36,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from graphpipe.errors import ConfigError
 
-__all__ = ["MESH_DIMS", "MeshLayout", "prepare_backward", "shard_stage", "stage_blocks"]
+__all__ = [
+    "MESH_DIMS",
+    "MeshLayout",
+    "prepare_backward",
+    "reshard",
+    "shard_stage",
+    "stage_blocks",
+]
 
 MESH_DIMS = ("pp", "dp")  # the mesh's dimension names, in this order
 
@@ -215,3 +222,12 @@ def prepare_backward(module: nn.Module, last: bool) -> None:
         module.set_requires_gradient_sync(last)
         module.set_is_last_backward(last)
         module.set_reshard_after_backward(last)
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP unit in `module`, after forwards with no
+    backward to follow (evaluation): FSDP2 keeps a root's parameters gathered after its
+    forward, for the backward it expects. A module FSDP does not wrap is left alone."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
