@@ -27,7 +27,9 @@ the public `fully_shard`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import cast
 
 import torch.distributed as dist
 from torch import fx, nn
@@ -189,8 +191,9 @@ def shard_stage(
 ) -> list[list[nn.Module]]:
     """Wrap a stage with FSDP2: each block (`stage_blocks`), then the stage itself.
 
-    FSDP2 prefetches the next unit's all-gather in backward by itself; forward all-gathers
-    are issued at each unit's first call.
+    Prefetching: in forward, each unit starts the next unit's all-gather (the units are in
+    the stage graph's call order, which is the order it runs them); in backward, FSDP2
+    prefetches by itself, in reverse forward order.
 
     Args:
         stage: The stage module, on its device, with real tensors.
@@ -206,6 +209,9 @@ def shard_stage(
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    wrapped = [cast(FSDPModule, unit[0]) for unit in units]  # a unit's modules share its state
+    for this, following in itertools.pairwise(wrapped):
+        this.set_modules_to_forward_prefetch([following])  # call order = execution order
     return units
 
 
