@@ -380,7 +380,7 @@ def _micro_batch_size(example_inputs: Any, m: int, dp: int = 1) -> int:
             f"a batch of {batch} does not split into {m} micro-batches of {dp} equal "
             f"data-parallel slices (M * dp = {m * dp} must divide it)"
         )
-    return micro_batch_size(batch, m * dp) if dp > 1 else micro_batch_size(batch, m)
+    return micro_batch_size(batch, m * dp)
 
 
 def check_mesh(mesh: Any, data_parallel: Any) -> int:
