@@ -133,7 +133,12 @@ def _train(pm: Any, name: str) -> dict[str, Any]:
     losses = [pm.step(*batch(name, s)[0], target=batch(name, s)[1]) for s in range(STEPS)]
     inputs, target = batch(name, 0)
     evaluated = pm.eval_step(*inputs, target=target)
-    return {"losses": losses, "params": _full_parameters(pm), "eval": evaluated}
+    return {
+        "losses": losses,
+        "params": _full_parameters(pm),
+        "eval": evaluated,
+        "state": pm.state_dict(),
+    }
 
 
 def _equality_worker(cases: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Any]:
@@ -169,6 +174,10 @@ def test_a_mesh_step_equals_one_process_on_the_whole_mini_batch(
                 torch.testing.assert_close(value, merged[n], rtol=0, atol=0)
             merged[n] = value
     assert sorted(merged) == sorted(ref_params)
+    for rank, result in enumerate(runs):  # pm.state_dict(): every parameter whole, everywhere
+        assert list(result[case]["state"]) == list(ref_params), f"rank {rank}"
+        for n, value in result[case]["state"].items():
+            torch.testing.assert_close(value, merged[n], rtol=0, atol=0, msg=n)
     for n, value in ref_params.items():
         torch.testing.assert_close(merged[n], value, rtol=1e-5, atol=1e-6, msg=n)
         assert not torch.equal(value, MODELS[case[0]]()[0].get_parameter(n)), f"{n} never moved"
@@ -216,6 +225,38 @@ def test_stage_blocks_are_the_model_s_list_elements() -> None:
     units = stage_blocks(gm, model)
     assert [[type(m).__name__ for m in u] for u in units] == [["Linear"]] * 5
     assert units[0][0] is model.blocks[0][0] and units[-1][0] is model.head
+
+
+# -- state dicts --------------------------------------------------------------------------------
+
+
+def _round_trip_worker() -> dict[str, Any]:
+    """A full state dict loaded (each rank keeps its shard) and gathered back; then a step."""
+    pm = _compile("chain", "1f1b", "mesh")
+    state = {k: v + 1 for k, v in chain()[0].state_dict().items()}
+    pm.load_state_dict(state)
+    back = pm.state_dict()
+    shards = {n: p.to_local().clone() for n, p in pm.module.named_parameters()}
+    inputs, target = batch("chain", 0)
+    return {"back": back, "shards": shards, "loss": pm.step(*inputs, target=target)}
+
+
+def test_a_full_state_dict_loads_into_the_shards_and_gathers_back() -> None:
+    state = {k: v + 1 for k, v in chain()[0].state_dict().items()}
+    model = chain()[0]
+    model.load_state_dict(state)
+    inputs, target = batch("chain", 0)
+    with torch.no_grad():
+        pairs = zip(inputs[0].chunk(M), target.chunk(M), strict=True)
+        ref = sum(float(dict_loss(model(x), t)) for x, t in pairs) / M
+    for rank, result in enumerate(launch(_round_trip_worker, 4, timeout=TIMEOUT)):
+        assert list(result["back"]) == list(state)
+        for k, v in state.items():
+            torch.testing.assert_close(result["back"][k], v, rtol=0, atol=0)
+        for n, shard in result["shards"].items():  # dim 0 split over the 2 dp ranks
+            half = state[n].chunk(2)[rank % 2]
+            torch.testing.assert_close(shard, half, rtol=0, atol=0, msg=f"rank {rank} {n}")
+        assert result["loss"] == pytest.approx(ref, rel=1e-5)
 
 
 # -- refusals -----------------------------------------------------------------------------------
@@ -291,8 +332,6 @@ def _refusal_worker() -> list[str]:
     refused(lambda: _compile_with(data_parallel=2, on_meta=True))
     pm = _compile("chain", "1f1b", "mesh")
     for call in (
-        pm.state_dict,
-        lambda: pm.load_state_dict({}),
         lambda: pm.load("/nonexistent"),
         lambda: pm.save("/nonexistent"),
         lambda: pm(batch("chain", 0)[0][0]),
@@ -345,8 +384,6 @@ def test_what_needs_the_process_group_is_refused_by_name() -> None:
         "data_parallel=2 both given",
         "data_parallel=3 does not divide the world size 4",
         "meta device is not yet supported with a mesh",
-        "pm.state_dict() is not yet available with a mesh",
-        "pm.load_state_dict() is not yet available with a mesh",
         "pm.load() is not yet available with a mesh",
         "pm.save() is not yet available with a mesh",
         "pm(...) (the outputs) is not yet available with a mesh",

@@ -31,10 +31,12 @@ import itertools
 from dataclasses import dataclass
 from typing import cast
 
+import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graphpipe.errors import ConfigError
 
@@ -43,8 +45,10 @@ __all__ = [
     "MeshLayout",
     "prepare_backward",
     "reshard",
+    "shaped_like",
     "shard_stage",
     "stage_blocks",
+    "whole",
 ]
 
 MESH_DIMS = ("pp", "dp")  # the mesh's dimension names, in this order
@@ -237,3 +241,18 @@ def reshard(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """A state dict value whole: a sharded parameter gathered over dp (a collective over
+    its mesh: every dp rank of the stage calls it, in the same order), else as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def shaped_like(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (a whole tensor) laid out as `current`: this rank's shard of it where
+    `current` is sharded, else as it is."""
+    if not isinstance(current, DTensor):
+        return value
+    local = value.to(device=current.device, dtype=current.dtype)
+    return distribute_tensor(local, current.device_mesh, current.placements)

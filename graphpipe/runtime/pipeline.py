@@ -177,7 +177,6 @@ class PipelinedModel:
         An asynchronous pipeline is drained first (`drain`), so the weights are the ones
         after every update of the micro-batches seen so far.
         """
-        self._wiring.refuse_under_mesh("pm.state_dict()")
         return self._state.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -188,7 +187,6 @@ class PipelinedModel:
         Raises:
             ConfigError: names this stage needs that `state` lacks.
         """
-        self._wiring.refuse_under_mesh("pm.load_state_dict()")
         self._state.load_state_dict(state)
 
     def versions(self) -> dict[str, Any]:

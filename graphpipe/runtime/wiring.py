@@ -88,8 +88,7 @@ class Wiring:
         if self.layout is not None and self.layout.sharded:
             raise ConfigError(
                 f"{what} is not yet available with a mesh (FSDP2 per stage); planned: "
-                "gathering DTensor.full_tensor() for state dicts and checkpoints, and the dp "
-                "slices for outputs"
+                "DCP checkpoints of sharded stages, and the outputs gathered over dp slices"
             )
 
     @property
