@@ -32,14 +32,17 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from graphpipe.compile.steps import (
+    build_mesh,
     check_world,
     checked_plan,
     ensure_process_group,
     plan_on_rank_0,
     schedule_plan,
 )
+from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
@@ -49,6 +52,7 @@ from graphpipe.runtime.pipeline import PipelinedModel
 from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig, schedule_for
 from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.runtime.wiring import runtime_device
+from graphpipe.tracing.annotate import is_meta
 from graphpipe.tracing.bind import check_output, flat_inputs, normalise
 from graphpipe.tracing.tracer import LeafSpec, trace
 
@@ -78,6 +82,10 @@ def compile(
     recompute: RecomputeSpec = False,
     precision: str | None = None,
     nan_check: bool = False,
+    mesh: DeviceMesh | None = None,
+    data_parallel: int | None = None,
+    dp_shard: bool = True,
+    reshard_after_forward: bool = True,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -139,8 +147,19 @@ def compile(
             the parameter, before the optimizer update, which is skipped and the gradients
             dropped. Costs one all-reduce per step. weights="flush" only
             (`graphpipe.runtime.nancheck`).
+        mesh: A `DeviceMesh` with mesh_dim_names ("pp", "dp"): the plan is made for its pp
+            devices, and each stage runs on the dp ranks of its pp coordinate, sharded by
+            FSDP2, each on its slice of every micro-batch (`graphpipe.runtime.mesh`).
+            Only weights="flush" with gpipe or 1f1b, for now (the rest is refused by name).
+        data_parallel: k: the shorthand for `mesh=init_device_mesh(device, (world // k, k),
+            mesh_dim_names=("pp", "dp"))`.
+        dp_shard: With a mesh, FSDP2 shards each stage over dp; False replicates it (HSDP
+            with one shard: whole gradients all-reduced).
+        reshard_after_forward: With a mesh, FSDP2 frees each unit's gathered parameters
+            after its forward and gathers them again for its backward; False keeps them.
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...);
-            devices, if given, must equal the world size (one device per rank).
+            devices, if given, must equal the world size (one device per rank), or with a
+            mesh its pp size.
 
     Returns:
         The pipelined model.
@@ -171,10 +190,19 @@ def compile(
         recompute=recompute,
         precision=precision,
         nan_check=nan_check,
+        mesh=mesh,
+        data_parallel=data_parallel,
+        dp_shard=dp_shard,
+        reshard_after_forward=reshard_after_forward,
         **plan_options,
     )
-    _join(spec)
+    spec = _join(spec)
     gm, inputs = _trace(model, example_inputs, spec)
+    if spec.meshed and is_meta(gm):
+        raise ConfigError(
+            "a model on the meta device is not yet supported with a mesh (FSDP2 per stage); "
+            "planned: materialise each stage, then shard it; build the model on the CPU"
+        )
     the_plan = _plan(gm, inputs, spec)
     check_world(spec, the_plan)
     sched = schedule_plan(the_plan, spec)
@@ -182,12 +210,15 @@ def compile(
         return PipelinedModel(model, gm, inputs, the_plan, sched, spec)
 
 
-def _join(spec: RunSpec) -> None:
-    """Join the process group, check its size, and start watching the other ranks."""
+def _join(spec: RunSpec) -> RunSpec:
+    """Join the process group, build the mesh (data_parallel=), check the sizes, and start
+    watching the other ranks. Returns the spec with its mesh."""
     ensure_process_group(spec.runtime)
-    check_world(spec, None)
     install_watch(spec.runtime.timeout)  # every wait from here on stops when a rank fails
-    runtime_device(spec.runtime)  # NCCL's object collectives below need the rank's GPU current
+    device = runtime_device(spec.runtime)  # NCCL's object collectives need the rank's GPU
+    spec = build_mesh(spec, device.type)
+    check_world(spec, None)
+    return spec
 
 
 def _trace(

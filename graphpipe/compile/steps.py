@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.distributed.device_mesh import init_device_mesh
 
 from graphpipe.errors import ConfigError, GraphPipeError, PlanError
 from graphpipe.ir import Plan, Schedule
@@ -23,15 +24,18 @@ from graphpipe.planning.partition import PlanConfig, partition
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.planning.validate import validate_plan
 from graphpipe.runtime.failures import guarded
+from graphpipe.runtime.mesh import MESH_DIMS
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.scheduling.dryrun import check_run
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.tracing.annotate import is_meta, trace_info
 
 __all__ = [
+    "build_mesh",
     "check_world",
     "checked_plan",
     "ensure_process_group",
+    "pipeline_devices",
     "plan_on_rank_0",
     "schedule_plan",
 ]
@@ -41,13 +45,45 @@ log = logging.getLogger("graphpipe")
 FOLDED = next(s.name for s in SCHEDULES.values() if s.placement == "any" and s.training)
 
 
+def pipeline_devices(spec: RunSpec) -> int:
+    """The devices a plan is made for: the world size, or with a mesh its pp size."""
+    return dist.get_world_size() // spec.data_parallel
+
+
+def build_mesh(spec: RunSpec, device_type: str) -> RunSpec:
+    """The spec with its mesh: the given one checked against the world, or data_parallel=k's
+    (world // k, k) mesh built (a collective); without either, as it is.
+
+    Raises:
+        ConfigError: k does not divide the world size, or the mesh does not span the world.
+    """
+    world = dist.get_world_size()
+    if spec.mesh is not None:
+        if spec.mesh.size() != world:
+            raise ConfigError(
+                f"the mesh {list(spec.mesh.mesh.shape)} holds {spec.mesh.size()} ranks, the "
+                f"process group {world}: the mesh must span every rank"
+            )
+        return spec
+    k = spec.data_parallel
+    if k == 1:
+        return spec
+    if world % k:
+        raise ConfigError(
+            f"data_parallel={k} does not divide the world size {world}: launch a multiple "
+            f"of {k} processes"
+        )
+    mesh = init_device_mesh(device_type, (world // k, k), mesh_dim_names=MESH_DIMS)
+    return replace(spec, mesh=mesh)
+
+
 def check_world(spec: RunSpec, plan: Plan | None) -> None:
-    """The world size must be the devices asked for and the plan's.
+    """The world size (with a mesh, its pp size) must be the devices asked for and the plan's.
 
     Raises:
         ConfigError: naming both numbers.
     """
-    world = dist.get_world_size()
+    world = pipeline_devices(spec)
     if spec.devices is not None and spec.devices != world:
         raise ConfigError(
             f"devices={spec.devices!r}, but the process group has {world} ranks: "
@@ -55,6 +91,11 @@ def check_world(spec: RunSpec, plan: Plan | None) -> None:
             "only needed by plan(), without a process group)"
         )
     if plan is not None and plan.num_devices != world:
+        if spec.meshed:
+            raise ConfigError(
+                f"the plan is for {plan.num_devices} devices but the mesh's pp size is "
+                f"{world}; launch {plan.num_devices * spec.data_parallel} processes"
+            )
         raise ConfigError(
             f"the plan is for {plan.num_devices} devices but the process group "
             f"has {world} ranks; launch {plan.num_devices} processes"
@@ -68,8 +109,14 @@ def schedule_plan(plan: Plan, spec: RunSpec) -> Schedule:
 
     Raises:
         ScheduleError: the schedule cannot run the plan.
+        ConfigError: a plan with several stages on a device, with a mesh.
     """
     name = spec.schedule
+    if spec.meshed and plan.shared_devices():
+        raise ConfigError(
+            f"the plan places several stages on a device ({plan.shared_devices()}), which "
+            "is not yet run with a mesh (FSDP2 per stage); planned: plan with interleave=False"
+        )
     if not spec.schedule_given and name == "1f1b" and plan.shared_devices():
         name = FOLDED
     schedule = make_schedule(plan, name, spec.micro_batches)
@@ -156,8 +203,8 @@ def plan_on_rank_0(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: R
     message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            config = PlanConfig.build(
-                dist.get_world_size(), micro_batches=spec.micro_batches, **spec.plan_options
+            config = PlanConfig.build(  # the pp devices (a mesh's dp copies are not planned)
+                pipeline_devices(spec), micro_batches=spec.micro_batches, **spec.plan_options
             )
             b = trace_info(gm).micro_batch_size
             made = partition(

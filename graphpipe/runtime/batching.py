@@ -6,7 +6,7 @@ the same ConfigError everywhere and leaves the pipeline as it was.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ class Inputs:
         micro_batches: M.
         device: This rank's device.
         has_output: This rank holds the stage computing the loss (which needs the target).
+        dp: Data-parallel slices of each micro-batch (a mesh's dp size; 1 without one).
+        dp_index: The slice this rank runs (`graphpipe.runtime.mesh.MeshLayout.dp_index`).
     """
 
     def __init__(
@@ -45,8 +47,11 @@ class Inputs:
         micro_batches: int,
         device: torch.device,
         has_output: bool,
+        dp: int = 1,
+        dp_index: int = 0,
     ) -> None:
         self.gm, self.loss_fn, self.m, self.device = gm, loss_fn, micro_batches, device
+        self.dp, self.dp_index = dp, dp_index
         self.shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
         self.names = list(trace_info(gm).input_names)
         self.model_inputs = frozenset(model_inputs)
@@ -68,7 +73,7 @@ class Inputs:
                     f"for {dtype}{list(shape)}"
                 )
         chunks = {  # only the inputs this rank's stages read are copied to its device
-            name: list(to_device(x, self.device).chunk(self.m))
+            name: self._micro_batches(x)
             for name, x in zip(self.names, flat, strict=True)
             if name in self.model_inputs
         }
@@ -77,7 +82,14 @@ class Inputs:
         _check_target(target, flat[0].shape[0] if flat else 0)
         if not self.has_output:
             return Batch(first, chunks, [None] * self.m)  # only the loss's stage needs it
-        return Batch(first, chunks, _split(target, self.m, self.device))
+        return Batch(first, chunks, _split(target, self.m, self._micro_batches))
+
+    def _micro_batches(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x's M micro-batches on this rank's device: with a mesh, this rank's dp slice of
+        each (micro-batch j, slice d: rows of chunk j of M, then chunk d of dp)."""
+        if self.dp == 1:
+            return list(to_device(x, self.device).chunk(self.m))
+        return [to_device(c.chunk(self.dp)[self.dp_index], self.device) for c in x.chunk(self.m)]
 
     def check_loss(self, target: Any) -> None:
         """Once, on every rank alike: loss_fn on the model's output for one micro-batch as
@@ -137,11 +149,9 @@ def cpu(x: Any) -> Any:
     return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x
 
 
-def _split(target: Any, m: int, device: torch.device) -> list[Any]:
-    """The target's M micro-batches on `device` (non-tensor leaves repeated)."""
-    leaves = tree_map(
-        lambda t: list(t.to(device).chunk(m)) if isinstance(t, torch.Tensor) else [t] * m, target
-    )
+def _split(target: Any, m: int, split: Callable[[torch.Tensor], list[torch.Tensor]]) -> list[Any]:
+    """The target's M micro-batches, each tensor leaf cut by `split` (others repeated)."""
+    leaves = tree_map(lambda t: split(t) if isinstance(t, torch.Tensor) else [t] * m, target)
     return [
         tree_map(lambda chunks, j=j: chunks[j], leaves, is_leaf=lambda x: isinstance(x, list))
         for j in range(m)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import datetime
 import functools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -192,12 +192,20 @@ class Transport:
         timeout: Seconds any wait may take.
         device: Where buffers live.
         watch: Runs the waits and posts failures (none: plain waits with a timeout).
+        rank_of: A message's peer (a plan device) -> its global rank; None: the same
+            (no mesh; `graphpipe.runtime.mesh.MeshLayout.rank_of`).
     """
 
     def __init__(
-        self, rank: int, timeout: float, device: torch.device, watch: Watch | None = None
+        self,
+        rank: int,
+        timeout: float,
+        device: torch.device,
+        watch: Watch | None = None,
+        rank_of: Callable[[int], int] | None = None,
     ) -> None:
         self.rank, self.timeout, self.device, self.watch = rank, timeout, device, watch
+        self.rank_of = rank_of or (lambda device: device)
         # (works, peer, action, what the send reads until done, whether it is a pool buffer)
         self._sends: list[tuple[list[dist.Work], int, str, torch.Tensor, bool]] = []
         self.buffers = Buffers(device)
@@ -219,7 +227,7 @@ class Transport:
             buffer, from_pool = outgoing(m.tensors, self.buffers)
             buffers.append(buffer)
             pooled.append(from_pool)
-            ops.append(dist.P2POp(dist.isend, buffer, m.peer, tag=m.tag))
+            ops.append(dist.P2POp(dist.isend, buffer, self.rank_of(m.peer), tag=m.tag))
         for r in receives:
             if len(r.specs) == 1:  # into its own tensor: nothing to unpack
                 shape, dtype = r.specs[0]
@@ -229,17 +237,19 @@ class Transport:
             else:
                 direct.append(None)
                 buffers.append(self.buffers.take(_offsets(r.specs)[1]))
-            ops.append(dist.P2POp(dist.irecv, buffers[-1], r.peer, tag=r.tag))
+            ops.append(dist.P2POp(dist.irecv, buffers[-1], self.rank_of(r.peer), tag=r.tag))
         messages: list[Outgoing | Incoming] = [*sends, *receives]
         what = ", ".join(m.what for m in messages)
-        works = self._posted(ops, [m.peer for m in messages], what)
+        works = self._posted(ops, [self.rank_of(m.peer) for m in messages], what)
         # gloo answers one work per operation; NCCL one for the whole coalesced group
         per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
         for m, buffer, from_pool, w in zip(sends, buffers, pooled, per_op, strict=False):
             # a message's own tensor is held until its send completes, never pooled
-            self._sends.append((w, m.peer, m.what, buffer, from_pool))
+            self._sends.append((w, self.rank_of(m.peer), m.what, buffer, from_pool))
         received = zip(receives, buffers[len(sends) :], per_op[len(sends) :], direct, strict=True)
-        return [Pending(b, w, list(r.specs), r.peer, r.what, d) for r, b, w, d in received]
+        return [
+            Pending(b, w, list(r.specs), self.rank_of(r.peer), r.what, d) for r, b, w, d in received
+        ]
 
     def wait(self, pending: Pending) -> list[torch.Tensor]:
         """The received tensors, once they arrive (on CUDA: once the compute stream has been

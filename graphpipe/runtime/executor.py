@@ -38,6 +38,7 @@ from graphpipe.ir.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
 from graphpipe.runtime.failures import failure, first_line
+from graphpipe.runtime.mesh import prepare_backward
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import Precision
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
@@ -173,8 +174,9 @@ class Executor:
         self._tick("wait", start)
 
     def _failed(self, op: Op, exc: Exception) -> PipelineError:
-        """Post why this rank stops, so a peer left waiting for it names this failure."""
-        text = f"rank {self.rank}, action {op}: {first_line(exc)}"
+        """Post why this rank stops, so a peer left waiting for it names this failure (by
+        its global rank: with a mesh, `self.rank` is its plan device)."""
+        text = f"rank {self.transport.rank}, action {op}: {first_line(exc)}"
         kind = FailureKind.BAD_INPUT if isinstance(exc, ConfigError) else FailureKind.RAISED
         fields = {"stage": op.stage, "micro_batch": op.mb} if isinstance(op, Action) else {}
         return failure(text, kind, **fields)
@@ -352,6 +354,8 @@ class Executor:
         if self.policy.recomputes:
             self._recompute(a.stage, a.mb)
         roots, seeds = self._roots(a.stage, a.mb)
+        # FSDP2 (a mesh) reduces the stage's gradients once, on its last backward of the step
+        prepare_backward(self.stages[a.stage].module, self._is_final)
         self.policy.backward(a.mb, lambda: backward.full(roots, seeds), self._final(a.stage))
         self._finish_backward(a.stage, a.mb)
 

@@ -27,13 +27,14 @@ def sum_groups(
     canon: dict[str, str],
     modules: Modules,
     mine: tuple[int, ...],
+    meshed: bool = False,
 ) -> tuple[GradSync, dict[str, tuple[int, ...]]]:
     """Gradient sums over replicas and tied copies; groups created in the same order
     everywhere. Also returns the tied names, each with the stages holding it.
 
     Raises:
-        ConfigError: a weight tied across ranks under an asynchronous schedule (on every
-            rank alike, before any collective).
+        ConfigError: a weight tied across ranks under an asynchronous schedule or a mesh
+            (on every rank alike, before any collective).
     """
     holders: dict[str, set[int]] = {}
     for index, (module, _) in modules.items():
@@ -49,6 +50,13 @@ def sum_groups(
     ]
     if tied and schedule_spec(schedule).asynchronous:
         _refuse_tied(tied[0], spec.weights, schedule)
+    if tied and meshed:
+        ranks, label = tied[0]
+        raise ConfigError(
+            f"a weight tied across pp ranks is not yet summed with a mesh (FSDP2 per stage; "
+            f"planned): {label[5:]} is held on pp ranks {list(ranks)}; pin the stages that "
+            "share it onto one device, or give the modules copies of their own"
+        )
     groups = make_groups(replicas + tied, rank, spec.runtime.timeout)
     local = {canon.get(n, n): p for index in mine for n, p in modules[index][0].named_parameters()}
     sums: list[SyncGroup] = []

@@ -18,6 +18,7 @@ from graphpipe.errors import ConfigError
 from graphpipe.runtime.batching import Inputs, cpu
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor
+from graphpipe.runtime.mesh import reshard
 from graphpipe.runtime.stage import OUTPUT
 from graphpipe.runtime.stepping import Programs
 from graphpipe.runtime.wiring import Wiring
@@ -36,6 +37,7 @@ class Inference:
 
     def outputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """The model's output for this mini-batch (see `PipelinedModel.__call__`)."""
+        self.w.refuse_under_mesh("pm(...) (the outputs)")
         batch = self.inputs.batch(args, kwargs, None, first=0)
         run = self._forward_only(batch)
         mine: dict[int, Any] = {}
@@ -62,7 +64,8 @@ class Inference:
         self.inputs.check_loss(target)
         run = self._forward_only(batch)
         losses = [] if run is None else run.losses.values()
-        return self.collectives.mean_loss(losses, self.w.spec.micro_batches)
+        # every rank's losses of its dp slices: the mean over the whole mini-batch
+        return self.collectives.mean_loss(losses, self.w.spec.micro_batches * self.w.dp)
 
     def _forward_only(self, batch: Batch) -> Executor | None:
         """Run the forward schedule in eval mode with the live weights, outside the policy."""
@@ -79,4 +82,5 @@ class Inference:
         finally:
             for m, training in modes:
                 m.training = training
+            reshard(w.module)  # FSDP2 (a mesh) keeps a root gathered, awaiting a backward
         return run

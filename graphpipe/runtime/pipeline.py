@@ -79,9 +79,10 @@ class PipelinedModel:
         has_output = w.executor is not None and any(
             r.io.has_output for r in w.executor.stages.values()
         )
+        layout = w.layout
         inputs = Inputs(
             gm, example_inputs, w.model_inputs, spec.loss_fn, spec.micro_batches, w.device,
-            has_output,
+            has_output, w.dp, 0 if layout is None else layout.dp_index,
         )  # fmt: skip
         programs = Programs(w)
         self._recorder = Recorder(w, self._collectives)
@@ -200,6 +201,7 @@ class PipelinedModel:
         name; the directory is replaced atomically, so a kill at any moment leaves the
         previous checkpoint loadable (`graphpipe.runtime.checkpoint`).
         """
+        self._wiring.refuse_under_mesh("pm.save()")
         return checkpoint.save(self._state, path)
 
     def load(self, path: str | Path) -> dict[str, Any]:
@@ -211,6 +213,7 @@ class PipelinedModel:
             ConfigError: no complete checkpoint there, another weight policy, or keys this
                 rank's stages need that it lacks.
         """
+        self._wiring.refuse_under_mesh("pm.load()")
         return checkpoint.load(self._state, path)
 
     # -- timelines ------------------------------------------------------------------------------

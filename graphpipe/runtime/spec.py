@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
@@ -34,13 +35,21 @@ from graphpipe.planning.recompute import RecomputeSpec
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.emulate import Emulate
 from graphpipe.runtime.materialize import InitFn
+from graphpipe.runtime.mesh import MESH_DIMS
 from graphpipe.runtime.nancheck import check_nan_check
 from graphpipe.runtime.precision import check_precision
 from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.tracing.bind import batch_of, normalise
 from graphpipe.tracing.tracer import LeafSpec
 
-__all__ = ["OptimizerFactory", "RunSpec", "RuntimeConfig", "schedule_for"]
+__all__ = [
+    "OptimizerFactory",
+    "RunSpec",
+    "RuntimeConfig",
+    "check_mesh",
+    "mesh_refusals",
+    "schedule_for",
+]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -105,6 +114,16 @@ class RunSpec:
     nan_check: bool = False  # stop a step at its first non-finite loss or gradient
     max_grad_norm: float | None = None  # clip the whole model's gradient norm to this
     grad_norm_type: float = 2.0  # p of that p-norm
+    # -- data parallelism by FSDP2 over a ("pp", "dp") mesh (`graphpipe.runtime.mesh`)
+    mesh: DeviceMesh | None = None  # the mesh; None: one device per rank, no dp
+    data_parallel: int = 1  # dp: the mesh's dp size, or data_parallel= (the mesh is built then)
+    dp_shard: bool = True  # FSDP2 shards each stage over dp; False: replicates it
+    reshard_after_forward: bool = True  # FSDP2 frees gathered parameters after each forward
+
+    @property
+    def meshed(self) -> bool:
+        """Stages run under FSDP2 over a ("pp", "dp") mesh (given or to be built)."""
+        return self.mesh is not None or self.data_parallel > 1
 
     @classmethod
     def build(
@@ -130,6 +149,10 @@ class RunSpec:
         recompute: RecomputeSpec = False,
         precision: str | None = None,
         nan_check: bool = False,
+        mesh: DeviceMesh | None = None,
+        data_parallel: int | None = None,
+        dp_shard: bool = True,
+        reshard_after_forward: bool = True,
         **plan_options: Any,
     ) -> RunSpec:
         """Check `compile()`'s arguments and freeze them (the same names and meanings).
@@ -148,14 +171,28 @@ class RunSpec:
         _check(problems, check_precision, precision, weights)
         _check(problems, check_nan_check, nan_check, weights)
         _check(problems, _check_combinations, nan_check, precision, compile_stages, resolved)
+        dp = _check(problems, check_mesh, mesh, data_parallel)
+        if mesh is not None or (dp or 1) > 1:
+            asked = dict(
+                weights=weights, schedule=resolved, precision=precision,
+                max_grad_norm=max_grad_norm, nan_check=nan_check, compile_stages=compile_stages,
+                replication=plan_options.get("replication", False),
+                emulate=(runtime or RuntimeConfig()).emulate,
+            )  # fmt: skip
+            problems.extend(mesh_refusals(**asked))
         devices = plan_options.pop("devices", None)  # the world size; said if it differs
         options = _check(problems, _plan_options, partitioner, plan_options)
         given = None if plan is None else _load_plan(plan)
         m = None if bad_m else _check(problems, _micro_batches, micro_batches, given)
-        b = None if m is None else _check(problems, _micro_batch_size, example_inputs, m)
+        b = (
+            None
+            if m is None or dp is None
+            else _check(problems, _micro_batch_size, example_inputs, m, dp)
+        )
         if problems:
             raise ConfigError(_joined(problems))
         assert resolved is not None and options is not None and m is not None and b is not None
+        assert dp is not None
         return cls(
             loss_fn=loss_fn,
             optimizer=optimizer,
@@ -166,7 +203,9 @@ class RunSpec:
             schedule_given=schedule is not None,
             weight_options=weight_options,
             plan=given,
-            plan_options=MappingProxyType(_planner_defaults(options, precision, weights, resolved)),
+            plan_options=MappingProxyType(
+                _planner_defaults(options, precision, weights, resolved, mesh is not None or dp > 1)
+            ),
             devices=devices,
             leaf_modules=tuple(leaf_modules),
             profile_config=profile_config,
@@ -179,6 +218,10 @@ class RunSpec:
             nan_check=nan_check,
             max_grad_norm=max_grad_norm,
             grad_norm_type=grad_norm_type,
+            mesh=mesh,
+            data_parallel=dp,
+            dp_shard=dp_shard,
+            reshard_after_forward=reshard_after_forward,
         )
 
     @property
@@ -285,13 +328,15 @@ def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str,
 
 
 def _planner_defaults(
-    options: dict[str, Any], precision: str | None, weights: str, schedule: str
+    options: dict[str, Any], precision: str | None, weights: str, schedule: str, meshed: bool
 ) -> dict[str, Any]:
     """What the planner must know of the run, unless the options say otherwise: the dtype
-    crossing stages, no replicas for a policy without them, a folded chain for a placed
-    schedule."""
+    crossing stages, no replicas for a policy without them or under a mesh (whose dp
+    dimension replicates), a folded chain for a placed schedule."""
     options = dict(options)
     options.setdefault("precision", precision)
+    if meshed:
+        options.setdefault("replication", False)
     if not policy_spec(weights).replicas:
         options.setdefault("replication", False)
         options.setdefault("weight_versions", 2)
@@ -322,11 +367,85 @@ def _micro_batches(micro_batches: int | None, plan: Plan | None) -> int:
     return plan.micro_batches
 
 
-def _micro_batch_size(example_inputs: Any, m: int) -> int:
-    """The example batch / M.
+def _micro_batch_size(example_inputs: Any, m: int, dp: int = 1) -> int:
+    """The example batch / (M * dp): the rows each process runs per micro-batch.
 
     Raises:
-        ConfigError: inputs that are not a batch, or a batch M does not divide.
+        ConfigError: inputs that are not a batch, or a batch M * dp does not divide.
     """
     args, kwargs = normalise(example_inputs)
-    return micro_batch_size(batch_of(args, kwargs), m)
+    batch = batch_of(args, kwargs)
+    if dp > 1 and batch % (m * dp):
+        raise ConfigError(
+            f"a batch of {batch} does not split into {m} micro-batches of {dp} equal "
+            f"data-parallel slices (M * dp = {m * dp} must divide it)"
+        )
+    return micro_batch_size(batch, m * dp)
+
+
+def check_mesh(mesh: Any, data_parallel: Any) -> int:
+    """dp, the data-parallel size: the mesh's "dp" size, data_parallel=, or 1.
+
+    Raises:
+        ConfigError: both given, a mesh that is not a DeviceMesh with dims ("pp", "dp"), or a
+            data_parallel that is not a positive integer.
+    """
+    if mesh is not None and data_parallel is not None:
+        raise ConfigError(
+            f"mesh= and data_parallel={data_parallel!r} both given; data_parallel=k is the "
+            "shorthand for a (world // k, k) mesh: pass one of them"
+        )
+    if mesh is not None:
+        names = getattr(mesh, "mesh_dim_names", None)
+        if not isinstance(mesh, DeviceMesh) or tuple(names or ()) != MESH_DIMS:
+            raise ConfigError(
+                f"mesh={mesh!r} (dims {names!r}): it must be a DeviceMesh with "
+                f"mesh_dim_names={MESH_DIMS}, e.g. init_device_mesh('cpu', (2, 2), "
+                "mesh_dim_names=('pp', 'dp'))"
+            )
+        return int(mesh["dp"].size())
+    if data_parallel is None:
+        return 1
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ConfigError(f"data_parallel={data_parallel!r}: it must be a positive integer")
+    return data_parallel
+
+
+def mesh_refusals(
+    *,
+    weights: str,
+    schedule: str | None,
+    precision: str | None,
+    max_grad_norm: float | None,
+    nan_check: bool,
+    compile_stages: bool,
+    replication: Any,
+    emulate: Any,
+) -> list[str]:
+    """What a mesh (FSDP2 per stage) cannot run yet, each named; empty if all is well."""
+    later = "not yet with a mesh (FSDP2 per stage); planned"
+    out = []
+    if weights != "flush":
+        out.append(f"weights={weights!r} is {later}: use weights='flush'")
+    if schedule is not None:
+        s = schedule_spec(schedule)
+        if s.split_backward:
+            out.append(f"schedule={schedule!r} splits the backward (zero bubble), {later}")
+        elif s.placement is not None:
+            out.append(f"schedule={schedule!r} places several stages per device, {later}")
+    if precision == "fp16":
+        out.append(f"precision='fp16' (a loss scale agreed by all ranks) is {later}")
+    if max_grad_norm is not None:
+        out.append(f"max_grad_norm={max_grad_norm!r} (clipping over sharded gradients) is {later}")
+    if nan_check:
+        out.append(f"nan_check=True is {later}")
+    if compile_stages:
+        out.append(f"compile_stages=True is {later}")
+    if replication:
+        out.append(
+            f"replication={replication!r}: replicated stages within pp are refused with a mesh, "
+            "whose dp dimension replicates every stage already; plan with replication=False"
+        )
+    if emulate is not None:
+        out.append(f"RuntimeConfig(emulate=...) is {later}")
+    return out

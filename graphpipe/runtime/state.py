@@ -17,6 +17,7 @@ from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.runtime.batching import cpu
 from graphpipe.runtime.collectives import Collectives
+from graphpipe.runtime.mesh import shaped_like, whole
 from graphpipe.runtime.stepping import Stepper
 from graphpipe.runtime.weights import WeightPolicy
 from graphpipe.runtime.wiring import Wiring
@@ -31,6 +32,7 @@ class ModelState:
         self.w, self.stepper, self.collectives = w, stepper, collectives
         self.canonical: Mapping[str, str] = w.canonical
         self.names: tuple[str, ...] = tuple(w.model.state_dict())  # the model's order
+        self._by_name = {n: names for names in w.aliases.values() for n in names}
 
     # -- the Checkpointable interface ----------------------------------------------------------
 
@@ -105,8 +107,8 @@ class ModelState:
         mine: dict[str, torch.Tensor] = {}
         if self.module is not None:
             for name, value in self.module.state_dict(keep_vars=True).items():
-                for alias in self.w.aliases.get(id(value), (name,)):
-                    mine[alias] = cpu(value)
+                for alias in self._aliases(name, value):
+                    mine[alias] = cpu(whole(value))  # a mesh's shards gathered over dp
         if self.rank == 0:
             mine.update(self.w.orphans)
         gathered = self.collectives.gather(mine, "the state dict")
@@ -126,9 +128,9 @@ class ModelState:
         found: dict[str, torch.Tensor] = {}
         missing = []
         for key, value in self.module.state_dict(keep_vars=True).items():
-            names = [a for a in self.w.aliases.get(id(value), (key,)) if a in state]
+            names = [a for a in self._aliases(key, value) if a in state]
             if names:
-                found[key] = state[names[0]]
+                found[key] = shaped_like(value, state[names[0]])  # a mesh's: this rank's shard
             else:
                 missing.append(key)
         if missing:
@@ -136,6 +138,12 @@ class ModelState:
                 f"state dict lacks {missing} (needed by stages {list(self.stage_indices)})"
             )
         self.module.load_state_dict(found)
+
+    def _aliases(self, name: str, value: torch.Tensor) -> list[str]:
+        """Every name of the model's tensor that the stage holds as `name`: by identity, or
+        by name where FSDP2 (a mesh) replaced the tensor with its sharded parameter."""
+        found = self.w.aliases.get(id(value))
+        return found if found is not None else self._by_name.get(name, [name])
 
     def versions(self) -> dict[str, Any]:
         """This rank's weight bookkeeping: the copies it holds and, per micro-batch, the

@@ -95,7 +95,8 @@ class Stepper:
             self.calls += 1
             self.steps_done += 1
             losses = [] if w.executor is None else w.executor.losses.values()
-            loss = self.collectives.mean_loss(losses, m)
+            # with a mesh each of the dp last-stage ranks holds M losses of its slices
+            loss = self.collectives.mean_loss(losses, m * w.dp)
         if w.agree is not None and w.agree.problem is not None:
             raise PipelineError(w.agree.problem, kind=FailureKind.NONFINITE)
         return loss

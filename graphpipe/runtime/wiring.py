@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan, Schedule
 from graphpipe.ir.program import Program
 from graphpipe.ir.registry import schedule_spec
@@ -32,6 +33,7 @@ from graphpipe.runtime.failures import guarded, install_watch, set_collective_ti
 from graphpipe.runtime.groups import Modules, sum_groups
 from graphpipe.runtime.hooks import AgreeFinite, Clip, Unscale, hooks_for
 from graphpipe.runtime.materialize import materialize, names_by_id
+from graphpipe.runtime.mesh import MeshLayout, shard_stage
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import LossScaler, Precision
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
@@ -69,11 +71,25 @@ class Wiring:
     agree: AgreeFinite | None = None  # nan_check's agreement (also run by an idle rank)
     clipper: GradClipper | None = None  # max_grad_norm's clipping
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tied name -> stages
+    layout: MeshLayout | None = None  # pp and dp coordinates (identity without a mesh)
 
     @property
     def asynchronous(self) -> bool:
         """The schedule keeps micro-batches in flight across step() calls (async, 2bw)."""
         return schedule_spec(self.schedule.name).asynchronous
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel slices of each micro-batch (a mesh's dp size; 1 without one)."""
+        return 1 if self.layout is None else self.layout.dp
+
+    def refuse_under_mesh(self, what: str) -> None:
+        """Raises: ConfigError: `what` is not available with a mesh yet, naming it."""
+        if self.layout is not None and self.layout.sharded:
+            raise ConfigError(
+                f"{what} is not yet available with a mesh (FSDP2 per stage); planned: "
+                "DCP checkpoints of sharded stages, and the outputs gathered over dp slices"
+            )
 
     @property
     def canonical(self) -> dict[str, str]:
@@ -103,7 +119,8 @@ def wire(
         ConfigError: a weight tied across ranks under an asynchronous schedule.
     """
     runtime = spec.runtime
-    rank = dist.get_rank()
+    layout = MeshLayout.current(spec.mesh)
+    rank = layout.pp_index  # the plan's device; the transport translates (`rank_of`)
     watch = install_watch(runtime.timeout)
     set_collective_timeout(runtime.timeout)
     device = runtime_device(runtime)
@@ -113,7 +130,7 @@ def wire(
     built = _build_modules(model, gm, plan, spec, example_inputs, mine, device, precision)
     aliases = names_by_id(model)  # by the ids of the materialised tensors: after materialize
     modules = built.modules
-    sync, shared = sum_groups(plan, spec, schedule.name, rank, canon, modules, mine)
+    sync, shared = sum_groups(plan, spec, schedule.name, rank, canon, modules, mine, layout.sharded)
     update_group, scaler, agree = _update_checks(plan, spec, modules, canon, device)
     if built.materialized:
         sync.broadcast()  # tied copies and replicas start equal on every holder
@@ -123,9 +140,10 @@ def wire(
         warm = torch.zeros(1, device=device)  # NCCL's communicator
         guarded("the all-reduce that starts NCCL", lambda: dist.all_reduce(warm))
     parts = _Parts(None, None, None, None, None)
+    fsdp_mesh = layout.fsdp_mesh(spec.dp_shard) if layout.sharded else None  # every rank
     if mine:
         parts = _wire_stages(
-            _Context(spec, plan, rank, device, gm, mine, shared, canon),
+            _Context(spec, plan, rank, device, gm, mine, shared, canon, model, layout, fsdp_mesh),
             modules,
             built.specs,
             sync,
@@ -157,6 +175,7 @@ def wire(
         agree=agree,
         clipper=parts.clipper,
         shared=shared,
+        layout=layout,
     )
 
 
@@ -172,6 +191,9 @@ class _Context:
     mine: tuple[int, ...]  # this rank's stages
     shared: dict[str, tuple[int, ...]]  # tied name -> the stages holding it
     canon: dict[str, str]  # every name -> the first name of its tensor
+    model: nn.Module  # the model as given (its blocks, for FSDP2's units)
+    layout: MeshLayout  # pp and dp coordinates
+    fsdp_mesh: Any  # the DeviceMesh FSDP2 wraps stages over; None without a mesh
 
 
 @dataclass(frozen=True)
@@ -262,6 +284,8 @@ def _wire_stages(
         module.to(c.device)
         if spec.compile_stages:  # in place: the module and its state dict keys stay
             module.compile()
+        if c.fsdp_mesh is not None:  # before the optimizer: it steps the sharded parameters
+            shard_stage(module, c.model, c.fsdp_mesh, spec.reshard_after_forward)
         runtime_stages[i] = StageRuntime(
             c.rank, c.plan, i, module, io, specs, c.gm, spec.loss_fn, c.device
         )
@@ -285,7 +309,9 @@ def _wire_stages(
         spec.weight_options,
         hooks,
     )
-    transport = Transport(c.rank, spec.runtime.timeout, c.device, watch)
+    transport = Transport(
+        c.layout.rank, spec.runtime.timeout, c.device, watch, rank_of=c.layout.rank_of
+    )
     executor = Executor(
         runtime_stages,
         policy,

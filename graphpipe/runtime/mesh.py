@@ -1,0 +1,258 @@
+"""Mesh: pipeline stages over the "pp" dimension of a DeviceMesh, FSDP2 over its "dp" one.
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pm = graphpipe.compile(model, x, ..., mesh=mesh)     # or data_parallel=2
+
+The plan is made for `pp` devices; its device numbers are pp coordinates. The process at
+mesh coordinate (p, d) (global rank `mesh.mesh[p, d]`) runs plan device p, on the d-th slice
+of every micro-batch, and talks only to the processes of its own dp index d: plan device q
+is global rank `mesh.mesh[q, d]` for it (`MeshLayout.rank_of`). Everything that names a
+rank in plan terms (the program, the stages a rank holds) reads `MeshLayout.pp_index`;
+everything that reaches a process (the transport's peers, and through it the failure
+watch's) translates with `rank_of`. Without a mesh the layout is the identity (pp = world,
+dp = 1) and nothing changes.
+
+Each stage module is sharded by torch's FSDP2 (`fully_shard`) over its dp sub-mesh, block
+by block (`shard_stage`), then as a whole. Gradients are reduced once per step:
+`prepare_backward` tells FSDP, before each backward, whether it is the stage's last one
+before the update; only then does it reduce-scatter (the others accumulate unsharded
+gradients locally). Each micro-batch's loss is scaled by 1/M by the flush policy and FSDP
+averages the reduce-scatter over dp, so the gradient is the whole mini-batch's mean. graphpipe's
+own gradient sums (`graphpipe.runtime.sync`) are not used over dp: torch's engine serves.
+
+`dp_shard=False` replicates instead of sharding: FSDP2 over a 2D (replicate=dp, shard=1)
+mesh, which is HSDP with one shard, i.e. DDP-like all-reduce of whole gradients, through
+the public `fully_shard`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from graphpipe.errors import ConfigError
+
+__all__ = [
+    "MESH_DIMS",
+    "MeshLayout",
+    "prepare_backward",
+    "reshard",
+    "shaped_like",
+    "shard_stage",
+    "stage_blocks",
+    "whole",
+]
+
+MESH_DIMS = ("pp", "dp")  # the mesh's dimension names, in this order
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Where this process sits: its pp and dp coordinates, and the ranks of the mesh.
+
+    Attributes:
+        pp: Pipeline devices (the plan's num_devices).
+        dp: Data-parallel copies of each pipeline device.
+        pp_index: This process's plan device.
+        dp_index: This process's slice of every micro-batch.
+        ranks: ranks[p][d], the global rank at mesh coordinate (p, d).
+        mesh: The (pp, dp) DeviceMesh; None without one (the identity layout).
+    """
+
+    pp: int
+    dp: int
+    pp_index: int
+    dp_index: int
+    ranks: tuple[tuple[int, ...], ...]
+    mesh: DeviceMesh | None = None
+
+    @classmethod
+    def identity(cls, rank: int, world: int) -> MeshLayout:
+        """No mesh: plan device = global rank, one data-parallel copy."""
+        return cls(world, 1, rank, 0, tuple((r,) for r in range(world)))
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh, rank: int) -> MeshLayout:
+        """The layout of `mesh` (dims ("pp", "dp")) seen from global rank `rank`.
+
+        Raises:
+            ConfigError: `rank` is not in the mesh.
+        """
+        ranks = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
+        where = [(p, d) for p, row in enumerate(ranks) for d, r in enumerate(row) if r == rank]
+        if not where:
+            raise ConfigError(f"rank {rank} is not in the mesh {list(ranks)}")
+        p, d = where[0]
+        return cls(len(ranks), len(ranks[0]), p, d, ranks, mesh)
+
+    @classmethod
+    def current(cls, mesh: DeviceMesh | None) -> MeshLayout:
+        """This process's layout: of `mesh`, or the identity without one."""
+        rank = dist.get_rank()
+        return cls.identity(rank, dist.get_world_size()) if mesh is None else cls.of(mesh, rank)
+
+    @property
+    def sharded(self) -> bool:
+        """Stages are wrapped by FSDP2 (a mesh was given)."""
+        return self.mesh is not None
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.ranks[self.pp_index][self.dp_index]
+
+    def rank_of(self, device: int) -> int:
+        """The global rank running plan device `device` for this process's dp index."""
+        return self.ranks[device][self.dp_index]
+
+    def fsdp_mesh(self, shard: bool) -> DeviceMesh:
+        """The mesh FSDP2 wraps this process's stages over (a collective when replicating:
+        every rank builds it, in the same order).
+
+        Args:
+            shard: Shard over dp (the 1D dp sub-mesh); False: replicate over dp (a 2D
+                (dp, 1) sub-mesh: HSDP with one shard).
+        """
+        assert self.mesh is not None, "the identity layout wraps nothing"
+        if shard:
+            return self.mesh["dp"]
+        grid = DeviceMesh(
+            self.mesh.device_type,
+            self.mesh.mesh.unsqueeze(-1),
+            mesh_dim_names=("pp", "dp", "dp_shard"),
+        )
+        return grid["dp", "dp_shard"]
+
+
+def stage_blocks(stage: fx.GraphModule, model: nn.Module) -> list[list[nn.Module]]:
+    """The FSDP units of a stage: its called modules grouped by transformer-like block.
+
+    A block is an element of an nn.ModuleList or nn.Sequential of the original model (the
+    outermost one, e.g. `layers.3`); the modules the stage calls under one block's path form
+    one unit, in the order the stage first calls them. A called module under no block is a
+    unit of its own. Only modules with parameters count, and only those whose parameters no
+    other unit or direct attribute read of the stage uses (those stay with the stage root).
+
+    Args:
+        stage: The stage's GraphModule (its call_module targets are the model's paths).
+        model: The original model (which containers are lists of blocks).
+
+    Returns:
+        The units, each a list of the stage's submodules, in call order.
+    """
+    prefixes = _block_prefixes(model)
+    called = [n.target for n in stage.graph.nodes if n.op == "call_module"]
+    used_by: dict[int, set[str]] = {}
+    for n in stage.graph.nodes:
+        if n.op == "get_attr":
+            used_by.setdefault(id(_attr(stage, str(n.target))), set()).add("")
+    units: dict[str, list[str]] = {}
+    for target in dict.fromkeys(str(t) for t in called):
+        if not any(True for _ in stage.get_submodule(target).parameters()):
+            continue  # nothing to shard (an activation)
+        key = next((p for p in prefixes if target.startswith(p + ".")), target)
+        for p in stage.get_submodule(target).parameters():
+            used_by.setdefault(id(p), set()).add(key)
+        units.setdefault(key, []).append(target)
+    out = []
+    for key, targets in units.items():
+        modules = [stage.get_submodule(t) for t in targets]
+        params = [p for m in modules for p in m.parameters()]
+        if params and all(used_by[id(p)] == {key} for p in params):
+            out.append(modules)
+    return out
+
+
+def _attr(module: nn.Module, target: str) -> object:
+    *path, name = target.split(".")
+    return getattr(module.get_submodule(".".join(path)), name)
+
+
+def _block_prefixes(model: nn.Module) -> list[str]:
+    """Paths of the elements of the model's outermost ModuleLists and Sequentials."""
+    found: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and not any(
+            name.startswith(f + ".") or name == f for f in found
+        ):
+            found.extend(f"{name}.{child}" if name else child for child, _ in m.named_children())
+    return found
+
+
+def shard_stage(
+    stage: fx.GraphModule,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+) -> list[list[nn.Module]]:
+    """Wrap a stage with FSDP2: each block (`stage_blocks`), then the stage itself.
+
+    Prefetching: in forward, each unit starts the next unit's all-gather (the units are in
+    the stage graph's call order, which is the order it runs them); in backward, FSDP2
+    prefetches by itself, in reverse forward order.
+
+    Args:
+        stage: The stage module, on its device, with real tensors.
+        model: The original model (for its blocks).
+        mesh: The dp mesh (`MeshLayout.fsdp_mesh`).
+        reshard_after_forward: Free the gathered parameters after each forward (all-gather
+            again for the backward); False keeps them until the backward.
+
+    Returns:
+        The units wrapped, in call order.
+    """
+    units = stage_blocks(stage, model)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    wrapped = [cast(FSDPModule, unit[0]) for unit in units]  # a unit's modules share its state
+    for this, following in itertools.pairwise(wrapped):
+        this.set_modules_to_forward_prefetch([following])  # call order = execution order
+    return units
+
+
+def prepare_backward(module: nn.Module, last: bool) -> None:
+    """Before a stage's backward: reduce gradients (and reshard) only on its last one of
+    the step; the others accumulate unsharded gradients locally. A module FSDP does not wrap
+    is left alone.
+
+    Args:
+        module: The stage module.
+        last: This is the stage's last backward before the update.
+    """
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(last)
+        module.set_is_last_backward(last)
+        module.set_reshard_after_backward(last)
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP unit in `module`, after forwards with no
+    backward to follow (evaluation): FSDP2 keeps a root's parameters gathered after its
+    forward, for the backward it expects. A module FSDP does not wrap is left alone."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """A state dict value whole: a sharded parameter gathered over dp (a collective over
+    its mesh: every dp rank of the stage calls it, in the same order), else as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def shaped_like(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` (a whole tensor) laid out as `current`: this rank's shard of it where
+    `current` is sharded, else as it is."""
+    if not isinstance(current, DTensor):
+        return value
+    local = value.to(device=current.device, dtype=current.dtype)
+    return distribute_tensor(local, current.device_mesh, current.placements)

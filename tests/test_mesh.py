@@ -1,0 +1,394 @@
+"""Pipelines over a ("pp", "dp") DeviceMesh: FSDP2 per stage (graphpipe.runtime.mesh).
+
+Four gloo processes on a (2, 2) mesh: two pipeline devices, each stage on two data-parallel
+ranks that run half of every micro-batch. Every run must equal one process training on the
+whole mini-batch with gradient accumulation over the same M micro-batches.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from zoo import ZOO, dict_loss
+
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import ConfigError
+from graphpipe.planning.profile import ProfileConfig
+from graphpipe.runtime.launch import launch
+from graphpipe.runtime.mesh import MeshLayout, stage_blocks
+from graphpipe.runtime.spec import RunSpec
+
+M = 2  # micro-batches; the zoo's batch of 8 gives 2 rows per dp slice
+STEPS = 3
+LR = 0.05
+TIMEOUT = 300  # seconds for a whole launch
+D = 16
+
+
+class Chain(nn.Module):
+    """Four transformer-like blocks in a ModuleList and a head: the FSDP units are blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)  # (B, 4)
+
+
+def chain() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Chain()
+    return model, (torch.randn(8, D, generator=torch.Generator().manual_seed(1)),)
+
+
+MODELS = {"chain": chain, "two_branch": ZOO["two_branch"]}
+PINS = {  # two stages each
+    "chain": {"blocks.0": 0, "blocks.1": 0, "blocks.2": 1, "blocks.3": 1, "head": 1},
+    "two_branch": {"a": 0, "b": 1, "cat": 1, "head": 1},  # branches run concurrently
+}
+
+
+def _optimizer() -> functools.partial[torch.optim.Optimizer]:
+    return functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
+
+
+def batch(name: str, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Step `step`'s mini-batch and a target shaped like the output."""
+    model, inputs = MODELS[name]()
+    gen = torch.Generator().manual_seed(1000 + step)
+    fresh = tuple(torch.randn(x.shape, generator=gen) for x in inputs)
+    with torch.no_grad():
+        out = model(*fresh)
+    return fresh, torch.randn(out.shape, generator=gen)
+
+
+def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """One process, the whole mini-batch, gradient accumulation over the M micro-batches:
+    the losses, the parameters after them, and then the mean loss of step 0's batch."""
+    model, _ = MODELS[name]()
+    opt = _optimizer()(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        inputs, target = batch(name, step)
+        total = 0.0
+        for j in range(M):
+            loss = dict_loss(model(*[x.chunk(M)[j] for x in inputs]), target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    inputs, target = batch(name, 0)
+    with torch.no_grad():
+        parts = [model(*[x.chunk(M)[j] for x in inputs]) for j in range(M)]
+    evaluated = sum(float(dict_loss(p, t)) for p, t in zip(parts, target.chunk(M), strict=True)) / M
+    return losses, {k: v.detach() for k, v in model.named_parameters()}, evaluated
+
+
+def _compile(name: str, schedule: str, variant: str, m: int = M) -> Any:
+    """`name` over the 2 x 2 mesh, pinned to two stages; `variant` picks the mesh options."""
+    model, inputs = MODELS[name]()
+    mesh_args: dict[str, Any] = {
+        "mesh": None if variant == "shorthand" else _mesh(),
+        "data_parallel": 2 if variant == "shorthand" else None,
+        "dp_shard": variant != "replicate",
+        "reshard_after_forward": variant != "keep",
+    }
+    return gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        micro_batches=m,
+        schedule=schedule,
+        pins=PINS[name],
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=60),
+        **mesh_args,
+    )
+
+
+def _mesh() -> Any:
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+
+
+def _full_parameters(pm: Any) -> dict[str, torch.Tensor]:
+    """This rank's stage's parameters, gathered whole over dp (a collective over dp)."""
+    return {n: p.full_tensor().detach().clone() for n, p in pm.module.named_parameters()}
+
+
+def _train(pm: Any, name: str) -> dict[str, Any]:
+    losses = [pm.step(*batch(name, s)[0], target=batch(name, s)[1]) for s in range(STEPS)]
+    inputs, target = batch(name, 0)
+    evaluated = pm.eval_step(*inputs, target=target)
+    return {
+        "losses": losses,
+        "params": _full_parameters(pm),
+        "eval": evaluated,
+        "state": pm.state_dict(),
+    }
+
+
+def _equality_worker(cases: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Any]:
+    return {case: _train(_compile(*case), case[0]) for case in cases}
+
+
+CASES = [
+    *[(name, s, "mesh") for name in MODELS for s in ("1f1b", "gpipe")],
+    ("chain", "1f1b", "shorthand"),
+    ("chain", "1f1b", "replicate"),
+    ("two_branch", "gpipe", "replicate"),
+    ("chain", "gpipe", "keep"),
+    ("two_branch", "1f1b", "keep"),
+]
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[tuple[str, str, str], Any]]:
+    return launch(_equality_worker, 4, args=(CASES,), timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_a_mesh_step_equals_one_process_on_the_whole_mini_batch(
+    runs: list[dict[tuple[str, str, str], Any]], case: tuple[str, str, str]
+) -> None:
+    ref_losses, ref_params, ref_eval = reference(case[0])
+    merged: dict[str, torch.Tensor] = {}
+    for rank, result in enumerate(runs):
+        assert result[case]["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        assert result[case]["eval"] == pytest.approx(ref_eval, rel=1e-5), f"rank {rank}"
+        for n, value in result[case]["params"].items():
+            if n in merged:  # the other dp rank of the same stage holds the same whole
+                torch.testing.assert_close(value, merged[n], rtol=0, atol=0)
+            merged[n] = value
+    assert sorted(merged) == sorted(ref_params)
+    for rank, result in enumerate(runs):  # pm.state_dict(): every parameter whole, everywhere
+        assert list(result[case]["state"]) == list(ref_params), f"rank {rank}"
+        for n, value in result[case]["state"].items():
+            torch.testing.assert_close(value, merged[n], rtol=0, atol=0, msg=n)
+    for n, value in ref_params.items():
+        torch.testing.assert_close(merged[n], value, rtol=1e-5, atol=1e-6, msg=n)
+        assert not torch.equal(value, MODELS[case[0]]()[0].get_parameter(n)), f"{n} never moved"
+
+
+# -- once per step ------------------------------------------------------------------------------
+
+
+def _count_worker() -> dict[int, int]:
+    """Reduce-scatters in one warm step, for M = 2 and M = 4."""
+    calls = []
+    original = dist.reduce_scatter_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted  # type: ignore[assignment]
+    try:
+        out = {}
+        for m in (2, 4):
+            pm = _compile("chain", "1f1b", "mesh", m=m)
+            inputs, target = batch("chain", 0)
+            pm.step(*inputs, target=target)  # warm
+            calls.clear()
+            pm.step(*inputs, target=target)
+            out[m] = len(calls)
+        return out
+    finally:
+        dist.reduce_scatter_single = original  # type: ignore[assignment]
+
+
+def test_gradients_are_reduce_scattered_once_per_step_not_per_micro_batch() -> None:
+    units = {0: 2, 1: 3}  # stage 0: blocks 0 and 1; stage 1: blocks 2 and 3, and the head
+    for rank, counts in enumerate(launch(_count_worker, 4, timeout=TIMEOUT)):
+        # one reduce-scatter per FSDP unit per step, whatever M (mesh ranks [[0, 1], [2, 3]])
+        assert counts == {2: units[rank // 2], 4: units[rank // 2]}, f"rank {rank}"
+
+
+def test_stage_blocks_are_the_model_s_list_elements() -> None:
+    from graphpipe.tracing.tracer import trace
+
+    model, inputs = chain()
+    gm = trace(model, inputs)
+    units = stage_blocks(gm, model)
+    assert [[type(m).__name__ for m in u] for u in units] == [["Linear"]] * 5
+    assert units[0][0] is model.blocks[0][0] and units[-1][0] is model.head
+
+
+# -- state dicts --------------------------------------------------------------------------------
+
+
+def _round_trip_worker() -> dict[str, Any]:
+    """A full state dict loaded (each rank keeps its shard) and gathered back; then a step."""
+    pm = _compile("chain", "1f1b", "mesh")
+    state = {k: v + 1 for k, v in chain()[0].state_dict().items()}
+    pm.load_state_dict(state)
+    back = pm.state_dict()
+    shards = {n: p.to_local().clone() for n, p in pm.module.named_parameters()}
+    inputs, target = batch("chain", 0)
+    return {"back": back, "shards": shards, "loss": pm.step(*inputs, target=target)}
+
+
+def test_a_full_state_dict_loads_into_the_shards_and_gathers_back() -> None:
+    state = {k: v + 1 for k, v in chain()[0].state_dict().items()}
+    model = chain()[0]
+    model.load_state_dict(state)
+    inputs, target = batch("chain", 0)
+    with torch.no_grad():
+        pairs = zip(inputs[0].chunk(M), target.chunk(M), strict=True)
+        ref = sum(float(dict_loss(model(x), t)) for x, t in pairs) / M
+    for rank, result in enumerate(launch(_round_trip_worker, 4, timeout=TIMEOUT)):
+        assert list(result["back"]) == list(state)
+        for k, v in state.items():
+            torch.testing.assert_close(result["back"][k], v, rtol=0, atol=0)
+        for n, shard in result["shards"].items():  # dim 0 split over the 2 dp ranks
+            half = state[n].chunk(2)[rank % 2]
+            torch.testing.assert_close(shard, half, rtol=0, atol=0, msg=f"rank {rank} {n}")
+        assert result["loss"] == pytest.approx(ref, rel=1e-5)
+
+
+# -- refusals -----------------------------------------------------------------------------------
+
+
+def _spec(**kwargs: Any) -> RunSpec:
+    return RunSpec.build(
+        torch.randn(8, D), loss_fn=dict_loss, optimizer=_optimizer(), micro_batches=2, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"weights": "stash"}, "weights='stash'"),
+        ({"schedule": "zb"}, "schedule='zb'"),
+        ({"schedule": "interleaved"}, "schedule='interleaved'"),
+        ({"schedule": "graph_interleaved"}, "schedule='graph_interleaved'"),
+        ({"precision": "fp16"}, "precision='fp16'"),
+        ({"max_grad_norm": 1.0}, "max_grad_norm=1.0"),
+        ({"nan_check": True}, "nan_check=True"),
+        ({"compile_stages": True}, "compile_stages=True"),
+        ({"replication": True}, "replication=True"),
+        ({"data_parallel": 0}, "data_parallel=0"),
+        ({"data_parallel": 3, "micro_batches": None}, "M * dp = 12"),
+    ],
+)
+def test_what_a_mesh_cannot_run_yet_is_refused_by_name(kwargs: dict[str, Any], named: str) -> None:
+    kwargs = {"data_parallel": 2, **kwargs}
+    if kwargs.get("micro_batches", 2) is None:
+        kwargs.pop("micro_batches")
+        with pytest.raises(ConfigError, match=named.replace("*", r"\*")):
+            RunSpec.build(torch.randn(8, D), loss_fn=dict_loss, optimizer=_optimizer(), **kwargs)
+        return
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        _spec(**kwargs)
+
+
+def test_a_mesh_traces_each_rank_s_slice_of_a_micro_batch() -> None:
+    assert _spec().micro_batch_size == 4
+    assert _spec(data_parallel=2).micro_batch_size == 2
+
+
+def test_a_mesh_that_is_not_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match="mesh_dim_names"):
+        _spec(mesh="pp x dp")
+
+
+def test_the_identity_layout_translates_nothing() -> None:
+    layout = MeshLayout.identity(2, 4)
+    assert (layout.pp, layout.dp, layout.pp_index, layout.rank) == (4, 1, 2, 2)
+    assert [layout.rank_of(d) for d in range(4)] == [0, 1, 2, 3]
+    assert not layout.sharded
+
+
+def _refusal_worker() -> list[str]:
+    """Each runtime refusal's message (every rank alike)."""
+    said = []
+
+    def refused(call: Any) -> None:
+        try:
+            call()
+        except ConfigError as exc:
+            said.append(str(exc))
+        else:
+            said.append("not refused")
+
+    refused(
+        lambda: _compile_with(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")))
+    )
+    refused(lambda: _compile_with(mesh=_mesh(), data_parallel=2))
+    refused(lambda: _compile_with(data_parallel=3, micro_batches=1, example=torch.randn(6, D)))
+    refused(lambda: _compile_with(data_parallel=2, on_meta=True))
+    pm = _compile("chain", "1f1b", "mesh")
+    for call in (
+        lambda: pm.load("/nonexistent"),
+        lambda: pm.save("/nonexistent"),
+        lambda: pm(batch("chain", 0)[0][0]),
+    ):
+        refused(call)
+    model, inputs = ZOO["tied"]()
+    refused(
+        lambda: gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            micro_batches=2,
+            pins={"embed": 0, "body": 1, "out": 1},
+            data_parallel=2,
+            profile_config=ProfileConfig(mode="flops"),
+        )
+    )
+    return said
+
+
+def _compile_with(
+    example: torch.Tensor | None = None,
+    on_meta: bool = False,
+    micro_batches: int = M,
+    **kwargs: Any,
+) -> Any:
+    if on_meta:
+        with torch.device("meta"):
+            model = Chain()
+    else:
+        model = chain()[0]
+    return gp_compile(
+        model,
+        example if example is not None else chain()[1],
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        micro_batches=micro_batches,
+        pins=PINS["chain"],
+        profile_config=ProfileConfig(mode="flops"),
+        **kwargs,
+    )
+
+
+def test_what_needs_the_process_group_is_refused_by_name() -> None:
+    said = launch(_refusal_worker, 4, timeout=TIMEOUT)
+    assert all(s == said[0] for s in said)
+    expected = [
+        "mesh_dim_names=('pp', 'dp')",
+        "data_parallel=2 both given",
+        "data_parallel=3 does not divide the world size 4",
+        "meta device is not yet supported with a mesh",
+        "pm.load() is not yet available with a mesh",
+        "pm.save() is not yet available with a mesh",
+        "pm(...) (the outputs) is not yet available with a mesh",
+        "a weight tied across pp ranks is not yet summed with a mesh",
+    ]
+    assert len(said[0]) == len(expected)
+    for message, part in zip(said[0], expected, strict=True):
+        assert part in message, message
