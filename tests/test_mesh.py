@@ -392,3 +392,9 @@ def test_what_needs_the_process_group_is_refused_by_name() -> None:
     assert len(said[0]) == len(expected)
     for message, part in zip(said[0], expected, strict=True):
         assert part in message, message
+
+
+@pytest.mark.parametrize("field", ["dp", "shard", "dp_link"])
+def test_the_planners_mesh_fields_are_refused_by_compile(field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"\['{field}'\].*mesh= or data_parallel="):
+        _spec(**{field: 2})

@@ -311,12 +311,23 @@ def schedule_for(weights: str, schedule: str | None) -> str:
     return schedule
 
 
+MESH_PLAN_FIELDS = frozenset({"dp", "shard", "dp_link"})  # PlanConfig's
+
+
 def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str, Any]:
     """PlanConfig options: pins imply the manual partitioner, and refuse any other.
 
     Raises:
-        ConfigError: pins with a partitioner other than "manual".
+        ConfigError: pins with a partitioner other than "manual", or the planner's mesh
+            fields (compile takes its mesh as `mesh=` or `data_parallel=`).
     """
+    mesh_fields = sorted(set(options) & MESH_PLAN_FIELDS)
+    if mesh_fields:
+        raise ConfigError(
+            f"{mesh_fields} are the planner's mesh options (graphpipe.plan(..., dp=k)); "
+            "compile takes the mesh as mesh= or data_parallel= (with dp_shard= and "
+            "reshard_after_forward=) and does not yet hand it to the planner's cost model"
+        )
     pins = options.get("pins")
     if pins and partitioner not in (None, "manual"):
         raise ConfigError(
