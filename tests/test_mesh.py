@@ -19,11 +19,14 @@ from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
+from graphpipe.compile.steps import checked_plan
 from graphpipe.errors import ConfigError
+from graphpipe.planning.partition import plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.mesh import MeshLayout, stage_blocks
 from graphpipe.runtime.spec import RunSpec
+from graphpipe.tracing.tracer import trace
 
 M = 2  # micro-batches; the zoo's batch of 8 gives 2 rows per dp slice
 STEPS = 3
@@ -138,6 +141,7 @@ def _train(pm: Any, name: str) -> dict[str, Any]:
         "params": _full_parameters(pm),
         "eval": evaluated,
         "state": pm.state_dict(),
+        "plan": (pm.plan.num_devices, pm.plan.micro_batch_size, pm.plan.cost_model.dp),
     }
 
 
@@ -181,6 +185,11 @@ def test_a_mesh_step_equals_one_process_on_the_whole_mini_batch(
     for n, value in ref_params.items():
         torch.testing.assert_close(merged[n], value, rtol=1e-5, atol=1e-6, msg=n)
         assert not torch.equal(value, MODELS[case[0]]()[0].get_parameter(n)), f"{n} never moved"
+    # rank 0 planned for the mesh: 2 pp devices, whole micro-batches of 8 / M rows, the dp
+    # dimension with the run's FSDP options in its cost model
+    pp, rows, dp = runs[0][case]["plan"]
+    assert (pp, rows, dp.degree) == (2, 8 // M, 2)
+    assert (dp.shard, dp.reshard_after_forward) == (case[2] != "replicate", case[2] != "keep")
 
 
 # -- once per step ------------------------------------------------------------------------------
@@ -398,3 +407,13 @@ def test_what_needs_the_process_group_is_refused_by_name() -> None:
 def test_the_planners_mesh_fields_are_refused_by_compile(field: str) -> None:
     with pytest.raises(ConfigError, match=rf"\['{field}'\].*mesh= or data_parallel="):
         _spec(**{field: 2})
+
+
+def test_a_given_plan_is_checked_against_the_runs_dp() -> None:
+    model, inputs = chain()
+    gm = trace(model, inputs, micro_batch_size=2)  # one dp rank's slice: 8 rows, M=2, dp=2
+    for_dp1 = plan(model, inputs, devices=2, micro_batches=2, pins=PINS["chain"])
+    with pytest.raises(ConfigError, match="made for dp=1, this run has dp=2"):
+        checked_plan(for_dp1, gm, 2)
+    for_dp2 = plan(model, inputs, devices=4, dp=2, micro_batches=2, pins=PINS["chain"])
+    assert checked_plan(for_dp2, gm, 2) is for_dp2

@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from graphpipe.errors import ConfigError, GraphPipeError, PlanError
 from graphpipe.ir import Plan, Schedule
 from graphpipe.ir.registry import SCHEDULES
-from graphpipe.planning.opgraph import graph_hash, input_shapes
-from graphpipe.planning.partition import PlanConfig, partition
+from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
+from graphpipe.planning.partition import PlanConfig, partition, partition_mesh
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.planning.validate import validate_plan
 from graphpipe.runtime.failures import guarded
@@ -139,21 +139,26 @@ def ensure_process_group(runtime: RuntimeConfig) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=runtime.timeout))
 
 
-def checked_plan(plan: Plan, gm: fx.GraphModule) -> Plan:
-    """A given plan, checked against this model's trace.
+def checked_plan(plan: Plan, gm: fx.GraphModule, dp: int = 1) -> Plan:
+    """A given plan, checked against this model's trace (at one dp rank's slice of `dp`).
 
     Raises:
         PlanError: the plan was made for another graph, or is invalid for this one.
-        ConfigError: the plan was made for another micro-batch size or input shapes.
+        ConfigError: the plan was made for another micro-batch size, input shapes or dp.
     """
-    b = trace_info(gm).micro_batch_size
+    b = trace_info(gm).micro_batch_size * dp
+    if plan.cost_model.dp.degree != dp:
+        raise ConfigError(
+            f"the plan was made for dp={plan.cost_model.dp.degree}, this run has dp={dp}; "
+            "plan with graphpipe.plan(..., dp=...) for the run's mesh"
+        )
     if plan.micro_batch_size != b:
         raise ConfigError(
             f"the plan was made for micro-batches of {plan.micro_batch_size} samples, but "
             f"this batch of {trace_info(gm).batch_size} in {plan.micro_batches} "
             f"micro-batches gives {b}"
         )
-    traced = input_shapes(gm)
+    traced = _whole_micro_batch(input_shapes(gm), dp)
     for name, shape in plan.input_shapes.items():
         if name in traced and traced[name] != shape:
             raise ConfigError(
@@ -183,6 +188,42 @@ def _profile_config(gm: fx.GraphModule, config: ProfileConfig | None) -> Profile
     return config
 
 
+def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:
+    """Rank 0's plan: over the world's devices, with a mesh over pp = world / dp of them.
+
+    Under a mesh the model is traced at one dp rank's slice (b rows of a micro-batch of b * dp),
+    so the op graph is already one dp rank's: the planner is told the whole micro-batch's rows
+    and handed that graph as the slice (`partition_mesh(graph_at=...)`), and costs the dp
+    dimension (sharded bytes, all-gathers, the reduce-scatter) with the run's FSDP options.
+    """
+    dp, b = spec.data_parallel, trace_info(gm).micro_batch_size
+    prof = profile(gm, inputs, b, _profile_config(gm, spec.profile_config))
+    if dp == 1:
+        config = PlanConfig.build(
+            pipeline_devices(spec), micro_batches=spec.micro_batches, **spec.plan_options
+        )
+        return partition(gm, prof, config)
+    config = PlanConfig.build(
+        dist.get_world_size(),
+        micro_batches=spec.micro_batches,
+        dp=dp,
+        shard=spec.dp_shard,
+        reshard_after_forward=spec.reshard_after_forward,
+        **spec.plan_options,
+    )
+    g = op_graph(gm, prof, config.precision)
+    made = partition_mesh(
+        g, b * dp, config, graph_hash(gm), prof.mode, prof.device, graph_at=lambda k: g
+    )
+    return replace(made, input_shapes=_whole_micro_batch(input_shapes(gm), dp))
+
+
+def _whole_micro_batch(shapes: dict[str, tuple[int, ...]], dp: int) -> dict[str, tuple[int, ...]]:
+    """Input shapes of one dp rank's slice -> those of the whole micro-batch (dim 0 x dp),
+    as a plan records them (`graphpipe.plan(..., dp=k)` traces the whole micro-batch)."""
+    return {name: (s[0] * dp, *s[1:]) if s else s for name, s in shapes.items()}
+
+
 def plan_on_rank_0(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:
     """The plan made on rank 0 and broadcast to every rank.
 
@@ -203,14 +244,7 @@ def plan_on_rank_0(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: R
     message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            config = PlanConfig.build(  # the pp devices (a mesh's dp copies are not planned)
-                pipeline_devices(spec), micro_batches=spec.micro_batches, **spec.plan_options
-            )
-            b = trace_info(gm).micro_batch_size
-            made = partition(
-                gm, profile(gm, inputs, b, _profile_config(gm, spec.profile_config)), config
-            )
-            message[0] = ("plan", made.to_json())
+            message[0] = ("plan", _plan(gm, inputs, spec).to_json())
         except GraphPipeError as exc:
             message[0] = ("error", f"{type(exc).__name__}: {exc}")
     try:

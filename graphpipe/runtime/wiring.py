@@ -235,7 +235,8 @@ def _build_modules(
     emulate = spec.runtime.emulate
     # an emulated rank with no stage still builds every stage's stand-in (on meta)
     shaped = bool(mine) or emulate is not None
-    specs = micro_shapes(gm, example_inputs, plan.micro_batch_size) if shaped else {}
+    rows = plan.micro_batch_size // plan.cost_model.dp.degree  # one dp rank's slice
+    specs = micro_shapes(gm, example_inputs, rows) if shaped else {}
     if emulate is not None:  # every stage's compute becomes a wait
         modules = _emulated(gm, plan, modules, specs, emulate, mine, device)
         specs = emulated_specs(specs, emulate)
