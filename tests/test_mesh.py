@@ -285,7 +285,6 @@ def _spec(**kwargs: Any) -> RunSpec:
         ({"schedule": "interleaved"}, "schedule='interleaved'"),
         ({"schedule": "graph_interleaved"}, "schedule='graph_interleaved'"),
         ({"precision": "fp16"}, "precision='fp16'"),
-        ({"max_grad_norm": 1.0}, "max_grad_norm=1.0"),
         ({"nan_check": True}, "nan_check=True"),
         ({"compile_stages": True}, "compile_stages=True"),
         ({"replication": True}, "replication=True"),
