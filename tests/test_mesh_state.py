@@ -8,6 +8,7 @@ mini-batch with gradient accumulation over the same M micro-batches.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import pytest
@@ -46,7 +47,17 @@ def _compile(name: str, **kwargs: Any) -> Any:
 # -- clipping -----------------------------------------------------------------------------------
 
 
-def clipped_reference(name: str) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+CLIP_CASES = [  # (model, dp_shard, norm_type)
+    ("chain", True, 2.0),
+    ("two_branch", True, 2.0),
+    ("chain", False, 2.0),  # replicated over dp: whole gradients, a DTensor all the same
+    ("chain", True, math.inf),  # the largest |g|: MAX over dp, then over pp
+]
+
+
+def clipped_reference(
+    name: str, norm_type: float
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process, gradient accumulation over M micro-batches, then torch's
     clip_grad_norm_: the losses, the norms before clipping, and the parameters after."""
     model, _ = MODELS[name]()
@@ -59,40 +70,45 @@ def clipped_reference(name: str) -> tuple[list[float], list[float], dict[str, to
             loss = dict_loss(model(*[x.chunk(M)[j] for x in inputs]), target.chunk(M)[j])
             (loss / M).backward()
             total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)
+        norms.append(float(norm))
         opt.step()
         opt.zero_grad()
         losses.append(total / M)
     return losses, norms, {k: v.detach() for k, v in model.named_parameters()}
 
 
-def _clip_worker(names: list[str]) -> dict[str, Any]:
+def _clip_worker() -> dict[tuple[str, bool, float], Any]:
     out = {}
-    for name in names:
-        pm = _compile(name, max_grad_norm=MAX_NORM)
+    for name, shard, norm_type in CLIP_CASES:
+        pm = _compile(name, max_grad_norm=MAX_NORM, grad_norm_type=norm_type, dp_shard=shard)
         losses, norms = [], []
         for s in range(STEPS):
             inputs, target = batch(name, s)
             losses.append(pm.step(*inputs, target=target))
             norms.append(pm.last_grad_norm)
-        out[name] = {"losses": losses, "norms": norms, "params": _full_parameters(pm)}
+        run = {"losses": losses, "norms": norms, "params": _full_parameters(pm)}
+        out[name, shard, norm_type] = run
     return out
 
 
 @pytest.fixture(scope="module")
-def clipped() -> list[dict[str, Any]]:
-    return launch(_clip_worker, 4, args=(list(MODELS),), timeout=TIMEOUT)
+def clipped() -> list[dict[tuple[str, bool, float], Any]]:
+    return launch(_clip_worker, 4, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "case", CLIP_CASES, ids=[f"{n}-{'shard' if s else 'replicate'}-p{p}" for n, s, p in CLIP_CASES]
+)
 def test_clipping_under_a_mesh_equals_torch_s_on_one_process(
-    clipped: list[dict[str, Any]], name: str
+    clipped: list[dict[tuple[str, bool, float], Any]], case: tuple[str, bool, float]
 ) -> None:
-    ref_losses, ref_norms, ref_params = clipped_reference(name)
-    assert min(ref_norms) > 10 * MAX_NORM  # every step is clipped
+    name, _, norm_type = case
+    ref_losses, ref_norms, ref_params = clipped_reference(name, norm_type)
+    assert min(ref_norms) > 2 * MAX_NORM  # every step is clipped
     merged: dict[str, torch.Tensor] = {}
     for rank, result in enumerate(clipped):
-        run = result[name]
+        run = result[case]
         assert run["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
         # the norm over every stage's shards, the same on all four ranks
         assert run["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {rank}"

@@ -87,7 +87,7 @@ class Wiring:
         if self.layout is not None and self.layout.sharded:
             raise ConfigError(
                 f"{what} is not yet available with a mesh (FSDP2 per stage); planned: "
-                "DCP checkpoints of sharded stages, and the outputs gathered over dp slices"
+                "the outputs gathered over dp slices"
             )
 
     @property
