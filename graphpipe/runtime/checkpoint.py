@@ -12,7 +12,17 @@ Every rank writes its own shard of one DCP checkpoint. Keys are names, never pos
     policy/rank<r>           rank r's weight-policy state, pickled
 
 Copies of one tensor on several ranks (tied weights, replicas) write the same key and DCP
-keeps one. `graphpipe.json` records the plan, the world size, the weight policy, the step
+keeps one.
+
+Under a ("pp", "dp") mesh (FSDP2 per stage) a parameter and its optimizer state of the same
+shape (Adam's exp_avg, exp_avg_sq) are DTensors: each dp rank writes its shard of the one
+key, and a load reads into buffers laid out as the loading run's parameters
+(`_state_buffer`), so DCP reshards by name between any two layouts: a mesh's to another
+mesh's, to a pipeline without one, and back. `<r>` in the per-rank keys is the plan device,
+which a device's dp ranks share (same values: DCP keeps one); graphpipe.json records the
+mesh's (pp, dp) under "mesh" (null without one), and the global rank 0 owns the directory.
+
+`graphpipe.json` records the plan, the world size, the weight policy, the step
 count, the precision's loss scale and every name of every tensor (tied aliases), so a load
 under another plan asks for the keys its own stages hold (resharding by name), and export
 writes a state dict that loads strictly into the unpipelined model. A weight policy that
@@ -46,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
@@ -87,6 +98,8 @@ class Checkpointable(Protocol):
 
     @property
     def loss_scale(self) -> float | None: ...  # fp16's loss scale (None without fp16)
+    @property
+    def mesh_shape(self) -> tuple[int, int] | None: ...  # (pp, dp) of a mesh; None: none
 
     steps_done: int  # step() calls so far
 
@@ -214,6 +227,7 @@ def _metadata(pm: Checkpointable) -> dict[str, Any]:
         "step": pm.steps_done,
         "micro_batches": pm.micro_batches,
         "loss_scale": pm.loss_scale,
+        "mesh": None if pm.mesh_shape is None else list(pm.mesh_shape),
         "names": list(pm.names),
         "canonical": dict(pm.canonical),
     }
@@ -231,13 +245,14 @@ def save(pm: Checkpointable, path: str | Path) -> Path:
     pm.drain()  # an asynchronous pipeline's updates in flight land first
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    if pm.rank == 0:
+    first = dist.get_rank() == 0  # the one process that owns the directory
+    if first:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     guarded("the checkpoint's barrier", dist.barrier)
     items = {**_model_items(pm), **_optim_items(pm)}
     guarded("the checkpoint save", lambda: dcp.save(items, checkpoint_id=tmp))
-    if pm.rank == 0:
+    if first:
         meta = tmp / META
         meta.write_text(json.dumps(_metadata(pm), indent=1))
         _fsync(meta)
@@ -287,14 +302,15 @@ def _optim_template(pm: Checkpointable, saved: dict[str, Any], same_plan: bool) 
     """Buffers for this rank's optimizer state, settings and policy state."""
     if pm.module is None:
         return {}
-    mine = set(_names(pm).values())
+    names = _names(pm)
+    params = {names[fqn]: p for fqn, p in pm.module.named_parameters()}  # by the model's names
     template: dict[str, Any] = {}
     for key, info in saved.items():
-        if key.startswith("optim/") and key[len("optim/") :].rsplit("/", 1)[0] in mine:
-            if isinstance(info, TensorStorageMetadata):
-                template[key] = torch.empty(info.size, dtype=info.properties.dtype)
-            elif isinstance(info, BytesStorageMetadata):
-                template[key] = b""
+        name = key[len("optim/") :].rsplit("/", 1)[0] if key.startswith("optim/") else None
+        if name in params and isinstance(info, TensorStorageMetadata):
+            template[key] = _state_buffer(info, params[name])
+        elif name in params and isinstance(info, BytesStorageMetadata):
+            template[key] = b""
     settings = (
         f"optim_groups/rank{pm.rank}" if same_plan else _first_rank_key(saved, "optim_groups/")
     )
@@ -303,6 +319,16 @@ def _optim_template(pm: Checkpointable, saved: dict[str, Any], same_plan: bool) 
         if key in saved:
             template[key] = b""
     return template
+
+
+def _state_buffer(info: TensorStorageMetadata, param: torch.Tensor) -> torch.Tensor:
+    """A buffer DCP reads one saved optimizer state tensor into: sharded like `param` where
+    the state has the parameter's shape and the parameter is a mesh's DTensor (Adam's
+    exp_avg; DCP reads this rank's shard of it, whatever layout saved it), else whole (a
+    step count, or a parameter that is not sharded)."""
+    if isinstance(param, DTensor) and tuple(info.size) == tuple(param.shape):
+        return torch.empty_like(param, dtype=info.properties.dtype)
+    return torch.empty(info.size, dtype=info.properties.dtype)
 
 
 def _first_rank_key(saved: dict[str, Any], prefix: str) -> str:

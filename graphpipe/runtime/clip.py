@@ -9,7 +9,14 @@ over the ranks:
     total   all-reduce (SUM, or MAX for inf) over every rank that holds a stage, then ^(1/p)
 
 A parameter is counted once: a tied weight held by several stages by the rank of the first
-of them, a replicated stage's parameters by its first device. The weight policy calls the
+of them, a replicated stage's parameters by its first device.
+
+Under a ("pp", "dp") mesh (FSDP2 per stage) each gradient is a DTensor shard over dp. torch's
+norm of DTensors is a DTensor over the dp mesh, made whole there (`mesh.whole`, a reduction
+over the stage's dp ranks); the all-reduce then runs over the pp ranks of this rank's dp
+index only (`groups.update_group`), since every dp rank of a stage now holds the same
+stage norm: each stage is counted once, and every dp index gets the same total. The scaling
+multiplies each rank's own shards by that total's factor. The weight policy calls the
 clipper after the gradient sums over replicas and tied copies and before the optimizer step
 (the last of its update hooks, `graphpipe.runtime.hooks`), so every copy is scaled by the
 same factor. The norm stays on the device; `PipelinedModel.last_grad_norm` reads it when asked.
@@ -46,6 +53,7 @@ from torch import nn
 from graphpipe.errors import ConfigError
 from graphpipe.ir.registry import POLICIES, policy_spec
 from graphpipe.runtime.failures import guarded
+from graphpipe.runtime.mesh import whole
 
 __all__ = ["GradClipper", "check_clipping"]
 
@@ -97,11 +105,15 @@ class GradClipper:
 
     def _local(self, device: torch.device) -> torch.Tensor:
         """This rank's share of the total: the sum of |g|^p over the gradients it counts
-        (their largest |g| for p = inf), as float32 on `device` (zero without gradients)."""
+        (their largest |g| for p = inf), as float32 on `device` (zero without gradients).
+
+        Under a mesh the gradients are FSDP2's DTensor shards, and torch's norm of them is a
+        DTensor over the dp mesh: `whole` reduces it there (a collective over the stage's dp
+        ranks), so every dp rank of a stage holds the stage's whole norm."""
         grads = [p.grad for p in self.counted if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=device)
-        norm = _total_norm(grads, self.norm_type).to(device, torch.float32)
+        norm = whole(_total_norm(grads, self.norm_type)).to(device, torch.float32)
         return norm if math.isinf(self.norm_type) else norm.pow(self.norm_type)
 
     def __call__(self, device: torch.device) -> torch.Tensor:

@@ -6,15 +6,20 @@ rank's `GradSync` then sums its own parameters' gradients over the groups it is 
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
+
+import torch.distributed as dist
 
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.ir.registry import schedule_spec
+from graphpipe.runtime.failures import guarded
+from graphpipe.runtime.mesh import MeshLayout
 from graphpipe.runtime.spec import RunSpec
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
 
-__all__ = ["Modules", "sum_groups"]
+__all__ = ["Modules", "sum_groups", "update_group"]
 
 Modules = dict[int, tuple[Any, Any]]  # stage index -> (its module, its StageIO)
 
@@ -79,3 +84,34 @@ def _refuse_tied(tied: tuple[tuple[int, ...], str], weights: str, schedule: str)
         "summed; use weights='flush', which sums them before each update, or give "
         "the modules that share it copies of their own"
     )
+
+
+def update_group(plan: Plan, timeout: float, layout: MeshLayout) -> dist.ProcessGroup | None:
+    """The ranks that agree on an update (clipping's norm, fp16's overflow): every busy plan
+    device's process for this rank's dp index (a collective: every rank, same order).
+
+    Under a mesh, one group per dp index d holds the global ranks `layout.ranks[p][d]` of
+    the busy plan devices p; each rank gets its own d's. The dp ranks of a stage need no
+    part in it: their shards' norm is already whole on each of them (FSDP2's DTensor
+    gradients, `graphpipe.runtime.clip`), so one pp sum per dp index counts every stage
+    once, where a sum over all ranks would count each dp times.
+
+    Args:
+        plan: The plan (which devices hold a stage).
+        timeout: Seconds for the group's collectives.
+        layout: This process's place in the mesh (the identity without one).
+
+    Returns:
+        The group; None when it is every rank (no mesh, no idle device).
+    """
+    busy = sorted({d for s in plan.stages for d in s.devices})
+    if layout.dp == 1 and len(busy) == dist.get_world_size():
+        return None
+    wait = datetime.timedelta(seconds=timeout)
+    groups = [_new_group([layout.ranks[p][d] for p in busy], wait) for d in range(layout.dp)]
+    return groups[layout.dp_index]
+
+
+def _new_group(ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A process group of `ranks` (a collective: every rank calls it)."""
+    return guarded("the update group's creation", lambda: dist.new_group(ranks, timeout=timeout))

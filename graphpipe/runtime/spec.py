@@ -175,7 +175,7 @@ class RunSpec:
         if mesh is not None or (dp or 1) > 1:
             asked = dict(
                 weights=weights, schedule=resolved, precision=precision,
-                max_grad_norm=max_grad_norm, nan_check=nan_check, compile_stages=compile_stages,
+                nan_check=nan_check, compile_stages=compile_stages,
                 replication=plan_options.get("replication", False),
                 emulate=(runtime or RuntimeConfig()).emulate,
             )  # fmt: skip
@@ -427,7 +427,6 @@ def mesh_refusals(
     weights: str,
     schedule: str | None,
     precision: str | None,
-    max_grad_norm: float | None,
     nan_check: bool,
     compile_stages: bool,
     replication: Any,
@@ -446,8 +445,6 @@ def mesh_refusals(
             out.append(f"schedule={schedule!r} places several stages per device, {later}")
     if precision == "fp16":
         out.append(f"precision='fp16' (a loss scale agreed by all ranks) is {later}")
-    if max_grad_norm is not None:
-        out.append(f"max_grad_norm={max_grad_norm!r} (clipping over sharded gradients) is {later}")
     if nan_check:
         out.append(f"nan_check=True is {later}")
     if compile_stages:

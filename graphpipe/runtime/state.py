@@ -85,6 +85,12 @@ class ModelState:
         """fp16's current loss scale (None without fp16)."""
         return None if self.w.scaler is None else self.w.scaler.scale
 
+    @property
+    def mesh_shape(self) -> tuple[int, int] | None:
+        """(pp, dp) of the mesh the stages run over; None without one."""
+        layout = self.w.layout
+        return None if layout is None or not layout.sharded else (layout.pp, layout.dp)
+
     def restore_loss_scale(self, scale: float) -> None:
         """Set fp16's loss scale to a saved one.
 

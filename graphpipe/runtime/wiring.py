@@ -10,7 +10,6 @@ and creates its groups in the same order.
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from graphpipe.runtime.comm import Transport
 from graphpipe.runtime.emulate import Emulate, EmulatedStage, emulated_specs
 from graphpipe.runtime.executor import Executor, StageRuntime
 from graphpipe.runtime.failures import guarded, install_watch, set_collective_timeout
-from graphpipe.runtime.groups import Modules, sum_groups
+from graphpipe.runtime.groups import Modules, sum_groups, update_group
 from graphpipe.runtime.hooks import AgreeFinite, Clip, Unscale, hooks_for
 from graphpipe.runtime.materialize import materialize, names_by_id
 from graphpipe.runtime.mesh import MeshLayout, shard_stage
@@ -88,7 +87,7 @@ class Wiring:
         if self.layout is not None and self.layout.sharded:
             raise ConfigError(
                 f"{what} is not yet available with a mesh (FSDP2 per stage); planned: "
-                "DCP checkpoints of sharded stages, and the outputs gathered over dp slices"
+                "the outputs gathered over dp slices"
             )
 
     @property
@@ -131,7 +130,7 @@ def wire(
     aliases = names_by_id(model)  # by the ids of the materialised tensors: after materialize
     modules = built.modules
     sync, shared = sum_groups(plan, spec, schedule.name, rank, canon, modules, mine, layout.sharded)
-    update_group, scaler, agree = _update_checks(plan, spec, modules, canon, device)
+    update_group, scaler, agree = _update_checks(plan, spec, modules, canon, device, layout)
     if built.materialized:
         sync.broadcast()  # tied copies and replicas start equal on every holder
     prefetch = dist.get_backend() == "gloo" if runtime.prefetch is None else runtime.prefetch
@@ -253,12 +252,17 @@ def _build_modules(
 
 
 def _update_checks(
-    plan: Plan, spec: RunSpec, modules: Modules, canon: dict[str, str], device: torch.device
+    plan: Plan,
+    spec: RunSpec,
+    modules: Modules,
+    canon: dict[str, str],
+    device: torch.device,
+    layout: MeshLayout,
 ) -> tuple[dist.ProcessGroup | None, LossScaler | None, AgreeFinite | None]:
     """The group that agrees on clipping and the loss scale (a collective, when either is
     on), fp16's scaler and nan_check's agreement."""
     needs_group = spec.clip is not None or spec.precision == "fp16"
-    group = _update_group(plan, spec.runtime) if needs_group else None
+    group = update_group(plan, spec.runtime.timeout, layout) if needs_group else None
     scaler = _scaler(group) if spec.precision == "fp16" else None
     agree = _agreement(modules, canon, spec.micro_batches, device) if spec.nan_check else None
     return group, scaler, agree
@@ -322,15 +326,6 @@ def _wire_stages(
         grad_scale=None if scaler is None else lambda: scaler.scale,
     )
     return _Parts(whole, optimizer, clipper, policy, executor)
-
-
-def _update_group(plan: Plan, runtime: RuntimeConfig) -> dist.ProcessGroup | None:
-    """The ranks holding a stage, as a process group (a collective); None: all of them."""
-    busy = sorted({d for s in plan.stages for d in s.devices})
-    if len(busy) == dist.get_world_size():
-        return None
-    timeout = datetime.timedelta(seconds=runtime.timeout)
-    return guarded("the update group's creation", lambda: dist.new_group(busy, timeout=timeout))
 
 
 def _scaler(group: dist.ProcessGroup | None) -> LossScaler:
