@@ -141,6 +141,10 @@ def stage_blocks(stage: fx.GraphModule, model: nn.Module) -> list[list[nn.Module
     unit of its own. Only modules with parameters count, and only those whose parameters no
     other unit or direct attribute read of the stage uses (those stay with the stage root).
 
+    A stage traced by torch.export (a flat aten graph, e.g. a Hugging Face Llama) calls no
+    module: its parameters are get_attr reads, which FSDP2's module hooks cannot see, so it
+    has no block and the stage root is its one unit (all its parameters gathered at once).
+
     Args:
         stage: The stage's GraphModule (its call_module targets are the model's paths).
         model: The original model (which containers are lists of blocks).

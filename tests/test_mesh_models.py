@@ -1,0 +1,209 @@
+"""A real model on a ("pp", "dp") mesh: a tiny Hugging Face Llama, and recompute.
+
+Four gloo processes on a (2, 2) mesh, as in tests/test_mesh.py. A tiny Llama (hidden 32, two
+decoder layers, random weights) trained under 1f1b with Adam for 3 steps must equal one
+process training on the whole mini-batch with gradient accumulation over the same M
+micro-batches: the losses of every step, every parameter (`pm.state_dict()`), Adam's state
+(the optimizer's sharded moments gathered over dp) and an `eval_step` afterwards.
+
+Llama traces through torch.export: the stage is a flat aten graph whose parameters are
+read by get_attr, with no submodule calls for FSDP2's hooks to wrap, so each stage is one
+FSDP unit (its root; `graphpipe.runtime.mesh.stage_blocks` finds no block).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.planning.profile import ProfileConfig
+from graphpipe.runtime.launch import launch
+from graphpipe.runtime.mesh import stage_blocks
+from graphpipe.tracing.tracer import trace
+
+B = 8  # mini-batch: 2 micro-batches of 4 rows, 2 rows per dp rank
+M = 2  # micro-batches
+L = 6  # sequence length
+V = 64  # vocabulary
+STEPS = 3
+TIMEOUT = 300  # seconds for a whole launch
+PINS = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
+
+
+def llama() -> nn.Module:
+    """A seeded tiny Llama: hidden 32, 2 decoder layers, 2 heads, vocabulary 64."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg)
+
+
+LR = 1e-2
+# Adam's eps bounds how far a rounding difference in a gradient element moves its update:
+# d(step)/d(grad) peaks at lr / eps for a gradient near zero (the sum over two dp halves
+# rounds differently from the whole micro-batch's). torch's default eps=1e-8 makes that
+# 1e6, so a near-zero gradient of layer 0's k_proj at initialisation (attention almost
+# uniform) moved a parameter by 2e-6; eps=1e-4 keeps it at 100 while every gradient above
+# 1e-4 is still normalised by its own magnitude.
+EPS = 1e-4
+
+
+def _optimizer() -> functools.partial[torch.optim.Optimizer]:
+    return functools.partial(torch.optim.Adam, lr=LR, eps=EPS)
+
+
+def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), target.reshape(-1))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s token ids (B, L) and next-token targets (B, L)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randint(3, V, (B, L), generator=gen), torch.randint(3, V, (B, L), generator=gen)
+
+
+def reference() -> dict[str, Any]:
+    """One process, the whole mini-batch, gradient accumulation over the M micro-batches."""
+    model = llama()
+    opt = _optimizer()(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        ids, target = batch(step)
+        total = 0.0
+        for j in range(M):
+            loss = lm_loss(model(input_ids=ids.chunk(M)[j], use_cache=False), target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    ids, target = batch(0)
+    with torch.no_grad():
+        parts = zip(ids.chunk(M), target.chunk(M), strict=True)
+        evaluated = sum(float(lm_loss(model(input_ids=x, use_cache=False), t)) for x, t in parts)
+    names = {id(p): n for n, p in model.named_parameters()}
+    adam = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return {
+        "losses": losses,
+        "state": model.state_dict(),
+        "eval": evaluated / M,
+        "adam": adam,
+    }
+
+
+def _adam_state(pm: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's Adam state by parameter name, each moment gathered whole over dp (a
+    collective over dp: both dp ranks of the stage walk the same names in the same order)."""
+    out = {}
+    for name, p in pm.module.named_parameters():
+        state = pm.optimizer.state[p]
+        out[name] = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in state.items()
+        }
+    return out
+
+
+def _train_worker() -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    ids, _ = batch(0)
+    pm = gp_compile(
+        llama(),
+        {"input_ids": ids, "use_cache": False},
+        loss_fn=lm_loss,
+        optimizer=_optimizer(),
+        micro_batches=M,
+        schedule="1f1b",
+        pins=PINS,
+        mesh=mesh,
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=120),
+    )
+    losses = [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
+    evaluated = pm.eval_step(input_ids=batch(0)[0], target=batch(0)[1])
+    return {
+        "losses": losses,
+        "eval": evaluated,
+        "state": pm.state_dict(),
+        "adam": _adam_state(pm),
+        "stages": len(pm.plan.stages),
+        "sharded": all(isinstance(p, DTensor) for p in pm.module.parameters()),
+    }
+
+
+def _named(what: str) -> Any:
+    return lambda message: f"{what}: {message}"
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return launch(_train_worker, 4, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, Any]:
+    return reference()
+
+
+def test_llama_on_the_mesh_trains_as_one_process(
+    runs: list[dict[str, Any]], expected: dict[str, Any]
+) -> None:
+    for rank, result in enumerate(runs):
+        assert result["stages"] == 2 and result["sharded"], f"rank {rank}"
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5), f"rank {rank}"
+        assert list(result["state"]) == list(expected["state"]), f"rank {rank}"
+        for key, value in expected["state"].items():
+            torch.testing.assert_close(
+                result["state"][key], value, rtol=1e-5, atol=1e-6, msg=_named(key)
+            )
+    start = llama().state_dict()
+    assert not torch.equal(expected["state"]["lm_head.weight"], start["lm_head.weight"])
+
+
+def test_llama_s_adam_state_on_the_mesh_equals_one_process_s(
+    runs: list[dict[str, Any]], expected: dict[str, Any]
+) -> None:
+    seen: set[str] = set()
+    for rank, result in enumerate(runs):
+        for name, moments in result["adam"].items():
+            assert sorted(moments) == sorted(expected["adam"][name]), f"rank {rank} {name}"
+            for k, v in moments.items():
+                want = expected["adam"][name][k]
+                torch.testing.assert_close(v, want, rtol=1e-5, atol=1e-7, msg=_named(f"{name} {k}"))
+            seen.add(name)
+    assert seen == set(expected["adam"])  # every parameter's state, on some stage
+    assert all(int(s["step"]) == STEPS for s in expected["adam"].values())
+
+
+def test_llama_s_eval_step_on_the_mesh_equals_one_process_s(
+    runs: list[dict[str, Any]], expected: dict[str, Any]
+) -> None:
+    for rank, result in enumerate(runs):
+        assert result["eval"] == pytest.approx(expected["eval"], rel=1e-5), f"rank {rank}"
+
+
+def test_an_exported_stage_is_one_fsdp_unit() -> None:
+    """torch.export lifts Llama's parameters into get_attr reads of a flat aten graph: no
+    decoder layer is called as a module, so no block can be an FSDP unit of its own."""
+    model = llama()
+    gm = trace(model, {"input_ids": batch(0)[0], "use_cache": False})
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)
+    assert stage_blocks(gm, model) == []
