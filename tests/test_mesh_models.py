@@ -19,9 +19,16 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from test_mesh import PINS as CHAIN_PINS
+from test_mesh import STEPS as CHAIN_STEPS
+from test_mesh import _optimizer as chain_optimizer
+from test_mesh import batch as chain_batch
+from test_mesh import chain
+from test_mesh import reference as chain_reference
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from zoo import dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
@@ -207,3 +214,52 @@ def test_an_exported_stage_is_one_fsdp_unit() -> None:
     gm = trace(model, {"input_ids": batch(0)[0], "use_cache": False})
     assert not any(n.op == "call_module" for n in gm.graph.nodes)
     assert stage_blocks(gm, model) == []
+
+
+# -- recompute ----------------------------------------------------------------------------------
+
+RECOMPUTE_CASES = [("1f1b", True), ("gpipe", False)]  # (schedule, reshard_after_forward)
+
+
+def _recompute_worker() -> dict[tuple[str, bool], Any]:
+    out = {}
+    for schedule, reshard in RECOMPUTE_CASES:
+        model, inputs = chain()
+        pm = gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=chain_optimizer(),
+            micro_batches=M,
+            schedule=schedule,
+            pins=CHAIN_PINS["chain"],
+            recompute=True,
+            data_parallel=2,
+            reshard_after_forward=reshard,
+            profile_config=ProfileConfig(mode="flops"),
+            runtime=RuntimeConfig(timeout=60),
+        )
+        out[(schedule, reshard)] = {
+            "recompute": [s.recompute for s in pm.plan.stages],
+            "losses": [
+                pm.step(*chain_batch("chain", s)[0], target=chain_batch("chain", s)[1])
+                for s in range(CHAIN_STEPS)
+            ],
+            "state": pm.state_dict(),
+        }
+    return out
+
+
+def test_recompute_on_the_mesh_trains_as_one_process() -> None:
+    """Each stage's forward runs under torch.utils.checkpoint around its FSDP2 root, and
+    its backward recomputes it (FSDP2 gathers the parameters again): equal to one process."""
+    ref_losses, ref_params, _ = chain_reference("chain")
+    runs = launch(_recompute_worker, 4, timeout=TIMEOUT)
+    for case in RECOMPUTE_CASES:
+        for rank, result in enumerate(runs):
+            assert result[case]["recompute"] == [True, True], f"rank {rank} {case}"
+            assert result[case]["losses"] == pytest.approx(ref_losses, rel=1e-5), f"{case}"
+            for n, value in ref_params.items():
+                torch.testing.assert_close(
+                    result[case]["state"][n], value, rtol=1e-5, atol=1e-6, msg=_named(n)
+                )
