@@ -1,4 +1,4 @@
-"""A real model on a ("pp", "dp") mesh: a tiny Hugging Face Llama, and recompute.
+"""A real model on a ("pp", "dp") mesh (a tiny Hugging Face Llama), recompute and bf16.
 
 Four gloo processes on a (2, 2) mesh, as in tests/test_mesh.py. A tiny Llama (hidden 32, two
 decoder layers, random weights) trained under 1f1b with Adam for 3 steps must equal one
@@ -8,11 +8,17 @@ micro-batches: the losses of every step, every parameter (`pm.state_dict()`), Ad
 
 Llama traces through torch.export: the stage is a flat aten graph whose parameters are
 read by get_attr, with no submodule calls for FSDP2's hooks to wrap, so each stage is one
-FSDP unit (its root; `graphpipe.runtime.mesh.stage_blocks` finds no block).
+FSDP unit (its root; `graphpipe.runtime.mesh.stage_blocks` finds no block), and bf16 (which
+export's float32 graph cannot run) is refused for it by name.
+
+On the chain of tests/test_mesh.py: `recompute=True` equals one process at rtol 1e-5, and
+`precision="bf16"` (FSDP2's MixedPrecisionPolicy) equals one process's bf16 recipe at a bf16
+tolerance (`BF16_RTOL`).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -32,6 +38,7 @@ from zoo import dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import ConfigError
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.mesh import stage_blocks
@@ -129,10 +136,10 @@ def _adam_state(pm: Any) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _train_worker() -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+def _compile_llama(**kwargs: Any) -> Any:
+    """The Llama over a 2 x 2 mesh, pinned to two stages."""
     ids, _ = batch(0)
-    pm = gp_compile(
+    return gp_compile(
         llama(),
         {"input_ids": ids, "use_cache": False},
         loss_fn=lm_loss,
@@ -140,10 +147,23 @@ def _train_worker() -> dict[str, Any]:
         micro_batches=M,
         schedule="1f1b",
         pins=PINS,
-        mesh=mesh,
+        mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")),
         profile_config=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
+        **kwargs,
     )
+
+
+def _bf16_refusal() -> str:
+    try:
+        _compile_llama(precision="bf16")
+    except ConfigError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def _train_worker() -> dict[str, Any]:
+    pm = _compile_llama()
     losses = [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
     evaluated = pm.eval_step(input_ids=batch(0)[0], target=batch(0)[1])
     return {
@@ -153,6 +173,7 @@ def _train_worker() -> dict[str, Any]:
         "adam": _adam_state(pm),
         "stages": len(pm.plan.stages),
         "sharded": all(isinstance(p, DTensor) for p in pm.module.parameters()),
+        "bf16": _bf16_refusal(),
     }
 
 
@@ -205,6 +226,14 @@ def test_llama_s_eval_step_on_the_mesh_equals_one_process_s(
 ) -> None:
     for rank, result in enumerate(runs):
         assert result["eval"] == pytest.approx(expected["eval"], rel=1e-5), f"rank {rank}"
+
+
+def test_bf16_with_a_mesh_refuses_an_exported_graph_by_name(runs: list[dict[str, Any]]) -> None:
+    """torch.export fixed the Llama graph's dtypes at float32: FSDP2's bf16 parameters would
+    meet its float32 casts and dtype checks, so it is refused before any step."""
+    for rank, result in enumerate(runs):
+        assert "precision='bf16' with a mesh" in result["bf16"], f"rank {rank}"
+        assert "traced by torch.export" in result["bf16"], f"rank {rank}"
 
 
 def test_an_exported_stage_is_one_fsdp_unit() -> None:
@@ -263,3 +292,87 @@ def test_recompute_on_the_mesh_trains_as_one_process() -> None:
                 torch.testing.assert_close(
                     result[case]["state"][n], value, rtol=1e-5, atol=1e-6, msg=_named(n)
                 )
+
+
+# -- bf16 ---------------------------------------------------------------------------------------
+
+# bf16 has an 8-bit mantissa (relative rounding 2**-8 = 0.4%): the mesh computes each
+# micro-batch's gradient in two dp halves (each rounded to bf16, summed in float32) where one
+# process computes it whole, so the two agree to a few bf16 roundings, not to float32's.
+BF16_RTOL = 1e-2
+BF16_ATOL = 1e-3
+
+
+def _bf16_worker() -> dict[str, Any]:
+    model, inputs = chain()
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=chain_optimizer(),
+        micro_batches=M,
+        schedule="1f1b",
+        pins=CHAIN_PINS["chain"],
+        precision="bf16",
+        data_parallel=2,
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=60),
+    )
+    seen: set[torch.dtype] = set()  # a layer's parameters' dtype in its forward: FSDP2's cast
+    for layer in pm.module.modules():
+        if any(True for _ in layer.parameters(recurse=False)):
+            layer.register_forward_pre_hook(
+                lambda m, _: seen.update(p.dtype for p in m.parameters(recurse=False))
+            )
+    steps = range(CHAIN_STEPS)
+    losses = [
+        pm.step(*chain_batch("chain", s)[0], target=chain_batch("chain", s)[1]) for s in steps
+    ]
+    return {
+        "losses": losses,
+        "state": pm.state_dict(),
+        "computed_in": seen,
+        "dtypes": {p.dtype for p in pm.module.parameters()},  # the sharded master weights
+        "momenta": {s["momentum_buffer"].dtype for s in pm.optimizer.state.values()},
+    }
+
+
+def bf16_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the same recipe: each whole micro-batch through a bf16 copy of the
+    float32 weights, its loss in float32, its gradients accumulated in float32 on the
+    float32 weights, which the optimizer steps."""
+    model, _ = chain()
+    opt = chain_optimizer()(model.parameters())
+    losses = []
+    for step in range(CHAIN_STEPS):
+        inputs, target = chain_batch("chain", step)
+        total = 0.0
+        for j in range(M):
+            low = copy.deepcopy(model).to(torch.bfloat16)
+            out = low(*[x.chunk(M)[j].to(torch.bfloat16) for x in inputs]).float()
+            loss = dict_loss(out, target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+            for p, q in zip(model.parameters(), low.parameters(), strict=True):
+                grad = q.grad.float()
+                p.grad = grad if p.grad is None else p.grad + grad
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def test_bf16_on_the_mesh_is_fsdp2_mixed_precision_and_equals_one_process_s_recipe() -> None:
+    ref_losses, ref_params = bf16_reference()
+    fp32_losses = chain_reference("chain")[0]
+    runs = launch(_bf16_worker, 4, timeout=TIMEOUT)
+    for rank, result in enumerate(runs):
+        assert result["computed_in"] == {torch.bfloat16}, f"rank {rank}"  # not autocast
+        assert result["dtypes"] == {torch.float32}, f"rank {rank}"  # the master weights
+        assert result["momenta"] == {torch.float32}, f"rank {rank}"  # gradients in float32
+        assert result["losses"] == pytest.approx(ref_losses, rel=BF16_RTOL), f"rank {rank}"
+        assert result["losses"] != pytest.approx(fp32_losses, rel=1e-5)  # bf16 ran
+        for n, value in ref_params.items():
+            torch.testing.assert_close(
+                result["state"][n], value, rtol=BF16_RTOL, atol=BF16_ATOL, msg=_named(n)
+            )

@@ -20,6 +20,9 @@ gradients locally). Each micro-batch's loss is scaled by 1/M by the flush policy
 averages the reduce-scatter over dp, so the gradient is the whole mini-batch's mean. graphpipe's
 own gradient sums (`graphpipe.runtime.sync`) are not used over dp: torch's engine serves.
 
+precision="bf16" is FSDP2's mixed-precision policy on every unit (`Precision.fsdp_policy`):
+parameters gathered in bf16, gradients reduced in float32 into the float32 shards.
+
 `dp_shard=False` replicates instead of sharding: FSDP2 over a 2D (replicate=dp, shard=1)
 mesh, which is HSDP with one shard, i.e. DDP-like all-reduce of whole gradients, through
 the public `fully_shard`.
@@ -39,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graphpipe.errors import ConfigError
+from graphpipe.runtime.precision import Precision
 
 __all__ = [
     "MESH_DIMS",
@@ -196,6 +200,7 @@ def shard_stage(
     model: nn.Module,
     mesh: DeviceMesh,
     reshard_after_forward: bool,
+    precision: Precision,
 ) -> list[list[nn.Module]]:
     """Wrap a stage with FSDP2: each block (`stage_blocks`), then the stage itself.
 
@@ -209,14 +214,25 @@ def shard_stage(
         mesh: The dp mesh (`MeshLayout.fsdp_mesh`).
         reshard_after_forward: Free the gathered parameters after each forward (all-gather
             again for the backward); False keeps them until the backward.
+        precision: Its `fsdp_policy` for the blocks and for the stage root.
 
     Returns:
         The units wrapped, in call order.
     """
     units = stage_blocks(stage, model)
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=precision.fsdp_policy(root=False),
+        )
+    fully_shard(
+        stage,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=precision.fsdp_policy(root=True),
+    )
     wrapped = [cast(FSDPModule, unit[0]) for unit in units]  # a unit's modules share its state
     for this, following in itertools.pairwise(wrapped):
         this.set_modules_to_forward_prefetch([following])  # call order = execution order
