@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from typing import Any
 
 import pytest
@@ -303,7 +304,12 @@ BF16_RTOL = 1e-2
 BF16_ATOL = 1e-3
 
 
-def _bf16_worker() -> dict[str, Any]:
+def _bf16_worker() -> dict[bool, dict[str, Any]]:
+    """bf16 sharded over dp and replicated (HSDP with one shard), keyed by dp_shard."""
+    return {shard: _bf16_run(shard) for shard in (True, False)}
+
+
+def _bf16_run(shard: bool) -> dict[str, Any]:
     model, inputs = chain()
     pm = gp_compile(
         model,
@@ -315,6 +321,7 @@ def _bf16_worker() -> dict[str, Any]:
         pins=CHAIN_PINS["chain"],
         precision="bf16",
         data_parallel=2,
+        dp_shard=shard,
         profile_config=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=60),
     )
@@ -366,12 +373,13 @@ def test_bf16_on_the_mesh_is_fsdp2_mixed_precision_and_equals_one_process_s_reci
     ref_losses, ref_params = bf16_reference()
     fp32_losses = chain_reference("chain")[0]
     runs = launch(_bf16_worker, 4, timeout=TIMEOUT)
-    for rank, result in enumerate(runs):
-        assert result["computed_in"] == {torch.bfloat16}, f"rank {rank}"  # not autocast
-        assert result["dtypes"] == {torch.float32}, f"rank {rank}"  # the master weights
-        assert result["momenta"] == {torch.float32}, f"rank {rank}"  # gradients in float32
-        assert result["losses"] == pytest.approx(ref_losses, rel=BF16_RTOL), f"rank {rank}"
-        assert result["losses"] != pytest.approx(fp32_losses, rel=1e-5)  # bf16 ran
+    for rank, shard in itertools.product(range(4), (True, False)):
+        result, where = runs[rank][shard], f"rank {rank} dp_shard={shard}"
+        assert result["computed_in"] == {torch.bfloat16}, where  # not autocast
+        assert result["dtypes"] == {torch.float32}, where  # the master weights
+        assert result["momenta"] == {torch.float32}, where  # gradients in float32
+        assert result["losses"] == pytest.approx(ref_losses, rel=BF16_RTOL), where
+        assert result["losses"] != pytest.approx(fp32_losses, rel=1e-5), where  # bf16 ran
         for n, value in ref_params.items():
             torch.testing.assert_close(
                 result["state"][n], value, rtol=BF16_RTOL, atol=BF16_ATOL, msg=_named(n)
