@@ -20,6 +20,9 @@ gradients locally). Each micro-batch's loss is scaled by 1/M by the flush policy
 averages the reduce-scatter over dp, so the gradient is the whole mini-batch's mean. graphpipe's
 own gradient sums (`graphpipe.runtime.sync`) are not used over dp: torch's engine serves.
 
+precision="bf16" is FSDP2's mixed-precision policy on every unit (`Precision.fsdp_policy`):
+parameters gathered in bf16, gradients reduced in float32 into the float32 shards.
+
 `dp_shard=False` replicates instead of sharding: FSDP2 over a 2D (replicate=dp, shard=1)
 mesh, which is HSDP with one shard, i.e. DDP-like all-reduce of whole gradients, through
 the public `fully_shard`.
@@ -39,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graphpipe.errors import ConfigError
+from graphpipe.runtime.precision import Precision
 
 __all__ = [
     "MESH_DIMS",
@@ -141,6 +145,10 @@ def stage_blocks(stage: fx.GraphModule, model: nn.Module) -> list[list[nn.Module
     unit of its own. Only modules with parameters count, and only those whose parameters no
     other unit or direct attribute read of the stage uses (those stay with the stage root).
 
+    A stage traced by torch.export (a flat aten graph, e.g. a Hugging Face Llama) calls no
+    module: its parameters are get_attr reads, which FSDP2's module hooks cannot see, so it
+    has no block and the stage root is its one unit (all its parameters gathered at once).
+
     Args:
         stage: The stage's GraphModule (its call_module targets are the model's paths).
         model: The original model (which containers are lists of blocks).
@@ -192,6 +200,7 @@ def shard_stage(
     model: nn.Module,
     mesh: DeviceMesh,
     reshard_after_forward: bool,
+    precision: Precision,
 ) -> list[list[nn.Module]]:
     """Wrap a stage with FSDP2: each block (`stage_blocks`), then the stage itself.
 
@@ -205,14 +214,25 @@ def shard_stage(
         mesh: The dp mesh (`MeshLayout.fsdp_mesh`).
         reshard_after_forward: Free the gathered parameters after each forward (all-gather
             again for the backward); False keeps them until the backward.
+        precision: Its `fsdp_policy` for the blocks and for the stage root.
 
     Returns:
         The units wrapped, in call order.
     """
     units = stage_blocks(stage, model)
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=precision.fsdp_policy(root=False),
+        )
+    fully_shard(
+        stage,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=precision.fsdp_policy(root=True),
+    )
     wrapped = [cast(FSDPModule, unit[0]) for unit in units]  # a unit's modules share its state
     for this, following in itertools.pairwise(wrapped):
         this.set_modules_to_forward_prefetch([following])  # call order = execution order

@@ -3,7 +3,9 @@
     pm = graphpipe.compile(model, x, ..., precision="bf16")   # or "fp16", or None (fp32)
 
 - Each stage's forward runs under `torch.autocast` with the chosen dtype; parameters and the
-  optimizer state stay float32 (the master weights).
+  optimizer state stay float32 (the master weights). Under a ("pp", "dp") mesh bf16 is
+  FSDP2's `MixedPrecisionPolicy` instead (`Precision.fsdp_policy`): parameters gathered in
+  bf16, gradients reduce-scattered in float32; fp16 is refused there.
 - A float32 value that crosses to another stage is cast to that dtype inside the autograd
   graph, so the message is half as large and its gradient comes back in the same dtype. The
   cast saturates: an additive attention mask made with `torch.finfo(float32).min` becomes
@@ -24,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import graphpipe._torch as _torch
 from graphpipe.errors import ConfigError
@@ -62,9 +65,15 @@ def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Precision:
-    """How one rank's stages compute: the autocast dtype (None: float32 throughout)."""
+    """How one rank's stages compute: the autocast dtype (None: float32 throughout).
+
+    Under a mesh (`sharded`) there is no autocast: FSDP2's `MixedPrecisionPolicy`
+    (`fsdp_policy`) gathers the parameters in the dtype, so every op of the stage runs in
+    it, and reduces the gradients in float32 into float32 shards (the master weights).
+    """
 
     name: str | None = None
+    sharded: bool = False  # stages are FSDP2 units: cast by their policy, not by autocast
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -73,9 +82,27 @@ class Precision:
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
         """The context a stage's forward runs in."""
-        if self.dtype is None:
+        if self.dtype is None or self.sharded:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.dtype)
+
+    def fsdp_policy(self, root: bool) -> MixedPrecisionPolicy:
+        """FSDP2's mixed precision for a unit of a stage under a mesh: parameters gathered
+        in the dtype, gradients reduced (and accumulated between reductions) in float32.
+        The stage root's outputs come back as float32, so the loss is computed in float32
+        and a value crossing stages is cast by `crossing` as without a mesh. Float32 (no
+        dtype): the policy that casts nothing.
+
+        Args:
+            root: The policy of the stage module itself (else of one of its blocks).
+        """
+        if self.dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(
+            param_dtype=self.dtype,
+            reduce_dtype=torch.float32,
+            output_dtype=torch.float32 if root else None,
+        )
 
     def crossing(self, x: torch.Tensor) -> torch.Tensor:
         """A value as it leaves its stage: float32 becomes the autocast dtype."""

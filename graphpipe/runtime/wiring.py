@@ -41,6 +41,7 @@ from graphpipe.runtime.sync import GradSync
 from graphpipe.runtime.weights import WeightPolicy, make_policy
 from graphpipe.scheduling.generators import warmups
 from graphpipe.scheduling.program import lower
+from graphpipe.tracing.annotate import trace_info
 
 __all__ = ["Wiring", "runtime_device", "wire"]
 
@@ -115,7 +116,8 @@ def wire(
         spec: The checked run specification.
 
     Raises:
-        ConfigError: a weight tied across ranks under an asynchronous schedule.
+        ConfigError: a weight tied across ranks under an asynchronous schedule; a reduced
+            precision under a mesh for a graph torch.export traced (`_precision`).
     """
     runtime = spec.runtime
     layout = MeshLayout.current(spec.mesh)
@@ -125,7 +127,7 @@ def wire(
     device = runtime_device(runtime)
     mine = tuple(s.index for s in plan.stages_on(rank))
     canon = {n: names[0] for names in names_by_id(model).values() for n in names}
-    precision = Precision(spec.precision)
+    precision = _precision(spec, layout, gm)
     built = _build_modules(model, gm, plan, spec, example_inputs, mine, device, precision)
     aliases = names_by_id(model)  # by the ids of the materialised tensors: after materialize
     modules = built.modules
@@ -217,6 +219,25 @@ class _Built:
     materialized: bool  # this rank made real tensors of a meta model's
 
 
+def _precision(spec: RunSpec, layout: MeshLayout, gm: fx.GraphModule) -> Precision:
+    """The run's precision: autocast, or under a mesh FSDP2's mixed-precision policy.
+
+    Raises:
+        ConfigError: a reduced precision under a mesh for a graph torch.export traced.
+    """
+    if not layout.sharded:
+        return Precision(spec.precision)
+    if spec.precision is not None and trace_info(gm).method == "export":
+        raise ConfigError(
+            f"precision={spec.precision!r} with a mesh runs each stage with FSDP2's "
+            f"{spec.precision} parameters, but this model was traced by torch.export, which "
+            "fixed every dtype of its graph at the example's float32 (its casts and dtype "
+            "checks), so the graph cannot compute in bf16; use precision=None with a mesh, "
+            "or a model torch.fx's symbolic_trace can trace"
+        )
+    return Precision(spec.precision, sharded=True)  # FSDP2 casts, not autocast
+
+
 def _build_modules(
     model: nn.Module,
     gm: fx.GraphModule,
@@ -290,7 +311,7 @@ def _wire_stages(
         if spec.compile_stages:  # in place: the module and its state dict keys stay
             module.compile()
         if c.fsdp_mesh is not None:  # before the optimizer: it steps the sharded parameters
-            shard_stage(module, c.model, c.fsdp_mesh, spec.reshard_after_forward)
+            shard_stage(module, c.model, c.fsdp_mesh, spec.reshard_after_forward, precision)
         runtime_stages[i] = StageRuntime(
             c.rank, c.plan, i, module, io, specs, c.gm, spec.loss_fn, c.device
         )

@@ -1,0 +1,386 @@
+"""A real model on a ("pp", "dp") mesh (a tiny Hugging Face Llama), recompute and bf16.
+
+Four gloo processes on a (2, 2) mesh, as in tests/test_mesh.py. A tiny Llama (hidden 32, two
+decoder layers, random weights) trained under 1f1b with Adam for 3 steps must equal one
+process training on the whole mini-batch with gradient accumulation over the same M
+micro-batches: the losses of every step, every parameter (`pm.state_dict()`), Adam's state
+(the optimizer's sharded moments gathered over dp) and an `eval_step` afterwards.
+
+Llama traces through torch.export: the stage is a flat aten graph whose parameters are
+read by get_attr, with no submodule calls for FSDP2's hooks to wrap, so each stage is one
+FSDP unit (its root; `graphpipe.runtime.mesh.stage_blocks` finds no block), and bf16 (which
+export's float32 graph cannot run) is refused for it by name.
+
+On the chain of tests/test_mesh.py: `recompute=True` equals one process at rtol 1e-5, and
+`precision="bf16"` (FSDP2's MixedPrecisionPolicy) equals one process's bf16 recipe at a bf16
+tolerance (`BF16_RTOL`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_mesh import PINS as CHAIN_PINS
+from test_mesh import STEPS as CHAIN_STEPS
+from test_mesh import _optimizer as chain_optimizer
+from test_mesh import batch as chain_batch
+from test_mesh import chain
+from test_mesh import reference as chain_reference
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from zoo import dict_loss
+
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import ConfigError
+from graphpipe.planning.profile import ProfileConfig
+from graphpipe.runtime.launch import launch
+from graphpipe.runtime.mesh import stage_blocks
+from graphpipe.tracing.tracer import trace
+
+B = 8  # mini-batch: 2 micro-batches of 4 rows, 2 rows per dp rank
+M = 2  # micro-batches
+L = 6  # sequence length
+V = 64  # vocabulary
+STEPS = 3
+TIMEOUT = 300  # seconds for a whole launch
+PINS = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
+
+
+def llama() -> nn.Module:
+    """A seeded tiny Llama: hidden 32, 2 decoder layers, 2 heads, vocabulary 64."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg)
+
+
+LR = 1e-2
+# Adam's eps bounds how far a rounding difference in a gradient element moves its update:
+# d(step)/d(grad) peaks at lr / eps for a gradient near zero (the sum over two dp halves
+# rounds differently from the whole micro-batch's). torch's default eps=1e-8 makes that
+# 1e6, so a near-zero gradient of layer 0's k_proj at initialisation (attention almost
+# uniform) moved a parameter by 2e-6; eps=1e-4 keeps it at 100 while every gradient above
+# 1e-4 is still normalised by its own magnitude.
+EPS = 1e-4
+
+
+def _optimizer() -> functools.partial[torch.optim.Optimizer]:
+    return functools.partial(torch.optim.Adam, lr=LR, eps=EPS)
+
+
+def lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), target.reshape(-1))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s token ids (B, L) and next-token targets (B, L)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randint(3, V, (B, L), generator=gen), torch.randint(3, V, (B, L), generator=gen)
+
+
+def reference() -> dict[str, Any]:
+    """One process, the whole mini-batch, gradient accumulation over the M micro-batches."""
+    model = llama()
+    opt = _optimizer()(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        ids, target = batch(step)
+        total = 0.0
+        for j in range(M):
+            loss = lm_loss(model(input_ids=ids.chunk(M)[j], use_cache=False), target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    ids, target = batch(0)
+    with torch.no_grad():
+        parts = zip(ids.chunk(M), target.chunk(M), strict=True)
+        evaluated = sum(float(lm_loss(model(input_ids=x, use_cache=False), t)) for x, t in parts)
+    names = {id(p): n for n, p in model.named_parameters()}
+    adam = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return {
+        "losses": losses,
+        "state": model.state_dict(),
+        "eval": evaluated / M,
+        "adam": adam,
+    }
+
+
+def _adam_state(pm: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's Adam state by parameter name, each moment gathered whole over dp (a
+    collective over dp: both dp ranks of the stage walk the same names in the same order)."""
+    out = {}
+    for name, p in pm.module.named_parameters():
+        state = pm.optimizer.state[p]
+        out[name] = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in state.items()
+        }
+    return out
+
+
+def _compile_llama(**kwargs: Any) -> Any:
+    """The Llama over a 2 x 2 mesh, pinned to two stages."""
+    ids, _ = batch(0)
+    return gp_compile(
+        llama(),
+        {"input_ids": ids, "use_cache": False},
+        loss_fn=lm_loss,
+        optimizer=_optimizer(),
+        micro_batches=M,
+        schedule="1f1b",
+        pins=PINS,
+        mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")),
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=120),
+        **kwargs,
+    )
+
+
+def _bf16_refusal() -> str:
+    try:
+        _compile_llama(precision="bf16")
+    except ConfigError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def _train_worker() -> dict[str, Any]:
+    pm = _compile_llama()
+    losses = [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
+    evaluated = pm.eval_step(input_ids=batch(0)[0], target=batch(0)[1])
+    return {
+        "losses": losses,
+        "eval": evaluated,
+        "state": pm.state_dict(),
+        "adam": _adam_state(pm),
+        "stages": len(pm.plan.stages),
+        "sharded": all(isinstance(p, DTensor) for p in pm.module.parameters()),
+        "bf16": _bf16_refusal(),
+    }
+
+
+def _named(what: str) -> Any:
+    return lambda message: f"{what}: {message}"
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return launch(_train_worker, 4, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, Any]:
+    return reference()
+
+
+def test_llama_on_the_mesh_trains_as_one_process(
+    runs: list[dict[str, Any]], expected: dict[str, Any]
+) -> None:
+    for rank, result in enumerate(runs):
+        assert result["stages"] == 2 and result["sharded"], f"rank {rank}"
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5), f"rank {rank}"
+        assert list(result["state"]) == list(expected["state"]), f"rank {rank}"
+        for key, value in expected["state"].items():
+            torch.testing.assert_close(
+                result["state"][key], value, rtol=1e-5, atol=1e-6, msg=_named(key)
+            )
+    start = llama().state_dict()
+    assert not torch.equal(expected["state"]["lm_head.weight"], start["lm_head.weight"])
+
+
+def test_llama_s_adam_state_on_the_mesh_equals_one_process_s(
+    runs: list[dict[str, Any]], expected: dict[str, Any]
+) -> None:
+    seen: set[str] = set()
+    for rank, result in enumerate(runs):
+        for name, moments in result["adam"].items():
+            assert sorted(moments) == sorted(expected["adam"][name]), f"rank {rank} {name}"
+            for k, v in moments.items():
+                want = expected["adam"][name][k]
+                torch.testing.assert_close(v, want, rtol=1e-5, atol=1e-7, msg=_named(f"{name} {k}"))
+            seen.add(name)
+    assert seen == set(expected["adam"])  # every parameter's state, on some stage
+    assert all(int(s["step"]) == STEPS for s in expected["adam"].values())
+
+
+def test_llama_s_eval_step_on_the_mesh_equals_one_process_s(
+    runs: list[dict[str, Any]], expected: dict[str, Any]
+) -> None:
+    for rank, result in enumerate(runs):
+        assert result["eval"] == pytest.approx(expected["eval"], rel=1e-5), f"rank {rank}"
+
+
+def test_bf16_with_a_mesh_refuses_an_exported_graph_by_name(runs: list[dict[str, Any]]) -> None:
+    """torch.export fixed the Llama graph's dtypes at float32: FSDP2's bf16 parameters would
+    meet its float32 casts and dtype checks, so it is refused before any step."""
+    for rank, result in enumerate(runs):
+        assert "precision='bf16' with a mesh" in result["bf16"], f"rank {rank}"
+        assert "traced by torch.export" in result["bf16"], f"rank {rank}"
+
+
+def test_an_exported_stage_is_one_fsdp_unit() -> None:
+    """torch.export lifts Llama's parameters into get_attr reads of a flat aten graph: no
+    decoder layer is called as a module, so no block can be an FSDP unit of its own."""
+    model = llama()
+    gm = trace(model, {"input_ids": batch(0)[0], "use_cache": False})
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)
+    assert stage_blocks(gm, model) == []
+
+
+# -- recompute ----------------------------------------------------------------------------------
+
+RECOMPUTE_CASES = [("1f1b", True), ("gpipe", False)]  # (schedule, reshard_after_forward)
+
+
+def _recompute_worker() -> dict[tuple[str, bool], Any]:
+    out = {}
+    for schedule, reshard in RECOMPUTE_CASES:
+        model, inputs = chain()
+        pm = gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=chain_optimizer(),
+            micro_batches=M,
+            schedule=schedule,
+            pins=CHAIN_PINS["chain"],
+            recompute=True,
+            data_parallel=2,
+            reshard_after_forward=reshard,
+            profile_config=ProfileConfig(mode="flops"),
+            runtime=RuntimeConfig(timeout=60),
+        )
+        out[(schedule, reshard)] = {
+            "recompute": [s.recompute for s in pm.plan.stages],
+            "losses": [
+                pm.step(*chain_batch("chain", s)[0], target=chain_batch("chain", s)[1])
+                for s in range(CHAIN_STEPS)
+            ],
+            "state": pm.state_dict(),
+        }
+    return out
+
+
+def test_recompute_on_the_mesh_trains_as_one_process() -> None:
+    """Each stage's forward runs under torch.utils.checkpoint around its FSDP2 root, and
+    its backward recomputes it (FSDP2 gathers the parameters again): equal to one process."""
+    ref_losses, ref_params, _ = chain_reference("chain")
+    runs = launch(_recompute_worker, 4, timeout=TIMEOUT)
+    for case in RECOMPUTE_CASES:
+        for rank, result in enumerate(runs):
+            assert result[case]["recompute"] == [True, True], f"rank {rank} {case}"
+            assert result[case]["losses"] == pytest.approx(ref_losses, rel=1e-5), f"{case}"
+            for n, value in ref_params.items():
+                torch.testing.assert_close(
+                    result[case]["state"][n], value, rtol=1e-5, atol=1e-6, msg=_named(n)
+                )
+
+
+# -- bf16 ---------------------------------------------------------------------------------------
+
+# bf16 has an 8-bit mantissa (relative rounding 2**-8 = 0.4%): the mesh computes each
+# micro-batch's gradient in two dp halves (each rounded to bf16, summed in float32) where one
+# process computes it whole, so the two agree to a few bf16 roundings, not to float32's.
+BF16_RTOL = 1e-2
+BF16_ATOL = 1e-3
+
+
+def _bf16_worker() -> dict[bool, dict[str, Any]]:
+    """bf16 sharded over dp and replicated (HSDP with one shard), keyed by dp_shard."""
+    return {shard: _bf16_run(shard) for shard in (True, False)}
+
+
+def _bf16_run(shard: bool) -> dict[str, Any]:
+    model, inputs = chain()
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=chain_optimizer(),
+        micro_batches=M,
+        schedule="1f1b",
+        pins=CHAIN_PINS["chain"],
+        precision="bf16",
+        data_parallel=2,
+        dp_shard=shard,
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=60),
+    )
+    seen: set[torch.dtype] = set()  # a layer's parameters' dtype in its forward: FSDP2's cast
+    for layer in pm.module.modules():
+        if any(True for _ in layer.parameters(recurse=False)):
+            layer.register_forward_pre_hook(
+                lambda m, _: seen.update(p.dtype for p in m.parameters(recurse=False))
+            )
+    steps = range(CHAIN_STEPS)
+    losses = [
+        pm.step(*chain_batch("chain", s)[0], target=chain_batch("chain", s)[1]) for s in steps
+    ]
+    return {
+        "losses": losses,
+        "state": pm.state_dict(),
+        "computed_in": seen,
+        "dtypes": {p.dtype for p in pm.module.parameters()},  # the sharded master weights
+        "momenta": {s["momentum_buffer"].dtype for s in pm.optimizer.state.values()},
+    }
+
+
+def bf16_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the same recipe: each whole micro-batch through a bf16 copy of the
+    float32 weights, its loss in float32, its gradients accumulated in float32 on the
+    float32 weights, which the optimizer steps."""
+    model, _ = chain()
+    opt = chain_optimizer()(model.parameters())
+    losses = []
+    for step in range(CHAIN_STEPS):
+        inputs, target = chain_batch("chain", step)
+        total = 0.0
+        for j in range(M):
+            low = copy.deepcopy(model).to(torch.bfloat16)
+            out = low(*[x.chunk(M)[j].to(torch.bfloat16) for x in inputs]).float()
+            loss = dict_loss(out, target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+            for p, q in zip(model.parameters(), low.parameters(), strict=True):
+                grad = q.grad.float()
+                p.grad = grad if p.grad is None else p.grad + grad
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def test_bf16_on_the_mesh_is_fsdp2_mixed_precision_and_equals_one_process_s_recipe() -> None:
+    ref_losses, ref_params = bf16_reference()
+    fp32_losses = chain_reference("chain")[0]
+    runs = launch(_bf16_worker, 4, timeout=TIMEOUT)
+    for rank, shard in itertools.product(range(4), (True, False)):
+        result, where = runs[rank][shard], f"rank {rank} dp_shard={shard}"
+        assert result["computed_in"] == {torch.bfloat16}, where  # not autocast
+        assert result["dtypes"] == {torch.float32}, where  # the master weights
+        assert result["momenta"] == {torch.float32}, where  # gradients in float32
+        assert result["losses"] == pytest.approx(ref_losses, rel=BF16_RTOL), where
+        assert result["losses"] != pytest.approx(fp32_losses, rel=1e-5), where  # bf16 ran
+        for n, value in ref_params.items():
+            torch.testing.assert_close(
+                result["state"][n], value, rtol=BF16_RTOL, atol=BF16_ATOL, msg=_named(n)
+            )
