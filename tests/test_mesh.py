@@ -23,6 +23,7 @@ from graphpipe.compile.steps import checked_plan
 from graphpipe.errors import ConfigError
 from graphpipe.planning.partition import plan
 from graphpipe.planning.profile import ProfileConfig
+from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.mesh import MeshLayout, stage_blocks
 from graphpipe.runtime.spec import RunSpec
@@ -409,3 +410,17 @@ def test_a_given_plan_is_checked_against_the_runs_dp() -> None:
         checked_plan(for_dp1, gm, 2)
     for_dp2 = plan(model, inputs, devices=4, dp=2, micro_batches=2, pins=PINS["chain"])
     assert checked_plan(for_dp2, gm, 2) is for_dp2
+
+
+def test_the_one_time_loss_check_sees_this_ranks_slice_of_the_target() -> None:
+    model, inputs = chain()  # 8 rows, M = 2, dp = 2: each rank runs 2 rows per micro-batch
+    gm = trace(model, inputs, micro_batch_size=2)
+    seen: list[tuple[torch.Size, torch.Size]] = []
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        seen.append((out.shape, target.shape))
+        return (out - target).pow(2).mean()
+
+    checks = Inputs(gm, inputs, ["x"], loss, 2, torch.device("cpu"), True, dp=2, dp_index=1)
+    checks.check_loss(torch.randn(8, 4))
+    assert seen == [(torch.Size([2, 4]), torch.Size([2, 4]))]

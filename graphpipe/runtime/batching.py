@@ -86,10 +86,15 @@ class Inputs:
 
     def _micro_batches(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x's M micro-batches on this rank's device: with a mesh, this rank's dp slice of
-        each (micro-batch j, slice d: rows of chunk j of M, then chunk d of dp)."""
+        each (`_slices`)."""
         if self.dp == 1:
             return list(to_device(x, self.device).chunk(self.m))
-        return [to_device(c.chunk(self.dp)[self.dp_index], self.device) for c in x.chunk(self.m)]
+        return [to_device(c, self.device) for c in self._slices(x)]
+
+    def _slices(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x's M micro-batches where it is: with a mesh, this rank's dp slice of each
+        (micro-batch j, slice d: rows of chunk j of M, then chunk d of dp)."""
+        return [c.chunk(self.dp)[self.dp_index] for c in x.chunk(self.m)]
 
     def check_loss(self, target: Any) -> None:
         """Once, on every rank alike: loss_fn on the model's output for one micro-batch as
@@ -103,8 +108,8 @@ class Inputs:
         if self._loss_checked:
             return
         out = example_output(self.gm)
-        first = tree_map(
-            lambda t: t.to("meta").chunk(self.m)[0] if isinstance(t, torch.Tensor) else t,
+        first = tree_map(  # the target of the output's rows: this rank's slice under a mesh
+            lambda t: self._slices(t.to("meta"))[0] if isinstance(t, torch.Tensor) else t,
             target,
         )
         try:
