@@ -24,12 +24,12 @@ the fastest, and only if it beats the unfolded plan (`partition.PlanConfig.inter
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import networkx as nx
 
 from graphpipe.errors import PlanError
 from graphpipe.ir import Plan
+from graphpipe.planning.place import on_devices
 
 __all__ = ["FOLDINGS", "foldings", "interleavings", "place_graph"]
 
@@ -61,17 +61,7 @@ def place_graph(plan: Plan, devices: int, assignment: Sequence[int], how: str = 
     idle = sorted(set(range(devices)) - set(assignment))
     if idle:
         raise PlanError(f"assignment {list(assignment)} leaves devices {idle} without a stage")
-    stages = tuple(replace(s, devices=(d,)) for s, d in zip(plan.stages, assignment, strict=True))
-    load = [0.0] * devices
-    for s in stages:
-        load[s.devices[0]] += s.time
-    return replace(
-        plan,
-        stages=stages,
-        num_devices=devices,
-        bottleneck=max(load),
-        info={**plan.info, "placement": how, "virtual_stages": len(stages) / devices},
-    )
+    return on_devices(plan, assignment, devices, how, len(plan.stages) / devices)
 
 
 def foldings(plan: Plan, devices: int) -> dict[str, list[int]]:

@@ -14,12 +14,13 @@ The plan's bottleneck becomes the busiest device's summed stage time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan, device_of
 
-__all__ = ["PLACEMENTS", "device_of", "place_stages"]
+__all__ = ["PLACEMENTS", "device_of", "on_devices", "place_stages"]
 
 PLACEMENTS = ("loop", "v")
 
@@ -48,9 +49,17 @@ def place_stages(plan: Plan, devices: int, placement: str) -> Plan:
             f"a {placement!r} placement needs {want} stages, the partitioner made {count}; "
             "pin the stages (pins={module: stage}) to choose them"
         )
-    stages = tuple(
-        replace(s, devices=(device_of(s.index, devices, placement),)) for s in plan.stages
-    )
+    assignment = [device_of(s.index, devices, placement) for s in plan.stages]
+    return on_devices(plan, assignment, devices, placement, count // devices)
+
+
+def on_devices(
+    plan: Plan, assignment: Sequence[int], devices: int, placement: str, virtual: float
+) -> Plan:
+    """`plan` with stage i on the one device `assignment[i]` of `devices`: its bottleneck is
+    the busiest device's summed stage time, and its info records `placement` and `virtual`
+    (stages per device)."""
+    stages = tuple(replace(s, devices=(d,)) for s, d in zip(plan.stages, assignment, strict=True))
     load = [0.0] * devices
     for s in stages:
         load[s.devices[0]] += s.time
@@ -59,5 +68,5 @@ def place_stages(plan: Plan, devices: int, placement: str) -> Plan:
         stages=stages,
         num_devices=devices,
         bottleneck=max(load),
-        info={**plan.info, "placement": placement, "virtual_stages": count // devices},
+        info={**plan.info, "placement": placement, "virtual_stages": virtual},
     )
