@@ -78,6 +78,18 @@ def batch(name: str, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]
     return fresh, torch.randn(out.shape, generator=gen)
 
 
+def accumulate(model: nn.Module, name: str, step: int) -> float:
+    """Step `step`'s gradient accumulation over M micro-batches on one process (no
+    optimizer step): the mini-batch's mean loss."""
+    inputs, target = batch(name, step)
+    total = 0.0
+    for j in range(M):
+        loss = dict_loss(model(*[x.chunk(M)[j] for x in inputs]), target.chunk(M)[j])
+        (loss / M).backward()
+        total += loss.item()
+    return total / M
+
+
 def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """One process, the whole mini-batch, gradient accumulation over the M micro-batches:
     the losses, the parameters after them, and then the mean loss of step 0's batch."""
@@ -85,15 +97,9 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], float]:
     opt = _optimizer()(model.parameters())
     losses = []
     for step in range(STEPS):
-        inputs, target = batch(name, step)
-        total = 0.0
-        for j in range(M):
-            loss = dict_loss(model(*[x.chunk(M)[j] for x in inputs]), target.chunk(M)[j])
-            (loss / M).backward()
-            total += loss.item()
+        losses.append(accumulate(model, name, step))
         opt.step()
         opt.zero_grad()
-        losses.append(total / M)
     inputs, target = batch(name, 0)
     with torch.no_grad():
         parts = [model(*[x.chunk(M)[j] for x in inputs]) for j in range(M)]

@@ -13,7 +13,18 @@ from typing import Any
 
 import pytest
 import torch
-from test_mesh import MODELS, PINS, STEPS, TIMEOUT, M, _full_parameters, _mesh, _optimizer, batch
+from test_mesh import (
+    MODELS,
+    PINS,
+    STEPS,
+    TIMEOUT,
+    M,
+    _full_parameters,
+    _mesh,
+    _optimizer,
+    accumulate,
+    batch,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from zoo import dict_loss
 
@@ -64,17 +75,11 @@ def clipped_reference(
     opt = _optimizer()(model.parameters())
     losses, norms = [], []
     for step in range(STEPS):
-        inputs, target = batch(name, step)
-        total = 0.0
-        for j in range(M):
-            loss = dict_loss(model(*[x.chunk(M)[j] for x in inputs]), target.chunk(M)[j])
-            (loss / M).backward()
-            total += loss.item()
+        losses.append(accumulate(model, name, step))
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)
         norms.append(float(norm))
         opt.step()
         opt.zero_grad()
-        losses.append(total / M)
     return losses, norms, {k: v.detach() for k, v in model.named_parameters()}
 
 
