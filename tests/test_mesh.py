@@ -114,7 +114,7 @@ def _compile(name: str, schedule: str, variant: str, m: int = M) -> Any:
         "mesh": None if variant == "shorthand" else _mesh(),
         "data_parallel": 2 if variant == "shorthand" else None,
         "dp_shard": variant != "replicate",
-        "reshard_after_forward": variant != "keep",
+        "reshard_after_forward": None if schedule == "zb" else variant != "keep",
     }
     return gp_compile(
         model,
@@ -157,7 +157,8 @@ def _equality_worker(cases: list[tuple[str, str, str]]) -> dict[tuple[str, str, 
 
 
 CASES = [
-    *[(name, s, "mesh") for name in MODELS for s in ("1f1b", "gpipe")],
+    *[(name, s, "mesh") for name in MODELS for s in ("1f1b", "gpipe", "zb")],
+    ("chain", "zb", "replicate"),
     ("chain", "1f1b", "shorthand"),
     ("chain", "1f1b", "replicate"),
     ("two_branch", "gpipe", "replicate"),
@@ -196,14 +197,15 @@ def test_a_mesh_step_equals_one_process_on_the_whole_mini_batch(
     # dimension with the run's FSDP options in its cost model
     pp, rows, dp = runs[0][case]["plan"]
     assert (pp, rows, dp.degree) == (2, 8 // M, 2)
-    assert (dp.shard, dp.reshard_after_forward) == (case[2] != "replicate", case[2] != "keep")
+    kept = case[2] == "keep" or case[1] == "zb"  # zero bubble keeps them gathered to its W
+    assert (dp.shard, dp.reshard_after_forward) == (case[2] != "replicate", not kept)
 
 
 # -- once per step ------------------------------------------------------------------------------
 
 
-def _count_worker() -> dict[int, int]:
-    """Reduce-scatters in one warm step, for M = 2 and M = 4."""
+def _count_worker() -> dict[tuple[str, int], int]:
+    """Reduce-scatters in one warm step, for M = 2 and M = 4, under 1f1b and zero bubble."""
     calls = []
     original = dist.reduce_scatter_single
 
@@ -214,13 +216,14 @@ def _count_worker() -> dict[int, int]:
     dist.reduce_scatter_single = counted  # type: ignore[assignment]
     try:
         out = {}
-        for m in (2, 4):
-            pm = _compile("chain", "1f1b", "mesh", m=m)
-            inputs, target = batch("chain", 0)
-            pm.step(*inputs, target=target)  # warm
-            calls.clear()
-            pm.step(*inputs, target=target)
-            out[m] = len(calls)
+        for schedule in ("1f1b", "zb"):
+            for m in (2, 4):
+                pm = _compile("chain", schedule, "mesh", m=m)
+                inputs, target = batch("chain", 0)
+                pm.step(*inputs, target=target)  # warm
+                calls.clear()
+                pm.step(*inputs, target=target)
+                out[(schedule, m)] = len(calls)
         return out
     finally:
         dist.reduce_scatter_single = original  # type: ignore[assignment]
@@ -230,7 +233,8 @@ def test_gradients_are_reduce_scattered_once_per_step_not_per_micro_batch() -> N
     units = {0: 2, 1: 3}  # stage 0: blocks 0 and 1; stage 1: blocks 2 and 3, and the head
     for rank, counts in enumerate(launch(_count_worker, 4, timeout=TIMEOUT)):
         # one reduce-scatter per FSDP unit per step, whatever M (mesh ranks [[0, 1], [2, 3]])
-        assert counts == {2: units[rank // 2], 4: units[rank // 2]}, f"rank {rank}"
+        want = {(s, m): units[rank // 2] for s in ("1f1b", "zb") for m in (2, 4)}
+        assert counts == want, f"rank {rank}"
 
 
 def test_stage_blocks_are_the_model_s_list_elements() -> None:
@@ -288,7 +292,8 @@ def _spec(**kwargs: Any) -> RunSpec:
     ("kwargs", "named"),
     [
         ({"weights": "stash"}, "weights='stash'"),
-        ({"schedule": "zb"}, "schedule='zb'"),
+        ({"schedule": "zbv"}, "schedule='zbv'"),
+        ({"schedule": "zb", "reshard_after_forward": True}, "reshard_after_forward=True"),
         ({"schedule": "interleaved"}, "schedule='interleaved'"),
         ({"schedule": "graph_interleaved"}, "schedule='graph_interleaved'"),
         ({"precision": "fp16"}, "precision='fp16'"),
