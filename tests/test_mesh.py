@@ -21,6 +21,7 @@ from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.compile.steps import checked_plan
 from graphpipe.errors import ConfigError
+from graphpipe.planning.interleave import place_graph
 from graphpipe.planning.partition import plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.batching import Inputs
@@ -201,6 +202,74 @@ def test_a_mesh_step_equals_one_process_on_the_whole_mini_batch(
     assert (dp.shard, dp.reshard_after_forward) == (case[2] != "replicate", not kept)
 
 
+# -- several stages per pp rank ---------------------------------------------------------------
+
+CHAIN4 = {"blocks.0": 0, "blocks.1": 1, "blocks.2": 2, "blocks.3": 3, "head": 3}
+FOLDED = ({"a": 0, "b": 1, "cat": 2, "head": 2}, [0, 1, 0])  # join on pp rank 0 with a
+SEVERAL = [("chain", "interleaved"), ("chain", "zbv"), ("two_branch", "graph_interleaved")]
+
+
+def _several_plan(name: str, schedule: str) -> Any:
+    """A plan for the 2 x 2 mesh with two stages on a pp rank: the chain cut in four and
+    folded "loop" (interleaved) or "v" (zbv), or the two-branch DAG's three stages folded
+    onto two pp ranks (branch a and the join on rank 0)."""
+    model, inputs = MODELS[name]()
+    if schedule == "graph_interleaved":
+        pins, assignment = FOLDED
+        unfolded = plan(model, inputs, devices=6, dp=2, micro_batches=M, pins=pins)
+        return place_graph(unfolded, 2, assignment)
+    placement = {"interleaved": "loop", "zbv": "v"}[schedule]
+    return plan(
+        model,
+        inputs,
+        devices=4,
+        dp=2,
+        micro_batches=M,
+        pins=CHAIN4,
+        virtual_stages=2,
+        placement=placement,
+    )
+
+
+def _several_worker() -> dict[tuple[str, str], Any]:
+    out = {}
+    for name, schedule in SEVERAL:
+        model, inputs = MODELS[name]()
+        pm = gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            schedule=schedule,
+            plan=_several_plan(name, schedule),
+            mesh=_mesh(),
+            runtime=RuntimeConfig(timeout=60),
+        )
+        out[(name, schedule)] = {**_train(pm, name), "held": len(pm.plan.stages_on(0))}
+    return out
+
+
+@pytest.fixture(scope="module")
+def several() -> list[dict[tuple[str, str], Any]]:
+    return launch(_several_worker, 4, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("case", SEVERAL, ids=["-".join(c) for c in SEVERAL])
+def test_several_stages_per_pp_rank_on_a_mesh_equal_one_process(
+    several: list[dict[tuple[str, str], Any]], case: tuple[str, str]
+) -> None:
+    """Each stage of a pp rank is its own FSDP2 root over the rank's dp sub-mesh."""
+    ref_losses, ref_params, ref_eval = reference(case[0])
+    for rank, result in enumerate(several):
+        got = result[case]
+        assert got["held"] == 2, f"rank {rank}"
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        assert got["eval"] == pytest.approx(ref_eval, rel=1e-5), f"rank {rank}"
+        assert list(got["state"]) == list(ref_params), f"rank {rank}"
+        for n, value in ref_params.items():
+            torch.testing.assert_close(got["state"][n], value, rtol=1e-5, atol=1e-6, msg=n)
+
+
 # -- once per step ------------------------------------------------------------------------------
 
 
@@ -292,10 +361,9 @@ def _spec(**kwargs: Any) -> RunSpec:
     ("kwargs", "named"),
     [
         ({"weights": "stash"}, "weights='stash'"),
-        ({"schedule": "zbv"}, "schedule='zbv'"),
         ({"schedule": "zb", "reshard_after_forward": True}, "reshard_after_forward=True"),
-        ({"schedule": "interleaved"}, "schedule='interleaved'"),
-        ({"schedule": "graph_interleaved"}, "schedule='graph_interleaved'"),
+        ({"schedule": "zbv", "reshard_after_forward": True}, "reshard_after_forward=True"),
+        ({"reshard_after_forward": 1}, "reshard_after_forward=1"),
         ({"precision": "fp16"}, "precision='fp16'"),
         ({"nan_check": True}, "nan_check=True"),
         ({"compile_stages": True}, "compile_stages=True"),
@@ -365,6 +433,21 @@ def _refusal_worker() -> list[str]:
             profile_config=ProfileConfig(mode="flops"),
         )
     )
+    model, inputs = ZOO["tied"]()  # embed and out share a weight: stages 0 and 3, pp rank 0
+    pins = {"embed": 0, "body.0": 1, "body.1": 2, "body.2": 3, "out": 3}
+    folded = plan(model, inputs, devices=4, dp=2, micro_batches=2, pins=pins, virtual_stages=2,
+                  placement="v")  # fmt: skip
+    refused(
+        lambda: gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            schedule="zbv",
+            plan=folded,
+            data_parallel=2,
+        )
+    )
     return said
 
 
@@ -401,6 +484,7 @@ def test_what_needs_the_process_group_is_refused_by_name() -> None:
         "meta device is not yet supported with a mesh",
         "pm(...) (the outputs) is not yet available with a mesh",
         "a weight tied across pp ranks is not yet summed with a mesh",
+        "embed.weight is held by stages [0, 3] on one pp rank",
     ]
     assert len(said[0]) == len(expected)
     for message, part in zip(said[0], expected, strict=True):

@@ -176,7 +176,7 @@ class RunSpec:
         reshard = _check(problems, check_reshard, reshard_after_forward, resolved)
         if mesh is not None or (dp or 1) > 1:
             asked = dict(
-                weights=weights, schedule=resolved, precision=precision,
+                weights=weights, precision=precision,
                 nan_check=nan_check, compile_stages=compile_stages,
                 replication=plan_options.get("replication", False),
                 emulate=(runtime or RuntimeConfig()).emulate,
@@ -453,7 +453,6 @@ def check_reshard(reshard_after_forward: bool | None, schedule: str | None) -> b
 def mesh_refusals(
     *,
     weights: str,
-    schedule: str | None,
     precision: str | None,
     nan_check: bool,
     compile_stages: bool,
@@ -465,10 +464,6 @@ def mesh_refusals(
     out = []
     if weights != "flush":
         out.append(f"weights={weights!r} is {later}: use weights='flush'")
-    if schedule is not None:
-        s = schedule_spec(schedule)
-        if s.placement is not None:
-            out.append(f"schedule={schedule!r} places several stages per device, {later}")
     if precision == "fp16":
         out.append(f"precision='fp16' (a loss scale agreed by all ranks) is {later}")
     if nan_check:
