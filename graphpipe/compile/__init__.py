@@ -26,7 +26,7 @@ broadcast (or check a given plan), schedule and dry-run, and build the `Pipeline
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ def compile(
     data_parallel: int | None = None,
     dp_shard: bool = True,
     reshard_after_forward: bool | None = None,
+    tp_plan: Mapping[str, str] | None = None,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -159,6 +160,9 @@ def compile(
             after its forward and gathers them again for its backward; False keeps them.
             None (the default): True, but False under a zero-bubble schedule, whose weight
             gradients come after later forwards (True is refused there).
+        tp_plan: With a mesh that has a "tp" dimension: the tensor-parallel plan, module
+            path ("*" for one component) -> "colwise" or "rowwise" (`graphpipe.runtime.tp`);
+            None: the model's own (a Hugging Face model's base_model_tp_plan).
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...);
             devices, if given, must equal the world size (one device per rank), or with a
             mesh its pp size.
@@ -196,6 +200,7 @@ def compile(
         data_parallel=data_parallel,
         dp_shard=dp_shard,
         reshard_after_forward=reshard_after_forward,
+        tp_plan=tp_plan,
         **plan_options,
     )
     spec = _join(spec)

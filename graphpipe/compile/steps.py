@@ -47,7 +47,7 @@ FOLDED = next(s.name for s in SCHEDULES.values() if s.placement == "any" and s.t
 
 def pipeline_devices(spec: RunSpec) -> int:
     """The devices a plan is made for: the world size, or with a mesh its pp size."""
-    return dist.get_world_size() // spec.data_parallel
+    return dist.get_world_size() // (spec.data_parallel * spec.tensor_parallel)
 
 
 def build_mesh(spec: RunSpec, device_type: str) -> RunSpec:
@@ -94,7 +94,8 @@ def check_world(spec: RunSpec, plan: Plan | None) -> None:
         if spec.meshed:
             raise ConfigError(
                 f"the plan is for {plan.num_devices} devices but the mesh's pp size is "
-                f"{world}; launch {plan.num_devices * spec.data_parallel} processes"
+                f"{world}; launch "
+                f"{plan.num_devices * spec.data_parallel * spec.tensor_parallel} processes"
             )
         raise ConfigError(
             f"the plan is for {plan.num_devices} devices but the process group "
@@ -183,7 +184,8 @@ def _profile_config(gm: fx.GraphModule, config: ProfileConfig | None) -> Profile
 
 
 def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:
-    """Rank 0's plan: over the world's devices, with a mesh over pp = world / dp of them.
+    """Rank 0's plan: over the world's devices, with a mesh over pp = world / (dp x tp) of
+    them (the planner sees a tensor-parallel stage as one device: it does not cost tp).
 
     Under a mesh the model is traced at one dp rank's slice (b rows of a micro-batch of b * dp),
     so the op graph is already one dp rank's: the planner is told the whole micro-batch's rows
@@ -198,7 +200,7 @@ def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -
         )
         return partition(gm, prof, config)
     config = PlanConfig.build(
-        dist.get_world_size(),
+        dist.get_world_size() // spec.tensor_parallel,  # pp x dp: tp lies inside a device
         micro_batches=spec.micro_batches,
         dp=dp,
         shard=spec.dp_shard,

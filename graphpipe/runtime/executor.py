@@ -43,6 +43,7 @@ from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import Precision
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
 from graphpipe.runtime.sync import final_backwards
+from graphpipe.runtime.tp import tp_context, whole_tensor
 from graphpipe.runtime.weights import WeightPolicy
 
 __all__ = ["Batch", "Executor", "StageRuntime"]
@@ -76,6 +77,7 @@ class StageRuntime:
     gm: fx.GraphModule  # the whole traced graph (for the output structure)
     loss_fn: Callable[[Any, Any], torch.Tensor]
     device: torch.device
+    tensor_parallel: bool = False  # its parameters are DTensors over tp (`runtime.tp`)
 
 
 @dataclass
@@ -143,7 +145,12 @@ class Executor:
         return 1.0 if self._grad_scale is None else self._grad_scale()
 
     def run(self, ops: Sequence[Op], batch: Batch) -> None:
-        """Execute `ops` in order, then wait for the sends to complete."""
+        """Execute `ops` in order, then wait for the sends to complete (tensor-parallel
+        stages' forwards and backwards under `tp_context`)."""
+        with tp_context(any(s.tensor_parallel for s in self.stages.values())):
+            self._run(ops, batch)
+
+    def _run(self, ops: Sequence[Op], batch: Batch) -> None:
         finals = final_backwards(ops)
         for i, op in enumerate(ops):
             self._is_final = i in finals
@@ -440,7 +447,9 @@ def scalar(loss: Any, j: int) -> torch.Tensor:
 
 
 def _grad_or_zeros(x: torch.Tensor) -> torch.Tensor:
-    return x.grad.detach() if x.grad is not None else torch.zeros_like(x)
+    """A received value's gradient to send back: whole (a tensor-parallel stage's comes as
+    a DTensor over tp), or zeros."""
+    return whole_tensor(x.grad).detach() if x.grad is not None else torch.zeros_like(x)
 
 
 def _call(module: nn.Module, weights: dict[str, torch.Tensor] | None, args: list[Any]) -> Any:

@@ -98,11 +98,11 @@ def update_group(plan: Plan, timeout: float, layout: MeshLayout) -> dist.Process
     """The ranks that agree on an update (clipping's norm, fp16's overflow): every busy plan
     device's process for this rank's dp index (a collective: every rank, same order).
 
-    Under a mesh, one group per dp index d holds the global ranks `layout.ranks[p][d]` of
-    the busy plan devices p; each rank gets its own d's. The dp ranks of a stage need no
-    part in it: their shards' norm is already whole on each of them (FSDP2's DTensor
-    gradients, `graphpipe.runtime.clip`), so one pp sum per dp index counts every stage
-    once, where a sum over all ranks would count each dp times.
+    Under a mesh, one group per dp and tp index (d, t) holds the global ranks
+    `layout.ranks[p][d][t]` of the busy plan devices p; each rank gets its own (d, t)'s. The
+    dp and tp ranks of a stage need no part in it: their shards' norm is already whole on
+    each of them (DTensor gradients, `graphpipe.runtime.clip`), so one pp sum per (d, t)
+    counts every stage once, where a sum over all ranks would count each dp x tp times.
 
     Args:
         plan: The plan (which devices hold a stage).
@@ -113,11 +113,15 @@ def update_group(plan: Plan, timeout: float, layout: MeshLayout) -> dist.Process
         The group; None when it is every rank (no mesh, no idle device).
     """
     busy = sorted({d for s in plan.stages for d in s.devices})
-    if layout.dp == 1 and len(busy) == dist.get_world_size():
+    if layout.dp == 1 and layout.tp == 1 and len(busy) == dist.get_world_size():
         return None
     wait = datetime.timedelta(seconds=timeout)
-    groups = [_new_group([layout.ranks[p][d] for p in busy], wait) for d in range(layout.dp)]
-    return groups[layout.dp_index]
+    groups = {
+        (d, t): _new_group([layout.ranks[p][d][t] for p in busy], wait)
+        for d in range(layout.dp)
+        for t in range(layout.tp)
+    }
+    return groups[(layout.dp_index, layout.tp_index)]
 
 
 def _new_group(ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:

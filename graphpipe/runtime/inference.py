@@ -65,7 +65,7 @@ class Inference:
         run = self._forward_only(batch)
         losses = [] if run is None else run.losses.values()
         # every rank's losses of its dp slices: the mean over the whole mini-batch
-        return self.collectives.mean_loss(losses, self.w.spec.micro_batches * self.w.dp)
+        return self.collectives.mean_loss(losses, self.w.spec.micro_batches * self.w.loss_copies)
 
     def _forward_only(self, batch: Batch) -> Executor | None:
         """Run the forward schedule in eval mode with the live weights, outside the policy."""

@@ -53,6 +53,7 @@ from graphpipe.runtime.precision import Precision
 
 __all__ = [
     "MESH_DIMS",
+    "MESH_SHAPES",
     "MeshLayout",
     "prepare_backward",
     "reduce_gradients",
@@ -63,47 +64,69 @@ __all__ = [
     "whole",
 ]
 
-MESH_DIMS = ("pp", "dp")  # the mesh's dimension names, in this order
+MESH_DIMS = ("pp", "dp")  # the data_parallel= shorthand's mesh dimensions
+MESH_SHAPES = (("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp"))  # the dims a mesh may name
+
+Ranks = tuple[tuple[tuple[int, ...], ...], ...]  # ranks[p][d][t]
 
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """Where this process sits: its pp and dp coordinates, and the ranks of the mesh.
+    """Where this process sits: its pp, dp and tp coordinates, and the ranks of the mesh.
 
     Attributes:
         pp: Pipeline devices (the plan's num_devices).
-        dp: Data-parallel copies of each pipeline device.
+        dp: Data-parallel copies of each pipeline device (1 without a "dp" dimension).
         pp_index: This process's plan device.
         dp_index: This process's slice of every micro-batch.
-        ranks: ranks[p][d], the global rank at mesh coordinate (p, d).
-        mesh: The (pp, dp) DeviceMesh; None without one (the identity layout).
+        ranks: ranks[p][d][t], the global rank at mesh coordinate (p, d, t).
+        mesh: The DeviceMesh; None without one (the identity layout).
+        tp: Tensor-parallel ranks of each stage (1 without a "tp" dimension).
+        tp_index: This process's tp coordinate.
     """
 
     pp: int
     dp: int
     pp_index: int
     dp_index: int
-    ranks: tuple[tuple[int, ...], ...]
+    ranks: Ranks
     mesh: DeviceMesh | None = None
+    tp: int = 1
+    tp_index: int = 0
 
     @classmethod
     def identity(cls, rank: int, world: int) -> MeshLayout:
         """No mesh: plan device = global rank, one data-parallel copy."""
-        return cls(world, 1, rank, 0, tuple((r,) for r in range(world)))
+        return cls(world, 1, rank, 0, tuple(((r,),) for r in range(world)))
 
     @classmethod
     def of(cls, mesh: DeviceMesh, rank: int) -> MeshLayout:
-        """The layout of `mesh` (dims ("pp", "dp")) seen from global rank `rank`.
+        """The layout of `mesh` (dims ("pp", "dp"), ("pp", "tp") or ("pp", "dp", "tp"))
+        seen from global rank `rank`.
 
         Raises:
             ConfigError: `rank` is not in the mesh.
         """
-        ranks = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
-        where = [(p, d) for p, row in enumerate(ranks) for d, r in enumerate(row) if r == rank]
+        names = tuple(mesh.mesh_dim_names or ())
+        grid = mesh.mesh
+        if "dp" not in names:
+            grid = grid.unsqueeze(1)
+        if "tp" not in names:
+            grid = grid.unsqueeze(-1)
+        ranks: Ranks = tuple(
+            tuple(tuple(int(r) for r in row) for row in plane) for plane in grid.tolist()
+        )
+        where = [
+            (p, d, t)
+            for p, plane in enumerate(ranks)
+            for d, row in enumerate(plane)
+            for t, r in enumerate(row)
+            if r == rank
+        ]
         if not where:
-            raise ConfigError(f"rank {rank} is not in the mesh {list(ranks)}")
-        p, d = where[0]
-        return cls(len(ranks), len(ranks[0]), p, d, ranks, mesh)
+            raise ConfigError(f"rank {rank} is not in the mesh {grid.tolist()}")
+        p, d, t = where[0]
+        return cls(len(ranks), len(ranks[0]), p, d, ranks, mesh, len(ranks[0][0]), t)
 
     @classmethod
     def current(cls, mesh: DeviceMesh | None) -> MeshLayout:
@@ -113,17 +136,31 @@ class MeshLayout:
 
     @property
     def sharded(self) -> bool:
-        """Stages are wrapped by FSDP2 (a mesh was given)."""
+        """A mesh was given: stages run over its dims (FSDP2 where it has "dp", DTensor
+        tensor parallelism where it has "tp")."""
         return self.mesh is not None
+
+    @property
+    def fsdp(self) -> bool:
+        """Stages are wrapped by FSDP2: the mesh has a "dp" dimension."""
+        return self.mesh is not None and "dp" in (self.mesh.mesh_dim_names or ())
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The tp sub-mesh this process's stages are tensor-parallel over; None without."""
+        if self.mesh is None or "tp" not in (self.mesh.mesh_dim_names or ()):
+            return None
+        return self.mesh["tp"]
 
     @property
     def rank(self) -> int:
         """This process's global rank."""
-        return self.ranks[self.pp_index][self.dp_index]
+        return self.ranks[self.pp_index][self.dp_index][self.tp_index]
 
     def rank_of(self, device: int) -> int:
-        """The global rank running plan device `device` for this process's dp index."""
-        return self.ranks[device][self.dp_index]
+        """The global rank running plan device `device` for this process's dp and tp
+        indices (a value crossing stages goes to the same dp slice and tp rank)."""
+        return self.ranks[device][self.dp_index][self.tp_index]
 
     def fsdp_mesh(self, shard: bool) -> DeviceMesh:
         """The mesh FSDP2 wraps this process's stages over (a collective when replicating:

@@ -35,7 +35,7 @@ from graphpipe.planning.recompute import RecomputeSpec
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.emulate import Emulate
 from graphpipe.runtime.materialize import InitFn
-from graphpipe.runtime.mesh import MESH_DIMS
+from graphpipe.runtime.mesh import MESH_SHAPES
 from graphpipe.runtime.nancheck import check_nan_check
 from graphpipe.runtime.precision import check_precision
 from graphpipe.runtime.weights import PolicyOptions
@@ -50,6 +50,8 @@ __all__ = [
     "check_reshard",
     "mesh_refusals",
     "schedule_for",
+    "tp_degree",
+    "tp_refusals",
 ]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -120,6 +122,9 @@ class RunSpec:
     data_parallel: int = 1  # dp: the mesh's dp size, or data_parallel= (the mesh is built then)
     dp_shard: bool = True  # FSDP2 shards each stage over dp; False: replicates it
     reshard_after_forward: bool = True  # FSDP2 frees gathered parameters after each forward
+    # -- tensor parallelism by DTensor over the mesh's "tp" dimension (`graphpipe.runtime.tp`)
+    tensor_parallel: int = 1  # the mesh's tp size
+    tp_plan: Mapping[str, str] | None = None  # module path -> style; None: the model's own
 
     @property
     def meshed(self) -> bool:
@@ -154,6 +159,7 @@ class RunSpec:
         data_parallel: int | None = None,
         dp_shard: bool = True,
         reshard_after_forward: bool | None = None,
+        tp_plan: Mapping[str, str] | None = None,
         **plan_options: Any,
     ) -> RunSpec:
         """Check `compile()`'s arguments and freeze them (the same names and meanings).
@@ -174,6 +180,13 @@ class RunSpec:
         _check(problems, _check_combinations, nan_check, precision, compile_stages, resolved)
         dp = _check(problems, check_mesh, mesh, data_parallel)
         reshard = _check(problems, check_reshard, reshard_after_forward, resolved)
+        tp = tp_degree(mesh) if isinstance(mesh, DeviceMesh) and dp is not None else 1
+        problems.extend(
+            tp_refusals(
+                tp=tp, tp_plan=tp_plan, schedule=resolved, precision=precision,
+                recompute=recompute, dp_shard=dp_shard,
+            )
+        )  # fmt: skip
         if mesh is not None or (dp or 1) > 1:
             asked = dict(
                 weights=weights, precision=precision,
@@ -224,6 +237,8 @@ class RunSpec:
             data_parallel=dp,
             dp_shard=dp_shard,
             reshard_after_forward=reshard,
+            tensor_parallel=tp,
+            tp_plan=None if tp_plan is None else MappingProxyType(dict(tp_plan)),
         )
 
     @property
@@ -400,8 +415,9 @@ def check_mesh(mesh: Any, data_parallel: Any) -> int:
     """dp, the data-parallel size: the mesh's "dp" size, data_parallel=, or 1.
 
     Raises:
-        ConfigError: both given, a mesh that is not a DeviceMesh with dims ("pp", "dp"), or a
-            data_parallel that is not a positive integer.
+        ConfigError: both given, a mesh that is not a DeviceMesh with dims ("pp", "dp"),
+            ("pp", "tp") or ("pp", "dp", "tp"), or a data_parallel that is not a positive
+            integer.
     """
     if mesh is not None and data_parallel is not None:
         raise ConfigError(
@@ -409,19 +425,56 @@ def check_mesh(mesh: Any, data_parallel: Any) -> int:
             "shorthand for a (world // k, k) mesh: pass one of them"
         )
     if mesh is not None:
-        names = getattr(mesh, "mesh_dim_names", None)
-        if not isinstance(mesh, DeviceMesh) or tuple(names or ()) != MESH_DIMS:
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if not isinstance(mesh, DeviceMesh) or names not in MESH_SHAPES:
             raise ConfigError(
                 f"mesh={mesh!r} (dims {names!r}): it must be a DeviceMesh with "
-                f"mesh_dim_names={MESH_DIMS}, e.g. init_device_mesh('cpu', (2, 2), "
-                "mesh_dim_names=('pp', 'dp'))"
+                f"mesh_dim_names one of {list(MESH_SHAPES)}, e.g. init_device_mesh('cpu', "
+                "(2, 2), mesh_dim_names=('pp', 'dp'))"
             )
-        return int(mesh["dp"].size())
+        return int(mesh["dp"].size()) if "dp" in names else 1
     if data_parallel is None:
         return 1
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ConfigError(f"data_parallel={data_parallel!r}: it must be a positive integer")
     return data_parallel
+
+
+def tp_degree(mesh: DeviceMesh | None) -> int:
+    """The mesh's "tp" size; 1 without a mesh or without that dimension."""
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return 1
+    return int(mesh["tp"].size())
+
+
+def tp_refusals(
+    *,
+    tp: int,
+    tp_plan: Any,
+    schedule: str | None,
+    precision: str | None,
+    recompute: Any,
+    dp_shard: bool,
+) -> list[str]:
+    """What tensor parallelism (a "tp" mesh dimension) cannot run yet, each named."""
+    if tp == 1:
+        return [] if tp_plan is None else [
+            f"tp_plan= given ({len(tp_plan)} entries) but the mesh has no 'tp' dimension: "
+            "pass a mesh with dims ('pp', 'tp') or ('pp', 'dp', 'tp')"
+        ]  # fmt: skip
+    later = "not yet with tensor parallelism (a 'tp' mesh dimension); planned"
+    out = []
+    if tp_plan is not None and not isinstance(tp_plan, Mapping):
+        out.append(f"tp_plan={tp_plan!r}: it must be a mapping of module path to style")
+    if schedule is not None and schedule_spec(schedule).split_backward:
+        out.append(f"schedule={schedule!r} splits the backward (zero bubble), {later}")
+    if precision is not None:
+        out.append(f"precision={precision!r} is {later}")
+    if recompute:
+        out.append(f"recompute={recompute!r} is {later}")
+    if not dp_shard:
+        out.append(f"dp_shard=False (HSDP) is {later}")
+    return out
 
 
 def check_reshard(reshard_after_forward: bool | None, schedule: str | None) -> bool:

@@ -96,7 +96,7 @@ class Stepper:
             self.steps_done += 1
             losses = [] if w.executor is None else w.executor.losses.values()
             # with a mesh each of the dp last-stage ranks holds M losses of its slices
-            loss = self.collectives.mean_loss(losses, m * w.dp)
+            loss = self.collectives.mean_loss(losses, m * w.loss_copies)
         if w.agree is not None and w.agree.problem is not None:
             raise PipelineError(w.agree.problem, kind=FailureKind.NONFINITE)
         return loss

@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan, Schedule
@@ -38,6 +39,7 @@ from graphpipe.runtime.precision import LossScaler, Precision
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.stage import build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync
+from graphpipe.runtime.tp import apply_tp, resolve_tp_plan
 from graphpipe.runtime.weights import WeightPolicy, make_policy
 from graphpipe.scheduling.generators import warmups
 from graphpipe.scheduling.program import lower
@@ -82,6 +84,13 @@ class Wiring:
     def dp(self) -> int:
         """Data-parallel slices of each micro-batch (a mesh's dp size; 1 without one)."""
         return 1 if self.layout is None else self.layout.dp
+
+    @property
+    def loss_copies(self) -> int:
+        """Ranks holding each micro-batch slice's loss: its dp slices times the tp ranks
+        that each compute the same loss (a sum of the losses over every rank counts each
+        micro-batch's this many times, as a share of its mean)."""
+        return 1 if self.layout is None else self.layout.dp * self.layout.tp
 
     def refuse_under_mesh(self, what: str) -> None:
         """Raises: ConfigError: `what` is not available with a mesh yet, naming it."""
@@ -141,10 +150,24 @@ def wire(
         warm = torch.zeros(1, device=device)  # NCCL's communicator
         guarded("the all-reduce that starts NCCL", lambda: dist.all_reduce(warm))
     parts = _Parts(None, None, None, None, None)
-    fsdp_mesh = layout.fsdp_mesh(spec.dp_shard) if layout.sharded else None  # every rank
+    fsdp_mesh = layout.fsdp_mesh(spec.dp_shard) if layout.fsdp else None  # every rank
+    tp_plan = resolve_tp_plan(model, spec.tp_plan) if layout.tp_mesh is not None else None
     if mine:
         parts = _wire_stages(
-            _Context(spec, plan, rank, device, gm, mine, shared, canon, model, layout, fsdp_mesh),
+            _Context(
+                spec,
+                plan,
+                rank,
+                device,
+                gm,
+                mine,
+                shared,
+                canon,
+                model,
+                layout,
+                fsdp_mesh,
+                tp_plan,
+            ),
             modules,
             built.specs,
             sync,
@@ -195,6 +218,7 @@ class _Context:
     model: nn.Module  # the model as given (its blocks, for FSDP2's units)
     layout: MeshLayout  # pp and dp coordinates
     fsdp_mesh: Any  # the DeviceMesh FSDP2 wraps stages over; None without a mesh
+    tp_plan: dict[str, str] | None  # the checked tensor-parallel plan; None without "tp"
 
 
 @dataclass(frozen=True)
@@ -310,11 +334,14 @@ def _wire_stages(
         module.to(c.device)
         if spec.compile_stages:  # in place: the module and its state dict keys stay
             module.compile()
+        if c.tp_plan is not None:  # DTensors over tp first: FSDP2 shards them over dp (2D)
+            apply_tp(module, c.canon, cast(DeviceMesh, c.layout.tp_mesh), c.tp_plan)
         if c.fsdp_mesh is not None:  # before the optimizer: it steps the sharded parameters
             shard_stage(module, c.model, c.fsdp_mesh, spec.reshard_after_forward, precision)
         runtime_stages[i] = StageRuntime(
-            c.rank, c.plan, i, module, io, specs, c.gm, spec.loss_fn, c.device
-        )
+            c.rank, c.plan, i, module, io, specs, c.gm, spec.loss_fn, c.device,
+            tensor_parallel=c.tp_plan is not None,
+        )  # fmt: skip
     held = [r.module for r in runtime_stages.values()]
     whole = held[0] if len(held) == 1 else nn.ModuleList(held)
     params = list(whole.parameters())  # unique: a tied weight is one tensor here

@@ -1,0 +1,296 @@
+"""Tensor parallelism inside stages: the "tp" dimension of a DeviceMesh, by DTensor.
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pm = graphpipe.compile(hf_llama, ..., mesh=mesh)   # the model's own base_model_tp_plan
+    pm = graphpipe.compile(model, ..., mesh=mesh, tp_plan={"blocks.*.fc1": "colwise",
+                                                           "blocks.*.fc2": "rowwise"})
+
+A tensor-parallel plan names modules by path (`*` stands for one path component, as in
+Hugging Face's `base_model_tp_plan`) and a style for each: "colwise" shards a Linear's weight
+and bias along their output dimension (Shard(0)), "rowwise" its weight along the input
+dimension (Shard(1)) and keeps its bias whole; "embedding_rowwise" (Hugging Face's for the
+token embedding) keeps the table whole (see `STYLES`). Every other parameter of a stage is a
+replicated DTensor over the stage's tp sub-mesh.
+
+How the plan is applied, on both tracing paths alike: each stage's parameters become DTensors
+placed as the plan says, and the stage graph runs as it was traced, on DTensors, under
+torch's `implicit_replication` (a plain tensor meeting a DTensor counts as replicated: the
+values received from other stages, the graph's own constants). DTensor's sharding
+propagation then decides every collective from each op's global semantics, so a view with a
+shape baked in by the trace (the global shape) is right, and so are the gradients: the
+stage computes exactly what the unsharded model computes, whatever ops lie between the
+planned layers. This is why graphpipe does not call `parallelize_module`: its styles shard
+a Linear's *output* locally (`use_local_output`), which breaks every later op of an
+exported or traced graph whose shapes are the global ones.
+
+Values crossing a stage boundary are whole tensors on the wire (an output still sharded or
+partial is made whole over tp as the stage returns it, in autograd), and each tp rank
+sends to the same tp rank of the next stage. Gradients of replicated parameters come out
+whole on every tp rank; FSDP2 (a "dp" dimension) shards the DTensors again over dp (2D).
+
+Two rewrites make exported graphs runnable on DTensors: torch.export's metadata asserts
+(`aten._assert_tensor_metadata`, checks of the traced dtype and device) are dropped from a
+tensor-parallel stage, and scaled dot-product attention (`aten.scaled_dot_product_attention`,
+or CPU's fused kernel it becomes, which DTensor has no sharding rule for in torch 2.13:
+propagating through the kernel's decomposition took minutes, measured) is replaced by the
+same attention in plain ops (matmul, softmax; `attention`), which DTensor shards by heads.
+It computes what the fused kernel does, not in its memory: the (length x length) scores are
+materialised per head shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import operator
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils._pytree import tree_map
+
+from graphpipe.errors import ConfigError
+
+__all__ = [
+    "STYLES",
+    "apply_tp",
+    "model_tp_plan",
+    "placements",
+    "resolve_tp_plan",
+    "tp_context",
+    "whole_tensor",
+]
+
+# style -> (weight placement, bias placement); Hugging Face's names for the same layouts
+STYLES: dict[str, tuple[Placement, Placement]] = {
+    "colwise": (Shard(0), Shard(0)),
+    "colwise_rep": (Shard(0), Shard(0)),  # output made whole: the boundary does that anyway
+    "colwise_gather_output": (Shard(0), Shard(0)),
+    "rowwise": (Shard(1), Replicate()),
+    "rowwise_rep": (Shard(1), Replicate()),
+    # an Embedding's vocabulary rows: kept whole. DTensor's vocabulary-sharded lookup gives
+    # a masked partial sum whose backward meets a plain partial one and stops ("Redistribution
+    # from P(sum) to MaskP(sum) is unsupported", torch 2.13, measured on Llama's embedding)
+    "embedding_rowwise": (Replicate(), Replicate()),
+}
+
+_ASSERT = "aten._assert_tensor_metadata"
+_CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def model_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own tensor-parallel plan by full module path: a Hugging Face model's
+    `config.base_model_tp_plan` (paths under its base model, e.g. `model.`) and its class's
+    `_tp_plan` (the head); empty for a model without one."""
+    plan: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    under = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    plan.update({f"{under}{k}": str(v) for k, v in base.items()})
+    plan.update({str(k): str(v) for k, v in (getattr(model, "_tp_plan", None) or {}).items()})
+    return plan
+
+
+def resolve_tp_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
+    """The plan to apply: `tp_plan`, or the model's own (`model_tp_plan`), checked.
+
+    Raises:
+        ConfigError: no plan at all; a style graphpipe does not apply; an entry that matches
+            no module of the model; a planned parameter tied to another name (its two
+            readers would need two layouts of one tensor).
+    """
+    plan = dict(model_tp_plan(model) if tp_plan is None else tp_plan)
+    if not plan:
+        raise ConfigError(
+            f"a 'tp' mesh dimension needs a tensor-parallel plan: {type(model).__name__} "
+            "has no base_model_tp_plan; pass tp_plan={module path: 'colwise' | 'rowwise'}"
+        )
+    unknown = {k: v for k, v in plan.items() if v not in STYLES}
+    if unknown:
+        raise ConfigError(
+            f"tp_plan entries {unknown}: graphpipe applies the styles {sorted(STYLES)}; "
+            "drop or change these entries"
+        )
+    modules = [name for name, _ in model.named_modules()]
+    idle = [k for k in plan if not any(_matches(k, m) for m in modules)]
+    if idle:
+        raise ConfigError(f"tp_plan entries {idle} match no module of {type(model).__name__}")
+    _refuse_tied(model, plan)
+    return plan
+
+
+def _refuse_tied(model: nn.Module, plan: Mapping[str, str]) -> None:
+    """Raises: ConfigError: a parameter the plan shards is also read under another name."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for aliases in names.values():
+        planned = [n for n in aliases if _style(n, plan) is not None]
+        if planned and len(aliases) > 1:
+            raise ConfigError(
+                f"{planned[0]} is sharded by the tp plan but tied to {aliases}: one tensor "
+                "cannot take two layouts; untie it (e.g. tie_word_embeddings=False) or drop "
+                "its entry"
+            )
+
+
+def _matches(pattern: str, path: str) -> bool:
+    """`path` is the module `pattern` names (`*`: any one path component)."""
+    regex = "\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
+    return re.fullmatch(regex, path) is not None
+
+
+def _style(param: str, plan: Mapping[str, str]) -> str | None:
+    """The style of the module that owns parameter `param`, or None (replicated)."""
+    module = param.rpartition(".")[0]
+    return next((style for pattern, style in plan.items() if _matches(pattern, module)), None)
+
+
+def placements(param: str, plan: Mapping[str, str]) -> list[Placement]:
+    """Where parameter `param` (the model's name) lies over the tp dimension.
+
+    Example:
+        >>> placements("layers.0.fc1.weight", {"layers.*.fc1": "colwise"})
+        [Shard(dim=0)]
+        >>> placements("layers.0.norm.weight", {"layers.*.fc1": "colwise"})
+        [Replicate()]
+    """
+    style = _style(param, plan)
+    if style is None:
+        return [Replicate()]
+    weight, bias = STYLES[style]
+    return [bias if param.endswith(".bias") else weight]
+
+
+def apply_tp(
+    stage: fx.GraphModule, canon: Mapping[str, str], mesh: DeviceMesh, plan: Mapping[str, str]
+) -> None:
+    """Make a stage tensor-parallel over `mesh` (its tp sub-mesh), in place.
+
+    Its parameters become DTensors placed by `plan` (every tp rank holds the whole model's
+    values and keeps its shard), the graph is rewritten for DTensor (see the module's
+    docstring), and its outputs come back whole.
+
+    Args:
+        stage: The stage module, on its device.
+        canon: The stage's parameter names -> the model's first names.
+        mesh: The tp mesh.
+        plan: The checked plan (`resolve_tp_plan`).
+    """
+    for name, p in list(stage.named_parameters()):
+        *path, leaf = name.split(".")
+        owner = stage.get_submodule(".".join(path))
+        where = placements(canon.get(name, name), plan)
+        sharded = distribute_tensor(p.detach(), mesh, where)
+        setattr(owner, leaf, nn.Parameter(sharded, requires_grad=p.requires_grad))
+    _for_dtensor(stage)
+    stage.register_forward_hook(_whole_outputs)
+
+
+def _for_dtensor(stage: fx.GraphModule) -> None:
+    """Drop export's metadata asserts; replace scaled dot-product attention by plain ops."""
+    graph = stage.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and str(node.target).startswith(_ASSERT):
+            graph.erase_node(node)
+        elif node.op == "call_function" and node.target in (_SDPA, _CPU_ATTENTION):
+            _replace_attention(graph, node)
+    stage.recompile()
+
+
+def _replace_attention(graph: fx.Graph, node: fx.Node) -> None:
+    """Call `attention` where `node` calls torch's scaled dot-product attention (the
+    composite op export records, or CPU's fused kernel, whose readers may take only its
+    output, item 0: the log-sum-exp serves the fused backward alone)."""
+    if node.target is _SDPA:
+        q, k, v, *rest = node.args
+        names = ("attn_mask", "dropout_p", "is_causal")
+        kwargs = {**dict(zip(names, rest, strict=False)), **node.kwargs}
+        with graph.inserting_before(node):
+            plain = graph.call_function(attention, (q, k, v), kwargs)
+        node.replace_all_uses_with(plain)
+        graph.erase_node(node)
+        return
+    users = list(node.users)
+    if not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
+        raise ConfigError(
+            f"{node.name} ({_CPU_ATTENTION}) has a reader of its log-sum-exp; graphpipe can "
+            "run its output only under tensor parallelism"
+        )
+    q, k, v, *rest = node.args
+    kwargs = {**dict(zip(("dropout_p", "is_causal"), rest, strict=False)), **node.kwargs}
+    with graph.inserting_before(node):
+        plain = graph.call_function(attention, (q, k, v), kwargs)
+    for u in users:
+        u.replace_all_uses_with(plain)
+        graph.erase_node(u)
+    graph.erase_node(node)
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """`torch.nn.functional.scaled_dot_product_attention` in plain ops (matmul, softmax),
+    in its (batch, heads, length, dim) layout and with its arguments.
+
+    Raises:
+        ConfigError: dropout (a random mask, which the fused kernel draws its own way).
+    """
+    if dropout_p:
+        raise ConfigError(
+            f"attention dropout_p={dropout_p} under tensor parallelism: the fused kernel's "
+            "random mask cannot be reproduced; train with attention dropout 0"
+        )
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        groups = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(groups, dim=-3)
+        value = value.repeat_interleave(groups, dim=-3)
+    factor = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    scores = torch.matmul(query, key.transpose(-2, -1)) * factor
+    if is_causal:
+        length, keys = query.shape[-2], key.shape[-2]
+        ones = torch.ones(length, keys, dtype=torch.bool, device=query.device)
+        scores = scores.masked_fill(~ones.tril(keys - length), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
+def _whole_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """A forward hook: every DTensor among the stage's outputs made whole (in autograd)."""
+    return tree_map(whole_tensor, output)
+
+
+def whole_tensor(t: Any) -> Any:
+    """A DTensor as the whole plain tensor it stands for (a collective over its mesh); any
+    other value as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@contextlib.contextmanager
+def tp_context(active: bool) -> Iterator[None]:
+    """Where tensor-parallel stages run forward and backward: plain tensors meeting
+    DTensors count as replicated (`implicit_replication`); nothing when not `active`."""
+    if not active:
+        yield
+        return
+    with implicit_replication():
+        yield
