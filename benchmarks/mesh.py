@@ -22,7 +22,8 @@ NVLink-class 200 GB/s per device, simulated and measured (emulated).
 
 Columns: the plan (pp x dp, stages, depth), the simulated step (1f1b), the simulated peak
 memory per device, the binding constraint, the ratio of the step to the best step of its N
-and link that fits, then the measured step and its ratio against the best measured of its N.
+and link that fits, then the measured step and its ratio against the best measured of its N
+among the plans that fit.
 Binding, in this order:
 
     memory      over the budget; or the budget forced a slower plan (the unlimited plan's
@@ -312,7 +313,7 @@ def block(
             sim = simulate(emulated_plan(r.plan, emulate, loop), DEFAULT_SCHEDULE)
             errors[r.strategy] = wall / sim.iteration_time - 1
             log(f"  {r.strategy}: {wall:.2f} s measured, {sim.iteration_time:.2f} s simulated")
-    meas = _ratios(times, [r.strategy for r in rows]) if times else {}
+    meas = _ratios(times, [r.strategy for r in rows if r.fits]) if times else {}
     table = [
         [
             n,
@@ -356,7 +357,7 @@ def report(
         f"{machine()}\n\nCommand: `{command}`. MMT paper preset at a mini-batch of "
         f"{w.batch_size}, M = {MICRO_BATCHES}, A100 roofline, {format_bytes(BUDGET)} per "
         f"device, replication off, schedule {DEFAULT_SCHEDULE}. Ratios: step / the best step "
-        "of the same N and link (simulated: among plans within the budget); measured: "
+        "of the same N and link among the plans within the budget; measured: "
         f"emulated, device seconds, {steps} steps after a warm-up, the slowest rank's median; "
         f"err: measured over simulated for the emulated run. Emulated: {emulated}.\n\n"
         f"{tabulate(table, headers=HEADERS, tablefmt='github')}\n"
