@@ -1,6 +1,6 @@
 """Run every benchmark and write BENCHMARKS.md (and the convergence plot) at the top level.
 
-python -m benchmarks            # or: tox -e bench   (about 35 minutes on 2 cores)
+python -m benchmarks            # or: tox -e bench   (about 38 minutes on 2 cores)
 
 A section's figures are generated; the notes a developer wrote under them (what the figures
 mean against the targets) follow the line `NOTES` and are kept when the figures are
