@@ -1,10 +1,10 @@
 """Mesh: the planner's joint choice (graph pipeline x dp) against pure PP and pure FSDP.
 
-    python -m benchmarks.mesh                       # the table in BENCHMARKS.md (~4 minutes)
+    python -m benchmarks.mesh                       # the table in BENCHMARKS.md (about 3 minutes)
     python -m benchmarks.mesh --measure 8 16        # also emulate the 16-device rows (slow)
     python -m benchmarks.mesh --measure             # simulated only
 
-The model: the paper's MMT (models.mmt, 4 transformer towers x 8 layers, hidden 1024, 403 M
+The model: the paper's MMT (models.mmt, 4 transformer towers x 8 layers, hidden 1024, 414 M
 parameters) at a mini-batch of 2048, M = 16 micro-batches of 128 rows, op times from the A100
 roofline, 3 GiB per device: a device memory where the activations of pure pipelining's
 in-flight micro-batches (8 devices) or FSDP's gathered copy and unsharded gradient (both N)
