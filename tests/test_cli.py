@@ -81,6 +81,10 @@ def test_a_model_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
             ["run", "models.mmt", "--devices", "4", "--dp", "3"],
             "data_parallel=3 does not divide devices=4",
         ),
+        (
+            ["run", "models.mmt", "--preset", "tiny", "--devices", "8", "--dp", "8"],
+            "data_parallel=8 does not divide a micro-batch of 4 rows",
+        ),
         (["plan", "models.mmt", "--preset", "huge", "--devices", "2"], "'huge'"),
         (
             ["plan", "models.mmt", "--preset", "tiny", "--devices", "2", "-m", "3"],

@@ -135,11 +135,11 @@ def train(config: TrainConfig) -> TrainResult:
 
 def _check_workload(config: TrainConfig) -> None:
     """Build the workload on the meta device (no memory, no values) to refuse a bad preset,
-    option or micro-batch count in one line. A factory that cannot build on the meta device
-    is left to the ranks.
+    option, micro-batch count or dp degree in one line. A factory that cannot build on the
+    meta device is left to the ranks.
 
     Raises:
-        ConfigError: what the factory or the micro-batch split refuses.
+        ConfigError: what the factory, the micro-batch split or the dp split refuses.
     """
     try:
         with torch.device("meta"):
@@ -148,7 +148,13 @@ def _check_workload(config: TrainConfig) -> None:
         raise
     except Exception:
         return
-    micro_batch_size(w.batch_size, config.micro_batches or w.micro_batches)
+    m = config.micro_batches or w.micro_batches
+    rows, dp = micro_batch_size(w.batch_size, m), config.data_parallel
+    if rows % dp:
+        raise ConfigError(
+            f"data_parallel={dp} does not divide a micro-batch of {rows} rows (batch "
+            f"{w.batch_size} / M {m}): each dp rank takes 1/dp of every micro-batch"
+        )
 
 
 def _rank_main(config: TrainConfig) -> TrainResult | None:
