@@ -1,6 +1,6 @@
 """Run every benchmark and write BENCHMARKS.md (and the convergence plot) at the top level.
 
-python -m benchmarks            # or: tox -e bench   (about 35 minutes on 2 cores)
+python -m benchmarks            # or: tox -e bench   (about 38 minutes on 2 cores)
 
 A section's figures are generated; the notes a developer wrote under them (what the figures
 mean against the targets) follow the line `NOTES` and are kept when the figures are
@@ -13,7 +13,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks import convergence, emulated, fair, interleave, planner, real_models, runtime
+from benchmarks import (
+    convergence,
+    emulated,
+    fair,
+    interleave,
+    mesh,
+    planner,
+    real_models,
+    runtime,
+)
 from benchmarks._common import log
 
 NOTES = "<!-- generated above; notes below, kept when the figures are regenerated -->"
@@ -55,6 +64,7 @@ def main() -> int:
         ("planner", planner.report),
         ("fair planner", fair.report),
         ("emulated devices", emulated.report),
+        ("mesh", mesh.report),
         ("real-model planning", real_models.report),
         ("runtime", runtime.report),
         ("graph interleaving", interleave.report),

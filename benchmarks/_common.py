@@ -6,6 +6,8 @@ import datetime
 import os
 import platform
 import sys
+import warnings
+from typing import Any
 
 import torch
 
@@ -28,3 +30,18 @@ def log(message: str) -> None:
 def ratio(a: float, b: float) -> str:
     """a / b as '1.23x'."""
     return f"{a / b:.2f}x" if b else "n/a"
+
+
+def zero_target(w: Any) -> torch.Tensor:
+    """A zero target the workload's loss accepts (found on the meta device)."""
+    with torch.no_grad():
+        out = w.model(*w.example_inputs)
+    for shape, dtype in ((out.shape[:-1], torch.long), (out.shape, out.dtype)):
+        try:
+            with warnings.catch_warnings():  # e.g. MSE broadcasting [B, 1] against [B]
+                warnings.simplefilter("error")
+                w.loss_fn(out, torch.zeros(shape, dtype=dtype, device="meta"))
+        except (RuntimeError, ValueError, UserWarning):
+            continue
+        return torch.zeros(shape, dtype=dtype)
+    raise ValueError(f"no zero target fits the loss of an output shaped {list(out.shape)}")

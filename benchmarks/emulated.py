@@ -57,7 +57,6 @@ import functools
 import os
 import statistics
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 from unittest import mock
@@ -66,7 +65,7 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-from benchmarks._common import log, machine
+from benchmarks._common import log, machine, zero_target
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.ir import Plan
@@ -143,27 +142,12 @@ def loopback_link() -> LinkModel:
 # -- one measured run ------------------------------------------------------------------------
 
 
-def _target(w: Any) -> torch.Tensor:
-    """A zero target the workload's loss accepts (found on the meta device)."""
-    with torch.no_grad():
-        out = w.model(*w.example_inputs)
-    for shape, dtype in ((out.shape[:-1], torch.long), (out.shape, out.dtype)):
-        try:
-            with warnings.catch_warnings():  # e.g. MSE broadcasting [B, 1] against [B]
-                warnings.simplefilter("error")
-                w.loss_fn(out, torch.zeros(shape, dtype=dtype, device="meta"))
-        except (RuntimeError, ValueError, UserWarning):
-            continue
-        return torch.zeros(shape, dtype=dtype)
-    raise ValueError(f"no zero target fits the loss of an output shaped {list(out.shape)}")
-
-
 def _steps(config: str, plan_json: str, schedule: str, emulate: Emulate, steps: int) -> float:
     """On each rank: the median seconds of `steps` steps of the emulated run (after a warm-up)."""
     model, options = CONFIGS[config]
     w = load_workload(f"models.{model}", "paper", **options)
     inputs = [torch.zeros(x.shape, dtype=x.dtype) for x in w.example_inputs]
-    target = _target(w)
+    target = zero_target(w)
     plan = Plan.from_json(plan_json)
     pm = gp_compile(
         w.model,

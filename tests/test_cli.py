@@ -77,6 +77,14 @@ def test_a_model_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     [
         (["plan", "models.nothing", "--devices", "2"], "cannot import 'models.nothing'"),
         (["run", "no.such.module", "--devices", "2"], "cannot import 'no.such.module'"),
+        (
+            ["run", "models.mmt", "--devices", "4", "--dp", "3"],
+            "data_parallel=3 does not divide devices=4",
+        ),
+        (
+            ["run", "models.mmt", "--preset", "tiny", "--devices", "8", "--dp", "8"],
+            "data_parallel=8 does not divide a micro-batch of 4 rows",
+        ),
         (["plan", "models.mmt", "--preset", "huge", "--devices", "2"], "'huge'"),
         (
             ["plan", "models.mmt", "--preset", "tiny", "--devices", "2", "-m", "3"],
@@ -149,3 +157,21 @@ def test_plan_interleave_folds_the_mmt_preset_and_schedules_it(
     assert (
         folded.info["interleave"]["interleaved_step"] < folded.info["interleave"]["unfolded_step"]
     )
+
+
+def test_run_trains_pp_x_dp_on_local_processes(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["run", "models.mmt", "--preset", "tiny", "--devices", "4", "--dp", "2"]
+    argv += ["--steps", "3", "--profile", "flops", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    plan = Plan.from_json((tmp_path / "plan.json").read_text())
+    assert plan.num_devices == 2 and plan.cost_model.dp.degree == 2  # pp 2 x dp 2
+    said = capfd.readouterr().out  # rank 0's lines, from its process
+    assert "dp 2 (sharded)" in said and said.count("step    3/3") == 1  # one rank says it
+
+
+def test_run_takes_a_dp_degree_not_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "models.mmt", "--devices", "4", "--dp", "auto"])
+    assert "graphpipe plan ... --dp auto" in capsys.readouterr().err

@@ -95,3 +95,48 @@ def test_emulated_values_scale_by_the_byte_scale_and_bad_scales_are_refused() ->
         Emulate(time_scale=0)
     with pytest.raises(ConfigError, match="byte_scale=-1"):
         Emulate(byte_scale=-1)
+
+
+# -- under a mesh: pp2 x dp2 ------------------------------------------------------------------
+
+
+MESH_SCALE = 30.0  # FSDP2's hooks and gloo's collectives are host work: longer waits dwarf it
+
+
+def _mesh_plan() -> Plan:
+    model, x = _model()
+    p = plan(model, x, devices=4, dp=2, micro_batches=M, pins={"0": 0, "1": 0, "2": 1})
+    assert len(p.stages) == 2 and p.num_devices == 2 and p.cost_model.dp.degree == 2
+    stages = tuple(
+        dataclasses.replace(s, forward_time=F, backward_time=B, param_bytes=4e5) for s in p.stages
+    )
+    return dataclasses.replace(p, stages=stages)
+
+
+def _mesh_step(the_plan: Plan) -> tuple[float, int, int]:
+    """Seconds per step, and the stand-in weight's local and whole element counts."""
+    model, x = _model()
+    pm = gp_compile(
+        model,
+        x,
+        loss_fn=lambda out, t: ((out - t) ** 2).mean(),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        schedule="1f1b",
+        plan=the_plan,
+        data_parallel=2,
+        runtime=RuntimeConfig(timeout=60, emulate=Emulate(time_scale=MESH_SCALE, byte_scale=4)),
+    )
+    pm.step(x, target=x)  # warm-up
+    start = time.perf_counter()
+    for _ in range(3):
+        pm.step(x, target=x)
+    (weight,) = pm.module.parameters()
+    return (time.perf_counter() - start) / 3, weight.to_local().numel(), weight.numel()
+
+
+def test_emulated_stages_under_a_mesh_shard_their_weight_and_step_in_the_simulated_time() -> None:
+    the_plan = _mesh_plan()
+    sim = simulate(the_plan, make_schedule(the_plan, "1f1b", M)).iteration_time * MESH_SCALE
+    for seconds, local, whole in launch(_mesh_step, 4, args=(the_plan,), timeout=240):
+        assert whole == 4e5 / 4 / 4 and local == whole // 2  # bytes / byte_scale, over dp
+        assert sim * 0.99 <= seconds <= sim * 1.25, (seconds, sim)

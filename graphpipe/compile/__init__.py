@@ -205,7 +205,7 @@ def compile(
     )
     spec = _join(spec)
     gm, inputs = _trace(model, example_inputs, spec)
-    if spec.meshed and is_meta(gm):
+    if spec.meshed and is_meta(gm) and spec.runtime.emulate is None:  # emulated: no weights
         raise ConfigError(
             "a model on the meta device is not yet supported with a mesh (FSDP2 per stage); "
             "planned: materialise each stage, then shard it; build the model on the CPU"

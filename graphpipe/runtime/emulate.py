@@ -29,7 +29,14 @@ so that a slow loopback can stand for a fast link at a large `time_scale`). A re
 stage's weight, which replicas all-reduce, holds `param_bytes / byte_scale` bytes; an
 unreplicated stage's weight is one element: no link carries it, and a real-sized zero
 gradient per backward would be host work (a memset and an accumulation on contended cores)
-that the emulated device does not do. So the loopback link carries the plan's bytes divided
+that the emulated device does not do. Under a mesh (the plan's dp degree k > 1) every stage's
+weight holds `param_bytes / byte_scale` bytes and FSDP2 shards it over the k dp ranks like a
+real stage's: it all-gathers it before the forward and again before the backward
+(reshard_after_forward), and reduce-scatters its gradient after the stage's last backward of
+the step, so the dp link carries the plan's bytes / byte_scale too. The stand-in is one FSDP
+unit: its gathers run before its wait, not behind it, where a real stage of several blocks
+prefetches the next block's gather during the current one's compute (the cost model's
+max(compute, gathers)). So the loopback link carries the plan's bytes divided
 by `byte_scale`: to compare with the simulator, give it a link whose bandwidth is the
 loopback's times `byte_scale` and compute times times `time_scale` (`benchmarks/emulated.py`
 does). The model output keeps its real shape (the loss needs it); its values are zeros, so
@@ -129,13 +136,14 @@ class _WeightHalf(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, stage: EmulatedStage, weight: torch.Tensor) -> torch.Tensor:
         ctx.stage = stage
+        ctx.weight = (weight.shape, weight.dtype, weight.device)  # unsharded under FSDP2
         return weight.new_zeros(())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         deadline = time.perf_counter() + ctx.stage.seconds["W"]
-        stage = ctx.stage
-        made = torch.zeros_like(stage.get_parameter(stage.weight_name))
+        shape, dtype, device = ctx.weight
+        made = torch.zeros(shape, dtype=dtype, device=device)
         _sleep_until(deadline)
         return None, made
 
@@ -198,7 +206,8 @@ class EmulatedStage(nn.Module):
         self._output = output.args[0]
         self.weight_name = f"stage{index}"
         numel = max(1, round(stage.param_bytes / 4 / emulate.byte_scale))
-        numel = numel if stage.replicas > 1 else 1
+        carried = stage.replicas > 1 or plan.cost_model.dp.degree > 1  # a link carries it
+        numel = numel if carried else 1
         self.register_parameter(self.weight_name, nn.Parameter(torch.zeros(numel, device=device)))
 
     def forward(self, *args: torch.Tensor) -> dict[str, Any]:

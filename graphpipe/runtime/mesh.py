@@ -181,7 +181,7 @@ class MeshLayout:
         return grid["dp", "dp_shard"]
 
 
-def stage_blocks(stage: fx.GraphModule, model: nn.Module) -> list[list[nn.Module]]:
+def stage_blocks(stage: nn.Module, model: nn.Module) -> list[list[nn.Module]]:
     """The FSDP units of a stage: its called modules grouped by transformer-like block.
 
     A block is an element of an nn.ModuleList or nn.Sequential of the original model (the
@@ -193,14 +193,18 @@ def stage_blocks(stage: fx.GraphModule, model: nn.Module) -> list[list[nn.Module
     A stage traced by torch.export (a flat aten graph, e.g. a Hugging Face Llama) calls no
     module: its parameters are get_attr reads, which FSDP2's module hooks cannot see, so it
     has no block and the stage root is its one unit (all its parameters gathered at once).
+    So has an emulated stage (`graphpipe.runtime.emulate`), which is no graph.
 
     Args:
-        stage: The stage's GraphModule (its call_module targets are the model's paths).
+        stage: The stage's GraphModule (its call_module targets are the model's paths), or
+            an emulated stage.
         model: The original model (which containers are lists of blocks).
 
     Returns:
         The units, each a list of the stage's submodules, in call order.
     """
+    if not isinstance(stage, fx.GraphModule):
+        return []
     prefixes = _block_prefixes(model)
     called = [n.target for n in stage.graph.nodes if n.op == "call_module"]
     used_by: dict[int, set[str]] = {}
@@ -241,7 +245,7 @@ def _block_prefixes(model: nn.Module) -> list[str]:
 
 
 def shard_stage(
-    stage: fx.GraphModule,
+    stage: nn.Module,
     model: nn.Module,
     mesh: DeviceMesh,
     reshard_after_forward: bool,

@@ -192,7 +192,6 @@ class RunSpec:
                 weights=weights, precision=precision,
                 nan_check=nan_check, compile_stages=compile_stages,
                 replication=plan_options.get("replication", False),
-                emulate=(runtime or RuntimeConfig()).emulate,
             )  # fmt: skip
             problems.extend(mesh_refusals(**asked))
         devices = plan_options.pop("devices", None)  # the world size; said if it differs
@@ -510,7 +509,6 @@ def mesh_refusals(
     nan_check: bool,
     compile_stages: bool,
     replication: Any,
-    emulate: Any,
 ) -> list[str]:
     """What a mesh (FSDP2 per stage) cannot run yet, each named; empty if all is well."""
     later = "not yet with a mesh (FSDP2 per stage); planned"
@@ -528,6 +526,4 @@ def mesh_refusals(
             f"replication={replication!r}: replicated stages within pp are refused with a mesh, "
             "whose dp dimension replicates every stage already; plan with replication=False"
         )
-    if emulate is not None:
-        out.append(f"RuntimeConfig(emulate=...) is {later}")
     return out

@@ -7,6 +7,7 @@
     graphpipe plan models.mmt --devices 16 --dp 2             pp 8 x dp 2 (FSDP over dp)
     graphpipe plan models.mmt --devices 16 --dp auto          the planner chooses pp x dp
     graphpipe run models.mmt --devices 2                      train it on 2 local processes
+    graphpipe run models.mmt --devices 4 --dp 2               pp 2 x dp 2 on 4 local processes
 
 MODEL follows the factory protocol of `graphpipe.tools.workload`: a module path such as
 `models.mmt`, or `file.py:function`. Progress goes to stderr, tables to stdout. Errors print one
@@ -174,6 +175,14 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a receive may wait before failing (default: 120)",
     )
     run.add_argument(
+        "--dp",
+        type=_dp_ranks,
+        default=1,
+        metavar="K",
+        help="data-parallel degree: a (devices / K, K) pp x dp mesh, every stage sharded "
+        "by FSDP2 over K ranks (default: 1, no mesh)",
+    )
+    run.add_argument(
         "--replication",
         action="store_true",
         help="allow data-parallel stages (default: every device a distinct stage)",
@@ -224,6 +233,7 @@ def _run_command(args: argparse.Namespace) -> int:
             preset=args.preset,
             options=parse_options(args.option),
             devices=args.devices,
+            data_parallel=args.dp,
             schedule=args.schedule,
             weights=args.weights,
             steps=args.steps,
@@ -300,6 +310,16 @@ def _dp_degree(text: str) -> int | str:
         ) from None
     if k < 1:
         raise argparse.ArgumentTypeError(f"--dp takes a positive int or 'auto', got {k}")
+    return k
+
+
+def _dp_ranks(text: str) -> int:
+    """run --dp's value: a positive int (compile takes no "auto": plan with --dp auto)."""
+    k = _dp_degree(text)
+    if not isinstance(k, int):
+        raise argparse.ArgumentTypeError(
+            "run --dp takes a positive int; choose one with `graphpipe plan ... --dp auto`"
+        )
     return k
 
 

@@ -1,6 +1,7 @@
 """train: the example training loop behind `graphpipe run` and `python -m models.<name>`.
 
     graphpipe run models.mmt --devices 2                 # the cpu preset, 40 steps
+    graphpipe run models.mmt --devices 4 --dp 2          # pp 2 x dp 2: stages sharded by FSDP2
     python -m models.dlrm --devices 2 --schedule zb --steps 50
 
 Every rank builds the same workload and draws the same synthetic mini-batches; graphpipe.compile
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from graphpipe._units import format_time
@@ -57,7 +59,8 @@ class TrainConfig:
     model: str  # models.NAME or path/file.py:function
     preset: str = "cpu"  # the workload preset
     options: dict[str, Any] = field(default_factory=dict)  # workload options
-    devices: int = 2  # processes, one stage (or replica) each
+    devices: int = 2  # processes, one stage (or replica) each; pp x dp with a mesh
+    data_parallel: int = 1  # dp: > 1 is a (devices / dp, dp) mesh, stages sharded by FSDP2
     schedule: str | None = None  # None: 1f1b, or the one the weight policy needs
     weights: str = "flush"
     steps: int = 40
@@ -81,6 +84,7 @@ class TrainConfig:
             ConfigError: the first bad setting, naming its value.
         """
         positive = {"devices": self.devices, "steps": self.steps, "lr": self.lr}
+        positive |= {"data_parallel": self.data_parallel}
         positive |= {"timeout": self.timeout, "deadline": self.deadline}
         for name, value in positive.items():
             if not value > 0:
@@ -90,6 +94,11 @@ class TrainConfig:
             raise ConfigError(f"micro_batches={m!r} must be a positive integer")
         if self.profile not in PROFILES:
             raise ConfigError(f"profile={self.profile!r}; known: {list(PROFILES)}")
+        if self.devices % self.data_parallel:
+            raise ConfigError(
+                f"data_parallel={self.data_parallel} does not divide devices={self.devices} "
+                "into pp x dp"
+            )
         schedule_for(self.weights, self.schedule)
         check_clipping(self.max_grad_norm, 2.0, self.weights)
 
@@ -126,11 +135,11 @@ def train(config: TrainConfig) -> TrainResult:
 
 def _check_workload(config: TrainConfig) -> None:
     """Build the workload on the meta device (no memory, no values) to refuse a bad preset,
-    option or micro-batch count in one line. A factory that cannot build on the meta device
-    is left to the ranks.
+    option, micro-batch count or dp degree in one line. A factory that cannot build on the
+    meta device is left to the ranks.
 
     Raises:
-        ConfigError: what the factory or the micro-batch split refuses.
+        ConfigError: what the factory, the micro-batch split or the dp split refuses.
     """
     try:
         with torch.device("meta"):
@@ -139,11 +148,19 @@ def _check_workload(config: TrainConfig) -> None:
         raise
     except Exception:
         return
-    micro_batch_size(w.batch_size, config.micro_batches or w.micro_batches)
+    m = config.micro_batches or w.micro_batches
+    rows, dp = micro_batch_size(w.batch_size, m), config.data_parallel
+    if rows % dp:
+        raise ConfigError(
+            f"data_parallel={dp} does not divide a micro-batch of {rows} rows (batch "
+            f"{w.batch_size} / M {m}): each dp rank takes 1/dp of every micro-batch"
+        )
 
 
 def _rank_main(config: TrainConfig) -> TrainResult | None:
     w = load_workload(config.model, config.preset, seed=config.seed, **config.options)
+    # for the report, traced before compile: under a mesh FSDP2 wraps the model's modules
+    gm = trace(w.model, w.example_inputs, w.leaf_modules)
     pm = pipeline(
         w.model,
         w.example_inputs,
@@ -156,16 +173,18 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
         profile_config=ProfileConfig(mode=config.profile, warmup=2, repeats=5),
         runtime=RuntimeConfig(timeout=config.timeout),
         replication=config.replication,
+        data_parallel=config.data_parallel if config.data_parallel > 1 else None,
         max_grad_norm=config.max_grad_norm,
         recompute=config.recompute,
         compile_stages=config.compile_stages,
         precision=config.precision,
     )
-    say = _printer(pm.rank == 0)
+    first = dist.get_rank() == 0  # pm.rank is the plan device: dp ranks share it
+    say = _printer(first)
     say(f"{config.model} ({config.preset}): {plan_summary(pm.plan)}")
     gen = torch.Generator().manual_seed(config.seed + 1)
     losses, times = [], []
-    bar = progress_bar(pm.rank == 0, config.steps)
+    bar = progress_bar(first, config.steps)
     for step in range(config.steps):
         inputs, target = w.make_batch(gen)
         pm.recording = step >= config.steps - RECORDED_STEPS
@@ -186,11 +205,11 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
         bar.close()
     measured = pm.timeline()
     link = measure_link() if pm.plan.num_devices > 1 else None
-    if pm.rank != 0:
+    if not first:
         return None
     simulated = simulate(calibrated(pm.plan, measured, link), pm.schedule.name)
     out = Path(config.out or f"runs/{w.name}")
-    _report(pm, w, losses, times, measured, simulated, out, say)
+    _report(pm, gm, losses, times, measured, simulated, out, say)
     return TrainResult(losses, times, simulated.iteration_time, str(out))
 
 
@@ -212,7 +231,7 @@ def _printer(active: bool) -> Any:
 
 def _report(
     pm: Any,
-    w: Any,
+    gm: Any,
     losses: list[float],
     times: list[float],
     measured: Any,
@@ -222,7 +241,6 @@ def _report(
 ) -> None:
     steady = statistics.median(times[len(times) // 2 :]) if times else 0.0
     predicted = simulate(pm.plan, pm.schedule.name).iteration_time
-    gm = trace(w.model, w.example_inputs, w.leaf_modules)
     say("\n" + plan_table(pm.plan, modules_of(gm.graph.nodes)))
     say(f"\nloss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     say(
