@@ -56,6 +56,7 @@ __all__ = [
     "guarded",
     "install_watch",
     "posted",
+    "restart_count",
     "set_collective_timeout",
     "unwatched_error",
 ]
@@ -65,8 +66,16 @@ POLL = 0.05  # seconds between two looks at the board while a wait lasts
 WAITING_AFTER = 0.3  # a wait longer than this is published (who waits for whom)
 SETTLE = 5.0  # seconds a rank whose peer closed its connection waits for the cause's post
 BACKSTOP = 10.0  # seconds the backend's own timeouts come after the watch's
+
+
+def restart_count() -> int:
+    """How many times torchrun's agent restarted the group before this attempt (0 without
+    torchrun): `TORCHELASTIC_RESTART_COUNT`."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 # torchrun's agent keeps its store across restarts: each attempt gets keys of its own
-PREFIX = f"graphpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+PREFIX = f"graphpipe/{restart_count()}"
 
 
 class Post(NamedTuple):
