@@ -202,31 +202,38 @@ def kill_plan(steps: int, kills: int, seed: int) -> list[Kill]:
     return [Kill(i, rng.randrange(RANKS), s, rng.uniform(0.0, 0.3)) for i, s in enumerate(at)]
 
 
-def soak(root: Path, steps: int, kills: Sequence[Kill], every: int, timeout: float) -> dict:
-    """The untouched run and the killed one under `root`; the figures and checks."""
+def reference(root: Path, steps: int, every: int, timeout: float) -> float:
+    """The untouched run under root/reference; its wall time in seconds."""
     began = time.monotonic()
     code, out = torchrun(run_args(root / "reference", steps, every), 0, {}, timeout)
     if code:
         raise RuntimeError(f"the reference run failed ({code}):\n{out[-4000:]}")
-    reference_s = time.monotonic() - began
-    marks = root / "marks"
-    marks.mkdir(parents=True, exist_ok=True)
+    return time.monotonic() - began
+
+
+def killed(
+    root: Path, steps: int, every: int, kills: Sequence[Kill], timeout: float
+) -> dict[str, Any]:
+    """The run under root/killed with `kills`, next to root/reference: the figures and the
+    checks (see the module docstring)."""
+    run = root / f"killed-{len(list(root.glob('killed-*')))}"
+    marks = run / "marks"
+    marks.mkdir(parents=True)
     env = {KILLS_ENV: ";".join(map(str, kills)), MARKS_ENV: str(marks)}
     began = time.monotonic()
-    code, out = torchrun(run_args(root / "killed", steps, every), len(kills), env, timeout)
-    killed_s = time.monotonic() - began
-    (root / "killed.log").write_text(out)
+    code, out = torchrun(run_args(run, steps, every), len(kills), env, timeout)
+    seconds = time.monotonic() - began
+    (run / "torchrun.log").write_text(out)
     if code:
-        raise RuntimeError(f"the killed run failed ({code}):\n{out[-4000:]}")
+        raise RuntimeError(f"the killed run failed ({code}), see {run / 'torchrun.log'}")
     resumed = [line.split()[3] for line in out.splitlines() if "resumed from step" in line]
     return {
-        "reference_s": reference_s,
-        "killed_s": killed_s,
+        "seconds": seconds,
         "kills": sorted(p.name[len("killed-") :] for p in marks.iterdir()),
         "resumed_from": [int(s) for s in resumed],
-        "differences": differences(final_state(root / "reference"), final_state(root / "killed")),
-        "leftovers": leftovers(root / "reference") + leftovers(root / "killed"),
-        "checkpoints": sorted(p.name for p in (root / "killed" / "ckpt").iterdir()),
+        "differences": differences(final_state(root / "reference"), final_state(run)),
+        "leftovers": leftovers(root / "reference") + leftovers(run),
+        "checkpoints": sorted(p.name for p in (run / "ckpt").iterdir()),
     }
 
 
@@ -242,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kills = kill_plan(args.steps, args.kills, args.seed)
     print(f"kill plan (attempt:rank:step:delay): {' '.join(map(str, kills))}", flush=True)
     root = args.dir.resolve() / time.strftime("%Y%m%d-%H%M%S")
-    result = soak(root, args.steps, kills, args.every, args.timeout)
+    print(f"reference: {reference(root, args.steps, args.every, args.timeout):.1f} s")
+    result = killed(root, args.steps, args.every, kills, args.timeout)
     for key, value in result.items():
         print(f"{key}: {value}")
     ok = not result["differences"] and not result["leftovers"]
