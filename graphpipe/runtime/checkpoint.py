@@ -33,6 +33,13 @@ Saves are atomic (`_publish`): DCP writes into `<path>.tmp` (files fsynced), ran
 graphpipe.json, then renames `<path>` to `<path>.old`, the new one to `<path>`, and removes
 the old one. `load` takes `<path>`, or `<path>.old` when a kill came between the renames; a
 half-written `.tmp` is never read.
+
+Each local step of a save (rank 0's directory, DCP's shards, the hashes, rank 0's publish)
+is agreed by every rank (`_agreed`; DCP gathers its own writers' errors): a full disk or a
+refused write on any rank raises CheckpointError on every rank, naming each rank's error,
+and leaves `<path>` as it was. graphpipe.json also records every file's size and sha256 and
+its own digest (`graphpipe.runtime.integrity`); a load checks them first, each rank a share
+of the hashes, and refuses a damaged checkpoint on every rank by file name.
 """
 
 from __future__ import annotations
