@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch.distributed as dist
 
 from graphpipe._torch import (
+    AGENT_STORE_ENV,
     backend_failure,
     default_store,
     set_default_pg_timeout,
@@ -107,10 +108,14 @@ class FailureBoard:
         rank: This rank (-1 for the launcher).
         world: Number of ranks.
         store: The store; None gives a board that records nothing (a single process).
+        host: The rank whose process serves the store (env:// without a launcher's store:
+            rank 0), whose death takes the board with it; None: a launcher or torchrun's
+            agent serves it.
     """
 
-    def __init__(self, rank: int, world: int, store: Any) -> None:
-        self.rank, self.world, self.store = rank, world, store
+    def __init__(self, rank: int, world: int, store: Any, host: int | None = None) -> None:
+        self.rank, self.world, self.store, self.host = rank, world, store, host
+        self.lost = False  # a call on the store failed: its server is gone
 
     @classmethod
     def of_process_group(cls) -> FailureBoard:
@@ -119,7 +124,27 @@ class FailureBoard:
         # client serves one call at a time, and the process group's own blocking calls on it
         # must not hold the board up
         store = store_connection(default_store())
-        return cls(dist.get_rank(), dist.get_world_size(), store)
+        # env:// without a launcher's store: rank 0 serves the TCPStore (torch's rendezvous)
+        agent = os.environ.get(AGENT_STORE_ENV) == "True"
+        host = 0 if isinstance(store, dist.TCPStore) and not agent else None
+        return cls(dist.get_rank(), dist.get_world_size(), store, host)
+
+    @contextlib.contextmanager
+    def _reaching(self) -> Iterator[None]:
+        """A call on the store; when its server is gone, nothing (and the board is lost)."""
+        try:
+            yield
+        except STORE_ERRORS:
+            self.lost = True
+
+    def host_gone(self) -> int | None:
+        """The rank that served the store, when it is gone with it (None: the store is
+        there, or no rank served it)."""
+        if self.host is None or self.host == self.rank:
+            return None
+        if not self.lost:
+            self.posts()  # a call, to find out
+        return self.host if self.lost else None
 
     # -- failures -----------------------------------------------------------------------------
 
@@ -131,7 +156,7 @@ class FailureBoard:
         if self.store is None:
             return
         rank = self.rank if rank is None else rank
-        with contextlib.suppress(*STORE_ERRORS):
+        with self._reaching():
             self.store.compare_set(
                 f"{PREFIX}/failure/{rank}", "", f"{time.time():.6f}|{kind.value}|{text}"
             )
@@ -142,7 +167,7 @@ class FailureBoard:
         if self.store is None:
             return found
         keys = [f"{PREFIX}/failure/{r}" for r in range(self.world)]
-        with contextlib.suppress(*STORE_ERRORS):
+        with self._reaching():
             for r, key in enumerate(keys):
                 if self.store.check([key]):
                     stamp, kind, text = self.store.get(key).decode().split("|", 2)
@@ -159,14 +184,14 @@ class FailureBoard:
     def set_waiting(self, ranks: Sequence[int], what: str) -> None:
         """Publish that this rank waits for `ranks` (in action or collective `what`)."""
         if self.store is not None:
-            with contextlib.suppress(*STORE_ERRORS):
+            with self._reaching():
                 peers = ",".join(str(r) for r in ranks)
                 self.store.set(f"{PREFIX}/waiting/{self.rank}", f"{time.time():.6f}|{peers}|{what}")
 
     def clear_waiting(self) -> None:
         """This rank waits for nobody any more."""
         if self.store is not None:
-            with contextlib.suppress(*STORE_ERRORS):
+            with self._reaching():
                 self.store.delete_key(f"{PREFIX}/waiting/{self.rank}")
 
     def waiting(self, rank: int) -> tuple[list[int], str] | None:
@@ -174,7 +199,7 @@ class FailureBoard:
         if self.store is None:
             return None
         key = f"{PREFIX}/waiting/{rank}"
-        with contextlib.suppress(*STORE_ERRORS):
+        with self._reaching():
             if self.store.check([key]):
                 _, peers, what = self.store.get(key).decode().split("|", 2)
                 return [int(p) for p in peers.split(",") if p], what
@@ -280,6 +305,8 @@ class Watch:
             other = self.board.first()
             if other is not None:
                 raise self._echo(f"rank {self.rank}, {what}: ", other)
+            if self.board.lost and self.board.host_gone() is not None:
+                raise self._host_died(f"rank {self.rank}, {what}: ")
             if time.monotonic() > deadline:
                 text, ends = self._diagnose(peers, what, limit)
                 other = self.board.first()  # a peer that timed out first has the same story
@@ -309,6 +336,8 @@ class Watch:
         cause = self.board.first() if seen == "timeout" else self._settled_cause()
         if cause is not None:
             return self._echo(head, cause, peers)
+        if self.board.host_gone() is not None:
+            return self._host_died(head)
         if seen == "timeout":
             text, ends = self._diagnose(peers, what, self.timeout)
             return self.raised(text, FailureKind.TIMED_OUT, peers=ends)
@@ -318,11 +347,28 @@ class Watch:
             peers=peers,
         )
 
+    def _host_died(self, head: str) -> PipelineError:
+        """The error for a store gone with the rank that served it: that rank died, and
+        took the board (and any cause posted on it) along; the peer whose connection
+        closed may only have been stopping after it."""
+        host = self.board.host
+        assert host is not None
+        return self.raised(
+            f"{head}rank {host}, which served the store, is gone with it: rank {host} has "
+            "probably died (the failure board went with it)",
+            FailureKind.DIED,
+            peers=[host],
+            origin=host,
+        )
+
     def _settled_cause(self) -> Post | None:
-        """The first cause another rank or the launcher posts within SETTLE s, or None."""
+        """The first cause another rank or the launcher posts within SETTLE s, or None
+        (at once when the store is gone with the rank that served it)."""
         end = time.monotonic() + SETTLE
         while True:
             posts = [p for r, p in self.board.posts().items() if r != self.rank]
+            if self.board.host_gone() is not None:
+                return None
             causes = [p for p in posts if p.caused()]
             if causes:
                 return min(causes, key=lambda p: p.stamp)
