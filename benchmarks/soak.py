@@ -1,15 +1,15 @@
 """Soak: a long run on 3 ranks under torchrun's restarts, with ranks killed at random moments.
 
-    python -m benchmarks.soak --steps 300 --kills 4      # a few minutes on 2 cores
+    python -m benchmarks.soak --steps 300 --kills 4      # about 100 s on 2 cores
 
 `models.mmt` (tiny: two branch stages and the fan-in head, one rank each) trains twice with
 `graphpipe run --checkpoint-every N --resume auto` under `torchrun --standalone
 --nproc-per-node 3`: once untouched, once under `--max-restarts K` with K kills. Kill i
 happens on attempt i (TORCHELASTIC_RESTART_COUNT), on a random rank, a random delay (0 to
-0.3 s: inside the step or the save that follows) after that rank drew the batch of a random
-step; the steps are drawn in increasing order, so each attempt reaches its kill. Each kill is
-a SIGKILL of the rank's own process; torchrun's agent stops the others and restarts the
-group, which resumes from the latest complete checkpoint.
+0.3 s: up to a few steps on, inside a step or a save) after that rank drew the batch of a
+random step; the steps are drawn in increasing order, so each attempt reaches its kill. Each
+kill is a SIGKILL of the rank's own process; torchrun's agent stops the others and restarts
+the group, which resumes from the latest complete checkpoint.
 
 The figures: the wall time of both runs, the kills that landed (each leaves a mark file
 first), the steps each attempt resumed from, and the checks: every tensor of the final

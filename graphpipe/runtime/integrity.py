@@ -128,11 +128,12 @@ def file_problems(path: Path, record: dict[str, Any]) -> list[str]:
 
 
 def hash_problems(path: Path, record: dict[str, Any], names: Sequence[str]) -> list[str]:
-    """The files among `names` whose content is not the content saved."""
+    """The files among `names` whose content is not the content saved (those missing or
+    of another size are `file_problems`')."""
     saved: dict[str, dict[str, Any]] = record["files"]
     problems = []
     for name in names:
-        if name not in saved or not (path / name).is_file():
+        if not (path / name).is_file() or (path / name).stat().st_size != saved[name]["bytes"]:
             continue  # file_problems names it
         found = _sha256(path / name)
         if found != saved[name]["sha256"]:
