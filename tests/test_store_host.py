@@ -66,24 +66,30 @@ def _worker(rank: int, port: int, out: str, moment: str) -> None:
         fields = f"{exc.kind.value}|{exc.origin}|{exc.peers}"
         Path(out, f"rank{rank}").write_text(f"{time.monotonic() - start}\n{fields}\n{exc}")
         os._exit(1)
+    except RuntimeError:  # rank 0's own error, posted by the executor
+        os._exit(1)
 
 
 def _die(*args: object, **kwargs: object) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _boom(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("boom in the stage")
+
+
 def _arm(pm: object, moment: str) -> None:
     if moment == "between_steps":
         _die()
     for stage in pm._executor.stages.values():  # type: ignore[attr-defined]
-        stage.module.forward = _die  # its first forward of the step
+        stage.module.forward = _boom if moment == "raises" else _die  # its next forward
 
 
-@pytest.mark.parametrize("moment", ["between_steps", "forward"])
-def test_every_survivor_names_the_dead_store_host(moment: str, tmp_path: Path) -> None:
+def _run(moment: str, out: Path) -> dict[int, tuple[float, str, str]]:
+    """Each survivor's seconds to its error, its fields and its text."""
     context = mp.start_processes(
         _worker,
-        args=(_free_port(), str(tmp_path), moment),
+        args=(_free_port(), str(out), moment),
         nprocs=WORLD,
         join=False,
         start_method="spawn",
@@ -96,10 +102,22 @@ def test_every_survivor_names_the_dead_store_host(moment: str, tmp_path: Path) -
         if p.is_alive():
             p.kill()
         p.join(timeout=5)
-    reports = {r: (tmp_path / f"rank{r}").read_text() for r in (1, 2)}
-    for rank, report in reports.items():
-        seconds, fields, text = report.split("\n", 2)
-        assert float(seconds) < 15, (rank, report)  # the timeout is 60 s
-        assert fields == f"{FailureKind.DIED.value}|0|(0,)", (rank, report)
-        assert "rank 0, which served the store, is gone with it" in text, (rank, report)
-        assert "rank 2 closed its connection" not in text, (rank, report)
+    reports = {r: (out / f"rank{r}").read_text().split("\n", 2) for r in (1, 2)}
+    return {r: (float(seconds), fields, text) for r, (seconds, fields, text) in reports.items()}
+
+
+@pytest.mark.parametrize("moment", ["between_steps", "forward"])
+def test_every_survivor_names_the_dead_store_host(moment: str, tmp_path: Path) -> None:
+    for rank, (seconds, fields, text) in _run(moment, tmp_path).items():
+        assert seconds < 15, (rank, text)  # the timeout is 60 s
+        assert fields == f"{FailureKind.DIED.value}|0|(0,)", (rank, fields, text)
+        assert "rank 0, which served the store, is gone with it" in text, (rank, text)
+        assert "rank 2 closed its connection" not in text, (rank, text)
+
+
+def test_every_survivor_quotes_the_store_hosts_own_error(tmp_path: Path) -> None:
+    """Rank 0 raises and exits: its post must reach the others before its store goes."""
+    for rank, (seconds, fields, text) in _run("raises", tmp_path).items():
+        assert seconds < 15, (rank, text)
+        assert fields.startswith(f"{FailureKind.ECHO.value}|0|"), (rank, fields, text)
+        assert "RuntimeError: boom in the stage" in text, (rank, text)

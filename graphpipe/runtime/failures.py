@@ -116,6 +116,7 @@ class FailureBoard:
     def __init__(self, rank: int, world: int, store: Any, host: int | None = None) -> None:
         self.rank, self.world, self.store, self.host = rank, world, store, host
         self.lost = False  # a call on the store failed: its server is gone
+        self._seen: dict[int, Post] = {}  # the posts of the last read
 
     @classmethod
     def of_process_group(cls) -> FailureBoard:
@@ -162,17 +163,29 @@ class FailureBoard:
             )
 
     def posts(self) -> dict[int, Post]:
-        """Every rank's post, by rank (none when the store's server is gone)."""
-        found: dict[int, Post] = {}
+        """Every rank's post, by rank. When the store's server is gone: the posts read
+        last (a post is never withdrawn), none if there were none."""
         if self.store is None:
-            return found
+            return {}
         keys = [f"{PREFIX}/failure/{r}" for r in range(self.world)]
+        found: dict[int, Post] = {}
         with self._reaching():
             for r, key in enumerate(keys):
                 if self.store.check([key]):
                     stamp, kind, text = self.store.get(key).decode().split("|", 2)
                     found[r] = Post(r, float(stamp), FailureKind(kind), text)
-        return found
+            self._seen = found
+        return dict(self._seen)
+
+    def linger(self) -> None:
+        """On the rank that serves the store, after its own post: wait until every other
+        rank posted (read the board) or SETTLE s passed, so that the board outlives the
+        post it must carry."""
+        if self.host != self.rank:
+            return
+        end = time.monotonic() + SETTLE
+        while len(self.posts()) < self.world and time.monotonic() < end and not self.lost:
+            time.sleep(POLL)
 
     def first(self) -> Post | None:
         """The first failure another rank posted: the earliest cause, else the earliest echo."""
@@ -401,6 +414,7 @@ class Watch:
             **fields: The error's other fields (`peers`, `stage`, ...); `rank` is this one.
         """
         self.board.post(text, kind)
+        self.board.linger()
         return PipelineError(text, kind=kind, rank=self.rank, **fields)
 
     def post_error(self, where: str, exc: BaseException) -> None:
@@ -409,6 +423,7 @@ class Watch:
             return  # the watch posted it
         kind = FailureKind.BAD_INPUT if isinstance(exc, ConfigError) else FailureKind.RAISED
         self.board.post(f"rank {self.rank}, {where}: {first_line(exc)}", kind)
+        self.board.linger()
 
 
 def _ranks(ranks: Sequence[int] | int) -> str:
