@@ -11,7 +11,10 @@ A rank that fails posts why on a *failure board*, a key-value store every rank r
 The board is the store torch.distributed rendezvoused with. Under `graphpipe.runtime.launch` and
 torchrun that store is served by the launcher or the elastic agent, not by rank 0, so the record
 survives the death of any rank (`TORCHELASTIC_USE_AGENT_STORE`); the launcher also posts the
-death of a rank that could not post its own.
+death of a rank that could not post its own. Under env:// without a launcher's store (SLURM's
+`srun`), rank 0 serves it (`FailureBoard.host`): a rank that finds the store gone names rank
+0 as dead, not the peer that stopped after it; and rank 0, when it fails, waits after its post
+until the others have posted theirs (`linger`), so that its post reaches them.
 
 Every wait of a rank (a receive, a send's completion, a collective) goes through `Watch.wait`:
 the blocking call runs on a waiter thread while this thread polls the board, so a failure
