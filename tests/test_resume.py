@@ -23,6 +23,7 @@ from graphpipe import Checkpoints, latest
 from graphpipe.errors import ConfigError
 from graphpipe.runtime import integrity
 from graphpipe.runtime.resume import step_dir
+from graphpipe.tools.train import TrainConfig, train
 
 STEPS, EVERY, LIMIT = 20, 5, 240  # LIMIT: seconds for one torchrun
 
@@ -64,6 +65,20 @@ def test_checkpoints_refuse_a_negative_interval_and_keeping_none() -> None:
         Checkpoints("ckpt", every=-1)
     with pytest.raises(ConfigError, match="every=5, keep=0"):
         Checkpoints("ckpt", every=5, keep=0)
+
+
+def test_the_training_loop_refuses_bad_resume_settings_and_a_world_it_was_not_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ConfigError, match="resume='sometimes'; known: \\['never', 'auto'\\]"):
+        TrainConfig(model="models.mmt", resume="sometimes")
+    with pytest.raises(ConfigError, match="every=-2, keep=3"):
+        TrainConfig(model="models.mmt", checkpoint_every=-2)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)  # as torchrun sets them, for 3 processes
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ConfigError, match="--devices 2, but the launcher started 3 processes"):
+        train(TrainConfig(model="models.mmt", preset="tiny", devices=2))
 
 
 @pytest.fixture(scope="module")
