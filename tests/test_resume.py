@@ -22,7 +22,7 @@ from benchmarks import soak
 from graphpipe import Checkpoints, latest
 from graphpipe.errors import ConfigError
 from graphpipe.runtime import integrity
-from graphpipe.runtime.resume import step_dir
+from graphpipe.runtime.resume import _prune, step_dir
 from graphpipe.tools.train import TrainConfig, train
 
 STEPS, EVERY, LIMIT = 20, 5, 240  # LIMIT: seconds for one torchrun
@@ -58,6 +58,18 @@ def test_latest_takes_the_newest_complete_checkpoint_and_names_each_one_it_skips
     assert f"skipped {unsealed}" in said[0] and "graphpipe.json is missing" in said[0]
     assert f"skipped {truncated}" in said[1]
     assert "__0_0.distcp is 10 bytes, 64 when saved: truncated" in said[1]
+
+
+def test_pruning_keeps_the_newest_and_removes_what_killed_saves_and_removals_left(
+    tmp_path: Path,
+) -> None:
+    for step in (10, 20, 30, 40):
+        _fake(tmp_path, step)
+    (tmp_path / "step-00000050.tmp").mkdir()  # a save killed midway
+    (tmp_path / "step-00000005.deleting").mkdir()  # a removal killed midway
+    (tmp_path / "notes.txt").write_text("mine")  # not graphpipe's: left alone
+    _prune(tmp_path, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step-00000030", "step-00000040"]
 
 
 def test_checkpoints_refuse_a_negative_interval_and_keeping_none() -> None:
