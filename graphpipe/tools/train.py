@@ -88,7 +88,7 @@ class TrainConfig:
     out: str | None = None  # where pictures go; None: runs/<model name>
     seed: int = 0
     timeout: float = 120.0  # seconds a receive may wait
-    deadline: float = 3600.0  # seconds the whole run may take before every process is stopped
+    deadline: float = 3600.0  # seconds the local run may take (under torchrun: torchrun's)
     max_grad_norm: float | None = None  # clip the global gradient norm (compile's argument)
     recompute: bool | str = False  # activation checkpointing: True, False or "auto"
     compile_stages: bool = False  # torch.compile each stage
