@@ -25,13 +25,15 @@ ActionKind, the schedule and policy registry), tracing, scheduling (generators, 
 simulator, dry run), planning (profile, partition), runtime (the per-rank pieces), compile;
 tools (render, timeline, report, calibrate, fair, cli). `graphpipe plan` and `graphpipe run`
 on the command line; `graphpipe export CKPT OUT` turns a checkpoint (`pm.save`) into a plain
-state dict. docs/ARCHITECTURE.md has the map.
+state dict; `graphpipe.Checkpoints` keeps one per N steps and resumes from
+`graphpipe.latest(dir)`, by itself under torchrun's restarts. docs/ARCHITECTURE.md has the map.
 """
 
 from __future__ import annotations
 
 from graphpipe.compile import PipelinedModel, RuntimeConfig, compile
 from graphpipe.errors import (
+    CheckpointError,
     ConfigError,
     FailureKind,
     GraphPipeError,
@@ -44,12 +46,15 @@ from graphpipe.ir import Plan, Schedule
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.checkpoint import export_checkpoint
 from graphpipe.runtime.launch import launch
+from graphpipe.runtime.resume import Checkpoints, latest
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tools.render import render
 from graphpipe.tracing.tracer import trace
 
 __all__ = [
+    "CheckpointError",
+    "Checkpoints",
     "ConfigError",
     "FailureKind",
     "GraphPipeError",
@@ -63,6 +68,7 @@ __all__ = [
     "TraceError",
     "compile",
     "export_checkpoint",
+    "latest",
     "launch",
     "make_schedule",
     "plan",

@@ -5,6 +5,7 @@
     ├── TraceError      the model could not be turned into an fx graph
     ├── PlanError       no plan meets the constraints, or a plan is malformed or invalid
     ├── ScheduleError   a schedule is malformed or would deadlock
+    ├── CheckpointError a checkpoint that could not be written, or is damaged on disk
     └── PipelineError   something failed while running: a timeout, a dead peer rank
 
 Errors that find several problems at once carry them all in `problems` and list them in the
@@ -57,6 +58,27 @@ class PlanError(GraphPipeError):
 
 class ScheduleError(GraphPipeError):
     """A schedule is malformed, incomplete or would deadlock."""
+
+
+class CheckpointError(GraphPipeError):
+    """A checkpoint could not be written (no space, no permission: raised on every rank, the
+    previous checkpoint left as it was), or one on disk is not as it was saved (a file
+    missing, truncated or changed, an edited graphpipe.json, files of another save): the
+    message names the file and what is wrong with it.
+
+    Args:
+        message: What went wrong, naming the checkpoint.
+        problems: One line per file (or per rank, for a failed save).
+        path: The checkpoint directory.
+    """
+
+    def __init__(self, message: str, problems: Sequence[str] = (), path: str = "") -> None:
+        super().__init__(message, problems)
+        self.message, self.path = message, path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle with the problems and the path (an exception pickles only its `args`)."""
+        return (type(self), (self.message, self.problems, self.path))
 
 
 class FailureKind(enum.Enum):

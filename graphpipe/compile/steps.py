@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.distributed.device_mesh import init_device_mesh
 
+from graphpipe._torch import AGENT_STORE_ENV
 from graphpipe.errors import ConfigError, GraphPipeError, PlanError
 from graphpipe.ir import Plan, Schedule
 from graphpipe.ir.registry import SCHEDULES
@@ -23,7 +24,7 @@ from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.planning.partition import PlanConfig, partition, partition_mesh
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.planning.validate import validate_plan
-from graphpipe.runtime.failures import guarded
+from graphpipe.runtime.failures import guarded, restart_count
 from graphpipe.runtime.mesh import MESH_DIMS
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.scheduling.dryrun import check_run
@@ -120,6 +121,12 @@ def schedule_plan(plan: Plan, spec: RunSpec) -> Schedule:
 
 
 def ensure_process_group(runtime: RuntimeConfig) -> None:
+    """The default process group, from the environment when there is none yet (env://;
+    under torchrun's agent, on its store under a prefix per restart).
+
+    Raises:
+        ConfigError: no process group and no RANK, WORLD_SIZE, MASTER_ADDR or MASTER_PORT.
+    """
     if dist.is_initialized():
         return
     missing = [
@@ -131,7 +138,27 @@ def ensure_process_group(runtime: RuntimeConfig) -> None:
             "graphpipe.runtime.launch, or call torch.distributed.init_process_group first"
         )
     backend = runtime.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=runtime.timeout))
+    timeout = datetime.timedelta(seconds=runtime.timeout)
+    if os.environ.get(AGENT_STORE_ENV) != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.PrefixStore(f"graphpipe/attempt_{restart_count()}", _agent_store(timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _agent_store(timeout: datetime.timedelta) -> dist.TCPStore:
+    """A client of the store torchrun's agent serves at MASTER_ADDR:MASTER_PORT.
+
+    The agent keeps that one store across the restarts of `--max-restarts`, and torch
+    2.13's env:// rendezvous puts no prefix per attempt on it (it assumes a new store per
+    retry): a restarted group's gloo could read the dead group's addresses, still there
+    under the same keys, and fail to connect ("Connection refused"), in about half the
+    restarts tried. `ensure_process_group` puts each attempt under a prefix of its own.
+    """
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world = int(os.environ["WORLD_SIZE"])
+    return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
 
 
 def checked_plan(plan: Plan, gm: fx.GraphModule, dp: int = 1) -> Plan:

@@ -33,6 +33,13 @@ Saves are atomic (`_publish`): DCP writes into `<path>.tmp` (files fsynced), ran
 graphpipe.json, then renames `<path>` to `<path>.old`, the new one to `<path>`, and removes
 the old one. `load` takes `<path>`, or `<path>.old` when a kill came between the renames; a
 half-written `.tmp` is never read.
+
+Each local step of a save (rank 0's directory, DCP's shards, the hashes, rank 0's publish)
+is agreed by every rank (`_agreed`; DCP gathers its own writers' errors): a full disk or a
+refused write on any rank raises CheckpointError on every rank, naming each rank's error,
+and leaves `<path>` as it was. graphpipe.json also records every file's size and sha256 and
+its own digest (`graphpipe.runtime.integrity`); a load checks them first, each rank a share
+of the hashes, and refuses a damaged checkpoint on every rank by file name.
 """
 
 from __future__ import annotations
@@ -42,14 +49,15 @@ import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -58,15 +66,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from graphpipe.errors import ConfigError
+from graphpipe.errors import CheckpointError, ConfigError
 from graphpipe.ir import Plan
-from graphpipe.runtime.failures import guarded
+from graphpipe.runtime import integrity
+from graphpipe.runtime.failures import first_line, guarded
+from graphpipe.runtime.integrity import META
 from graphpipe.runtime.weights import WeightPolicy
 
 __all__ = ["Checkpointable", "export_checkpoint", "load", "resolve", "save"]
 
-META = "graphpipe.json"
-FORMAT = 1
+T = TypeVar("T")
 
 
 class Checkpointable(Protocol):
@@ -221,7 +230,6 @@ def _name(names: Mapping[str, str], fqn: str) -> str:
 
 def _metadata(pm: Checkpointable) -> dict[str, Any]:
     return {
-        "format": FORMAT,
         "plan": json.loads(pm.plan.to_json()),
         "world_size": dist.get_world_size(),
         "weights": pm.weights,
@@ -242,31 +250,105 @@ def save(pm: Checkpointable, path: str | Path) -> Path:
 
     Returns:
         The checkpoint's path.
+
+    Raises:
+        CheckpointError: on every rank, when a rank could not write its part (no space, no
+            permission, ...), naming each rank's error; the previous checkpoint at `path`
+            is left as it was and the unfinished one removed.
     """
     pm.drain()  # an asynchronous pipeline's updates in flight land first
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     first = dist.get_rank() == 0  # the one process that owns the directory
-    if first:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    guarded("the checkpoint's barrier", dist.barrier)
-    items = {**_model_items(pm), **_optim_items(pm)}
-    guarded("the checkpoint save", lambda: dcp.save(items, checkpoint_id=tmp))
-    if first:
-        meta = tmp / META
-        meta.write_text(json.dumps(_metadata(pm), indent=1))
-        _fsync(meta)
-        _publish(tmp, path)
-    guarded("the checkpoint's barrier", dist.barrier)
+    try:
+        _agreed(path, "making its directory", lambda: _prepare(tmp) if first else None)
+        items = {**_model_items(pm), **_optim_items(pm)}
+        _dcp_save(items, tmp, path)
+        files = _agreed(path, "hashing its files", lambda: _hash_share(tmp))
+        record = {**_metadata(pm), "files": {k: v for part in files for k, v in part.items()}}
+        _agreed(path, "publishing it", lambda: _finish(tmp, path, record) if first else None)
+    except CheckpointError:
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what it took (a full disk)
+        raise
     return path
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    meta = json.loads((path / META).read_text())
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{path} is checkpoint format {meta.get('format')}, not {FORMAT}")
-    return meta
+def _prepare(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _dcp_save(items: dict[str, Any], tmp: Path, path: Path) -> None:
+    """DCP's save, whose failure on any rank (DCP gathers them) fails it on every rank.
+
+    Raises:
+        CheckpointError: naming each rank's error.
+    """
+    try:
+        guarded("the checkpoint save", lambda: dcp.save(items, checkpoint_id=tmp))
+    except CheckpointException as exc:  # a BaseException: DCP's, raised on every rank
+        failures = [f"rank {r}: {first_line(e[0])}" for r, e in sorted(exc.failures.items())]
+        raise CheckpointError(
+            f"could not save the checkpoint {path} (writing the shards); the previous one is kept",
+            failures,
+            path=str(path),
+        ) from None
+
+
+def _hash_share(tmp: Path) -> dict[str, dict[str, Any]]:
+    names = integrity.files_of(tmp)
+    return integrity.describe(tmp, integrity.share(names, dist.get_rank(), dist.get_world_size()))
+
+
+def _finish(tmp: Path, path: Path, record: dict[str, Any]) -> None:
+    """Rank 0: graphpipe.json (sealed with its digest) into `tmp`, then the swap."""
+    meta = tmp / META
+    meta.write_text(json.dumps(integrity.seal(record), indent=1))
+    _fsync(meta)
+    _publish(tmp, path)
+
+
+def _agreed(path: Path, what: str, fn: Callable[[], T]) -> list[T]:
+    """Every rank's result of `fn` (a local step of a save), or, when it failed on any rank,
+    a CheckpointError on every rank naming each rank's error (a collective)."""
+    result: Any = None
+    error = ""
+    try:
+        result = fn()
+    except Exception as exc:  # a full disk, a refused write: every rank must hear of it
+        error = first_line(exc)
+    world = dist.get_world_size()
+    gathered: list[Any] = [None] * world
+    guarded(
+        f"the checkpoint's agreement after {what}",
+        lambda: dist.all_gather_object(gathered, (error, result)),
+    )
+    failures = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
+    if failures:
+        raise CheckpointError(
+            f"could not save the checkpoint {path} ({what}); the previous one is kept",
+            failures,
+            path=str(path),
+        )
+    return [r for _, r in gathered]
+
+
+def _checked(where: Path) -> dict[str, Any]:
+    """The checkpoint's record, once every rank checked its share of the files (a
+    collective).
+
+    Raises:
+        CheckpointError: on every rank, naming each file that is not as it was saved.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = integrity.verify(where, rank, world)
+    gathered: list[Any] = [None] * world
+    guarded("the checkpoint's check", lambda: dist.all_gather_object(gathered, problems))
+    found = sorted({p for part in gathered for p in part})
+    if found:
+        raise CheckpointError(f"refusing to load {where}", found, path=str(where))
+    return integrity.read_record(where)
 
 
 def load(pm: Checkpointable, path: str | Path) -> dict[str, Any]:
@@ -278,9 +360,11 @@ def load(pm: Checkpointable, path: str | Path) -> dict[str, Any]:
     Raises:
         ConfigError: no complete checkpoint, another weight policy, keys this rank's stages
             need that the checkpoint lacks, or per-stage policy state under another plan.
+        CheckpointError: a file is not as it was saved (missing, truncated, changed, or
+            another save's), or graphpipe.json was edited: every problem named.
     """
     where = resolve(path)
-    meta = _read_meta(where)
+    meta = _checked(where)
     if meta["weights"] != pm.weights:
         raise ConfigError(
             f"{where} was saved with weights={meta['weights']!r}; this pipeline runs "
@@ -415,9 +499,16 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Path:
 
     Returns:
         `out`.
+
+    Raises:
+        ConfigError: no complete checkpoint at `path`.
+        CheckpointError: a file of it is not as it was saved.
     """
     where = resolve(path)
-    meta = _read_meta(where)
+    problems = integrity.verify(where)
+    if problems:
+        raise CheckpointError(f"refusing to export {where}", problems, path=str(where))
+    meta = integrity.read_record(where)
     saved = dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata
     template = {
         k: torch.empty(v.size, dtype=v.properties.dtype)

@@ -11,7 +11,10 @@ A rank that fails posts why on a *failure board*, a key-value store every rank r
 The board is the store torch.distributed rendezvoused with. Under `graphpipe.runtime.launch` and
 torchrun that store is served by the launcher or the elastic agent, not by rank 0, so the record
 survives the death of any rank (`TORCHELASTIC_USE_AGENT_STORE`); the launcher also posts the
-death of a rank that could not post its own.
+death of a rank that could not post its own. Under env:// without a launcher's store (SLURM's
+`srun`), rank 0 serves it (`FailureBoard.host`): a rank that finds the store gone names rank
+0 as dead, not the peer that stopped after it; and rank 0, when it fails, waits after its post
+until the others have posted theirs (`linger`), so that its post reaches them.
 
 Every wait of a rank (a receive, a send's completion, a collective) goes through `Watch.wait`:
 the blocking call runs on a waiter thread while this thread polls the board, so a failure
@@ -38,6 +41,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch.distributed as dist
 
 from graphpipe._torch import (
+    AGENT_STORE_ENV,
     backend_failure,
     default_store,
     set_default_pg_timeout,
@@ -56,6 +60,7 @@ __all__ = [
     "guarded",
     "install_watch",
     "posted",
+    "restart_count",
     "set_collective_timeout",
     "unwatched_error",
 ]
@@ -65,8 +70,16 @@ POLL = 0.05  # seconds between two looks at the board while a wait lasts
 WAITING_AFTER = 0.3  # a wait longer than this is published (who waits for whom)
 SETTLE = 5.0  # seconds a rank whose peer closed its connection waits for the cause's post
 BACKSTOP = 10.0  # seconds the backend's own timeouts come after the watch's
+
+
+def restart_count() -> int:
+    """How many times torchrun's agent restarted the group before this attempt (0 without
+    torchrun): `TORCHELASTIC_RESTART_COUNT`."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 # torchrun's agent keeps its store across restarts: each attempt gets keys of its own
-PREFIX = f"graphpipe/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+PREFIX = f"graphpipe/{restart_count()}"
 
 
 class Post(NamedTuple):
@@ -98,10 +111,15 @@ class FailureBoard:
         rank: This rank (-1 for the launcher).
         world: Number of ranks.
         store: The store; None gives a board that records nothing (a single process).
+        host: The rank whose process serves the store (env:// without a launcher's store:
+            rank 0), whose death takes the board with it; None: a launcher or torchrun's
+            agent serves it.
     """
 
-    def __init__(self, rank: int, world: int, store: Any) -> None:
-        self.rank, self.world, self.store = rank, world, store
+    def __init__(self, rank: int, world: int, store: Any, host: int | None = None) -> None:
+        self.rank, self.world, self.store, self.host = rank, world, store, host
+        self.lost = False  # a call on the store failed: its server is gone
+        self._seen: dict[int, Post] = {}  # the posts of the last read
 
     @classmethod
     def of_process_group(cls) -> FailureBoard:
@@ -110,7 +128,27 @@ class FailureBoard:
         # client serves one call at a time, and the process group's own blocking calls on it
         # must not hold the board up
         store = store_connection(default_store())
-        return cls(dist.get_rank(), dist.get_world_size(), store)
+        # env:// without a launcher's store: rank 0 serves the TCPStore (torch's rendezvous)
+        agent = os.environ.get(AGENT_STORE_ENV) == "True"
+        host = 0 if isinstance(store, dist.TCPStore) and not agent else None
+        return cls(dist.get_rank(), dist.get_world_size(), store, host)
+
+    @contextlib.contextmanager
+    def _reaching(self) -> Iterator[None]:
+        """A call on the store; when its server is gone, nothing (and the board is lost)."""
+        try:
+            yield
+        except STORE_ERRORS:
+            self.lost = True
+
+    def host_gone(self) -> int | None:
+        """The rank that served the store, when it is gone with it (None: the store is
+        there, or no rank served it)."""
+        if self.host is None or self.host == self.rank:
+            return None
+        if not self.lost:
+            self.posts()  # a call, to find out
+        return self.host if self.lost else None
 
     # -- failures -----------------------------------------------------------------------------
 
@@ -122,23 +160,35 @@ class FailureBoard:
         if self.store is None:
             return
         rank = self.rank if rank is None else rank
-        with contextlib.suppress(*STORE_ERRORS):
+        with self._reaching():
             self.store.compare_set(
                 f"{PREFIX}/failure/{rank}", "", f"{time.time():.6f}|{kind.value}|{text}"
             )
 
     def posts(self) -> dict[int, Post]:
-        """Every rank's post, by rank (none when the store's server is gone)."""
-        found: dict[int, Post] = {}
+        """Every rank's post, by rank. When the store's server is gone: the posts read
+        last (a post is never withdrawn), none if there were none."""
         if self.store is None:
-            return found
+            return {}
         keys = [f"{PREFIX}/failure/{r}" for r in range(self.world)]
-        with contextlib.suppress(*STORE_ERRORS):
+        found: dict[int, Post] = {}
+        with self._reaching():
             for r, key in enumerate(keys):
                 if self.store.check([key]):
                     stamp, kind, text = self.store.get(key).decode().split("|", 2)
                     found[r] = Post(r, float(stamp), FailureKind(kind), text)
-        return found
+            self._seen = found
+        return dict(self._seen)
+
+    def linger(self) -> None:
+        """On the rank that serves the store, after its own post: wait until every other
+        rank posted (read the board) or SETTLE s passed, so that the board outlives the
+        post it must carry."""
+        if self.host != self.rank:
+            return
+        end = time.monotonic() + SETTLE
+        while len(self.posts()) < self.world and time.monotonic() < end and not self.lost:
+            time.sleep(POLL)
 
     def first(self) -> Post | None:
         """The first failure another rank posted: the earliest cause, else the earliest echo."""
@@ -150,14 +200,14 @@ class FailureBoard:
     def set_waiting(self, ranks: Sequence[int], what: str) -> None:
         """Publish that this rank waits for `ranks` (in action or collective `what`)."""
         if self.store is not None:
-            with contextlib.suppress(*STORE_ERRORS):
+            with self._reaching():
                 peers = ",".join(str(r) for r in ranks)
                 self.store.set(f"{PREFIX}/waiting/{self.rank}", f"{time.time():.6f}|{peers}|{what}")
 
     def clear_waiting(self) -> None:
         """This rank waits for nobody any more."""
         if self.store is not None:
-            with contextlib.suppress(*STORE_ERRORS):
+            with self._reaching():
                 self.store.delete_key(f"{PREFIX}/waiting/{self.rank}")
 
     def waiting(self, rank: int) -> tuple[list[int], str] | None:
@@ -165,7 +215,7 @@ class FailureBoard:
         if self.store is None:
             return None
         key = f"{PREFIX}/waiting/{rank}"
-        with contextlib.suppress(*STORE_ERRORS):
+        with self._reaching():
             if self.store.check([key]):
                 _, peers, what = self.store.get(key).decode().split("|", 2)
                 return [int(p) for p in peers.split(",") if p], what
@@ -271,6 +321,8 @@ class Watch:
             other = self.board.first()
             if other is not None:
                 raise self._echo(f"rank {self.rank}, {what}: ", other)
+            if self.board.lost and self.board.host_gone() is not None:
+                raise self._host_died(f"rank {self.rank}, {what}: ")
             if time.monotonic() > deadline:
                 text, ends = self._diagnose(peers, what, limit)
                 other = self.board.first()  # a peer that timed out first has the same story
@@ -300,6 +352,8 @@ class Watch:
         cause = self.board.first() if seen == "timeout" else self._settled_cause()
         if cause is not None:
             return self._echo(head, cause, peers)
+        if self.board.host_gone() is not None:
+            return self._host_died(head)
         if seen == "timeout":
             text, ends = self._diagnose(peers, what, self.timeout)
             return self.raised(text, FailureKind.TIMED_OUT, peers=ends)
@@ -309,11 +363,28 @@ class Watch:
             peers=peers,
         )
 
+    def _host_died(self, head: str) -> PipelineError:
+        """The error for a store gone with the rank that served it: that rank died, and
+        took the board (and any cause posted on it) along; the peer whose connection
+        closed may only have been stopping after it."""
+        host = self.board.host
+        assert host is not None
+        return self.raised(
+            f"{head}rank {host}, which served the store, is gone with it: rank {host} has "
+            "probably died (the failure board went with it)",
+            FailureKind.DIED,
+            peers=[host],
+            origin=host,
+        )
+
     def _settled_cause(self) -> Post | None:
-        """The first cause another rank or the launcher posts within SETTLE s, or None."""
+        """The first cause another rank or the launcher posts within SETTLE s, or None
+        (at once when the store is gone with the rank that served it)."""
         end = time.monotonic() + SETTLE
         while True:
             posts = [p for r, p in self.board.posts().items() if r != self.rank]
+            if self.board.host_gone() is not None:
+                return None
             causes = [p for p in posts if p.caused()]
             if causes:
                 return min(causes, key=lambda p: p.stamp)
@@ -346,6 +417,7 @@ class Watch:
             **fields: The error's other fields (`peers`, `stage`, ...); `rank` is this one.
         """
         self.board.post(text, kind)
+        self.board.linger()
         return PipelineError(text, kind=kind, rank=self.rank, **fields)
 
     def post_error(self, where: str, exc: BaseException) -> None:
@@ -354,6 +426,7 @@ class Watch:
             return  # the watch posted it
         kind = FailureKind.BAD_INPUT if isinstance(exc, ConfigError) else FailureKind.RAISED
         self.board.post(f"rank {self.rank}, {where}: {first_line(exc)}", kind)
+        self.board.linger()
 
 
 def _ranks(ranks: Sequence[int] | int) -> str:

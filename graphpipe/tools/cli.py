@@ -8,6 +8,8 @@
     graphpipe plan models.mmt --devices 16 --dp auto          the planner chooses pp x dp
     graphpipe run models.mmt --devices 2                      train it on 2 local processes
     graphpipe run models.mmt --devices 4 --dp 2               pp 2 x dp 2 on 4 local processes
+    graphpipe run models.mmt --devices 2 --checkpoint-every 10 --resume auto
+                                                              go on from the last checkpoint
 
 MODEL follows the factory protocol of `graphpipe.tools.workload`: a module path such as
 `models.mmt`, or `file.py:function`. Progress goes to stderr, tables to stdout. Errors print one
@@ -206,6 +208,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("bf16", "fp16"),
         help="autocast each stage; values cross stages in that dtype; fp16 scales the loss",
     )
+    _checkpoint_arguments(run)
     run.set_defaults(func=_run_command)
     export = commands.add_parser(
         "export",
@@ -217,6 +220,36 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("out", type=Path, help="the state dict file to write")
     export.set_defaults(func=_export_command)
     return parser
+
+
+def _checkpoint_arguments(run: argparse.ArgumentParser) -> None:
+    """`graphpipe run`'s checkpoint and resume flags."""
+    run.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep a checkpoint every N steps and after the last one (default: 0, none)",
+    )
+    run.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where the checkpoints go, one step-N folder each (default: OUT/checkpoints)",
+    )
+    run.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        metavar="K",
+        help="how many of the newest checkpoints to keep (default: 3)",
+    )
+    run.add_argument(
+        "--resume",
+        choices=("never", "auto"),
+        default="never",
+        help="auto: go on from the latest complete checkpoint in DIR, if any (under "
+        "torchrun --max-restarts, a restarted group resumes by itself)",
+    )
 
 
 def _export_command(args: argparse.Namespace) -> int:
@@ -247,6 +280,10 @@ def _run_command(args: argparse.Namespace) -> int:
             recompute=RECOMPUTE_FLAG[args.recompute],
             compile_stages=args.compile_stages,
             precision=args.precision,
+            checkpoint_every=args.checkpoint_every,
+            checkpoint_dir=args.checkpoint_dir,
+            keep_checkpoints=args.keep_checkpoints,
+            resume=args.resume,
         )
     )
     return 0

@@ -3,6 +3,11 @@
     graphpipe run models.mmt --devices 2                 # the cpu preset, 40 steps
     graphpipe run models.mmt --devices 4 --dp 2          # pp 2 x dp 2: stages sharded by FSDP2
     python -m models.dlrm --devices 2 --schedule zb --steps 50
+    torchrun --nproc-per-node 3 --max-restarts 3 -m graphpipe.tools.cli run models.mmt \
+        --devices 3 --checkpoint-every 10 --resume auto  # a killed rank: resumed, same result
+
+Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set) this process is one rank;
+otherwise `graphpipe.launch` starts `devices` local processes.
 
 Every rank builds the same workload and draws the same synthetic mini-batches; graphpipe.compile
 plans it on rank 0 (op times measured on this machine by default) and every step trains it
@@ -13,15 +18,24 @@ prints the plan table and the measured vs simulated step time, and writes into `
     plan.svg         the stage graph          ops.svg        the op graph, by stage
     timeline.svg     the last steps, measured  timeline.json  the same, Chrome/Perfetto trace
     simulated.svg    the schedule, simulated   plan.json      the plan
+
+The data of step s is drawn from a generator seeded by (seed, s), and torch's global RNG is
+seeded the same way before the step, so a run resumed at step s sees what it would have seen.
+With `checkpoint_every` a checkpoint is kept every N steps and after the last one
+(`graphpipe.Checkpoints` under `checkpoint_dir`); with `resume="auto"` a run starts from the
+latest complete one, under the plan it was saved with (the same stages, hence the same
+arithmetic), and ends bit-identical to a run never interrupted (flushed weight policies).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,10 +48,12 @@ from graphpipe._units import format_time
 from graphpipe.compile import RuntimeConfig, schedule_for
 from graphpipe.compile import compile as pipeline
 from graphpipe.errors import ConfigError
+from graphpipe.ir import Plan
 from graphpipe.planning.partition import micro_batch_size
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.launch import launch
+from graphpipe.runtime.resume import Checkpoints, latest, saved_plan
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tools.calibrate import calibrated, measure_link
 from graphpipe.tools.render import render
@@ -49,6 +65,9 @@ from graphpipe.tracing.tracer import trace
 __all__ = ["TrainConfig", "TrainResult", "train"]
 
 PROFILES = ("measure", "flops")
+RESUME = ("never", "auto")
+STEP_SEEDS = 1 << 32  # the seed of step s: seed * STEP_SEEDS + s
+LAUNCHED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # torchrun's, per process
 RECORDED_STEPS = 2  # the last steps whose actions the measured timeline shows
 
 
@@ -71,11 +90,15 @@ class TrainConfig:
     out: str | None = None  # where pictures go; None: runs/<model name>
     seed: int = 0
     timeout: float = 120.0  # seconds a receive may wait
-    deadline: float = 3600.0  # seconds the whole run may take before every process is stopped
+    deadline: float = 3600.0  # seconds the local run may take (under torchrun: torchrun's)
     max_grad_norm: float | None = None  # clip the global gradient norm (compile's argument)
     recompute: bool | str = False  # activation checkpointing: True, False or "auto"
     compile_stages: bool = False  # torch.compile each stage
     precision: str | None = None  # "bf16" or "fp16" (compile's argument); None: float32
+    checkpoint_every: int = 0  # keep a checkpoint every N steps and after the last (0: none)
+    checkpoint_dir: str | None = None  # where; None: <out>/checkpoints
+    keep_checkpoints: int = 3  # the newest kept
+    resume: str = "never"  # "auto": from the latest complete checkpoint, when there is one
 
     def __post_init__(self) -> None:
         """Refuse bad settings here, in the launching process: one error, not one per rank.
@@ -99,6 +122,9 @@ class TrainConfig:
                 f"data_parallel={self.data_parallel} does not divide devices={self.devices} "
                 "into pp x dp"
             )
+        if self.resume not in RESUME:
+            raise ConfigError(f"resume={self.resume!r}; known: {list(RESUME)}")
+        Checkpoints(".", self.checkpoint_every, self.keep_checkpoints)  # checks both
         schedule_for(self.weights, self.schedule)
         check_clipping(self.max_grad_norm, 2.0, self.weights)
 
@@ -113,15 +139,21 @@ class TrainResult:
     out: str
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Run the example on `config.devices` local processes.
+def train(config: TrainConfig) -> TrainResult | None:
+    """Run the example on `config.devices` local processes, or as one rank under torchrun.
+
+    Returns:
+        What rank 0 saw (None on the other ranks under torchrun).
 
     Raises:
         ConfigError: a bad model, preset, option or micro-batch count (checked here once,
-            on the meta device, before any process starts).
+            on the meta device, before any process starts), or under torchrun a world size
+            other than `devices`.
         PipelineError: a rank failed (the message says which and why).
     """
     _check_workload(config)
+    if all(v in os.environ for v in LAUNCHED):
+        return _one_rank(config)
     results = launch(
         _rank_main,
         config.devices,
@@ -130,6 +162,23 @@ def train(config: TrainConfig) -> TrainResult:
         comm_timeout=config.timeout,
     )
     result: TrainResult = results[0]
+    return result
+
+
+def _one_rank(config: TrainConfig) -> TrainResult | None:
+    """This process as one rank of a run torchrun (or another launcher) started.
+
+    Raises:
+        ConfigError: the launcher's world size is not `config.devices`.
+    """
+    world = int(os.environ["WORLD_SIZE"])
+    if world != config.devices:
+        raise ConfigError(
+            f"--devices {config.devices}, but the launcher started {world} processes "
+            f"(WORLD_SIZE={world}): give both the same number"
+        )
+    result = _rank_main(config)
+    dist.destroy_process_group()
     return result
 
 
@@ -161,13 +210,21 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
     w = load_workload(config.model, config.preset, seed=config.seed, **config.options)
     # for the report, traced before compile: under a mesh FSDP2 wraps the model's modules
     gm = trace(w.model, w.example_inputs, w.leaf_modules)
+    out = Path(config.out or f"runs/{w.name}")
+    saver = Checkpoints(
+        config.checkpoint_dir or out / "checkpoints",
+        config.checkpoint_every,
+        config.keep_checkpoints,
+    )
+    m = config.micro_batches or w.micro_batches
     pm = pipeline(
         w.model,
         w.example_inputs,
         loss_fn=w.loss_fn,
         optimizer=functools.partial(torch.optim.Adam, lr=config.lr),
-        micro_batches=config.micro_batches or w.micro_batches,
+        micro_batches=m,
         schedule=config.schedule,
+        plan=_resumed_plan(config, saver, m),
         weights=config.weights,
         leaf_modules=w.leaf_modules,
         profile_config=ProfileConfig(mode=config.profile, warmup=2, repeats=5),
@@ -182,35 +239,77 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
     first = dist.get_rank() == 0  # pm.rank is the plan device: dp ranks share it
     say = _printer(first)
     say(f"{config.model} ({config.preset}): {plan_summary(pm.plan)}")
-    gen = torch.Generator().manual_seed(config.seed + 1)
-    losses, times = [], []
-    bar = progress_bar(first, config.steps)
-    for step in range(config.steps):
-        inputs, target = w.make_batch(gen)
-        pm.recording = step >= config.steps - RECORDED_STEPS
-        start = time.perf_counter()
-        loss = pm.step(*inputs, target=target)
-        times.append(time.perf_counter() - start)
-        losses.append(loss)
-        rate = w.batch_size / times[-1]
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.1f}")
-            bar.update(1)
-        else:
-            say(
-                f"step {step + 1:>4}/{config.steps}  loss {loss:.4f}  "
-                f"{rate:8.1f} samples/s  {times[-1] * 1e3:7.1f} ms"
-            )
-    if bar is not None:
-        bar.close()
+    start = saver.resume(pm) if config.resume == "auto" else 0
+    if start:
+        say(f"resumed from step {start} ({saver.root})")
+    losses, times = _train_steps(pm, w, config, saver, start, say)
+    if not losses:
+        say(f"the run ended at step {start}: nothing left to do")
+        return TrainResult([], [], 0.0, str(out)) if first else None
+    if saver.every and pm.steps_done % saver.every:
+        saver.save(pm)  # the last step's checkpoint: the run's result
     measured = pm.timeline()
     link = measure_link() if pm.plan.num_devices > 1 else None
     if not first:
         return None
     simulated = simulate(calibrated(pm.plan, measured, link), pm.schedule.name)
-    out = Path(config.out or f"runs/{w.name}")
     _report(pm, gm, losses, times, measured, simulated, out, say)
     return TrainResult(losses, times, simulated.iteration_time, str(out))
+
+
+def _train_steps(
+    pm: Any, w: Any, config: TrainConfig, saver: Checkpoints, start: int, say: Any
+) -> tuple[list[float], list[float]]:
+    """Steps `start` to `config.steps`, each on its own data, checkpointed by `saver`.
+
+    Returns:
+        The losses and the step times.
+    """
+    losses, times = [], []
+    bar = progress_bar(dist.get_rank() == 0, config.steps - start)
+    for step in range(start, config.steps):
+        torch.manual_seed(config.seed * STEP_SEEDS + step)  # dropout and the like
+        inputs, target = w.make_batch(step_generator(config.seed, step))
+        pm.recording = step >= config.steps - RECORDED_STEPS
+        began = time.perf_counter()
+        losses.append(pm.step(*inputs, target=target))
+        times.append(time.perf_counter() - began)
+        saver.after_step(pm)
+        rate = w.batch_size / times[-1]
+        if bar is not None:
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", samples_s=f"{rate:.1f}")
+            bar.update(1)
+        else:
+            say(
+                f"step {step + 1:>4}/{config.steps}  loss {losses[-1]:.4f}  "
+                f"{rate:8.1f} samples/s  {times[-1] * 1e3:7.1f} ms"
+            )
+    if bar is not None:
+        bar.close()
+    return losses, times
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator step `step`'s mini-batch is drawn from: a function of the step only,
+    so a resumed run draws what an uninterrupted one would."""
+    return torch.Generator().manual_seed(seed * STEP_SEEDS + step)
+
+
+def _resumed_plan(config: TrainConfig, saver: Checkpoints, micro_batches: int) -> Plan | None:
+    """The plan of the checkpoint a run with resume="auto" goes on from, when it fits the
+    devices and micro-batches (None: plan anew, and the load reshards by name)."""
+    if config.resume != "auto":
+        return None
+    with warnings.catch_warnings():
+        if os.environ.get("RANK", "0") != "0":  # rank 0 says what latest() skipped
+            warnings.simplefilter("ignore")
+        path = latest(saver.root)
+    if path is None:
+        return None
+    plan = saved_plan(path)
+    pp = config.devices // config.data_parallel  # the plan's devices: pp of the mesh
+    fits = (plan.num_devices, plan.micro_batches) == (pp, micro_batches)
+    return plan if fits else None
 
 
 def progress_bar(active: bool, steps: int) -> tqdm | None:
