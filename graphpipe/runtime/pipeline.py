@@ -26,12 +26,14 @@ from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Executor
 from graphpipe.runtime.inference import Inference
+from graphpipe.runtime.shapes import Shapes, signature_of, stand_in
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.state import ModelState
 from graphpipe.runtime.stepping import Programs, Stepper
 from graphpipe.runtime.timelines import Recorder
 from graphpipe.runtime.weights import WeightPolicy
-from graphpipe.runtime.wiring import wire
+from graphpipe.runtime.wiring import Wiring, wire
+from graphpipe.tracing.annotate import is_meta, trace_info
 
 __all__ = ["PipelinedModel", "RuntimeConfig"]
 
@@ -69,6 +71,9 @@ class PipelinedModel:
         schedule: Schedule,
         spec: RunSpec,
     ) -> None:
+        traced_on = torch.device("meta") if is_meta(gm) else example_inputs[0].device
+        exported = trace_info(gm).method == "export"
+        copy = stand_in(model) if exported else None  # before this rank moves its tensors
         w = wire(model, gm, example_inputs, plan, schedule, spec)
         self._wiring = w
         self.plan, self.schedule, self.runtime, self.spec = plan, schedule, spec.runtime, spec
@@ -83,6 +88,7 @@ class PipelinedModel:
         inputs = Inputs(
             gm, example_inputs, w.model_inputs, spec.loss_fn, spec.micro_batches, w.device,
             has_output, w.dp, 0 if layout is None else layout.dp_index,
+            _shapes(w, example_inputs, traced_on, copy),
         )  # fmt: skip
         programs = Programs(w)
         self._recorder = Recorder(w, self._collectives)
@@ -256,3 +262,38 @@ class PipelinedModel:
     def _stage_indices(self) -> tuple[int, ...]:
         """This rank's stages."""
         return self._wiring.stage_indices
+
+
+def _shapes(
+    w: Wiring,
+    example_inputs: tuple[torch.Tensor, ...],
+    traced_on: torch.device,
+    model: nn.Module | None,
+) -> Shapes:
+    """The stages at every input shape a step brings (`graphpipe.runtime.shapes`); `model`
+    is the stand-in to export again (None: an fx-traced graph)."""
+    executor = w.executor
+    stages = {} if executor is None else executor.stages
+    specs = next(iter(stages.values())).specs if stages else {}
+    rows = w.plan.micro_batch_size // w.dp  # one dp rank's slice of a micro-batch
+    fixed = None
+    if w.spec.runtime.emulate is not None:
+        fixed = "emulated stages run at the compiled shapes only"
+    elif model is not None and w.layout is not None and w.layout.sharded:
+        fixed = (
+            "a graph torch.export traced runs at other shapes as a new stage module per shape, "
+            "not yet under a mesh (FSDP2 shards the compiled one); planned"
+        )
+    return Shapes(
+        w.gm,
+        w.plan,
+        {i: r.module for i, r in stages.items()},
+        signature_of(example_inputs, rows),
+        specs,
+        traced_on,
+        w.device,
+        (lambda d: d) if executor is None else executor.precision.spec_dtype,
+        model,
+        w.spec.compile_stages,
+        fixed,
+    )
