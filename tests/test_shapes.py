@@ -1,14 +1,16 @@
 """Batches whose shapes change train exactly as one process does (issue 27).
 
-GPT-2 and Llama (tiny, Hugging Face, traced by torch.export) are compiled at sequence length
-32 and stepped at lengths 16, 24, 32 and 20; an Inception-style CNN with BatchNorm (traced by
-torch.fx) at images of 8 and 6 pixels; GPT-2 and the CNN with a last batch of 10 rows in
-M = 4 micro-batches (3, 3, 2, 2 rows, as torch.tensor_split cuts them). Under 1f1b, zb and
-interleaved at 2 ranks (and 1f1b at 3), the losses and every parameter equal single-process
+GPT-2 and Llama (tiny, Hugging Face, traced by torch.export) are compiled at 12 sequences of
+length 32 and stepped at lengths 16, 24, 32 and 20, with 8 rows (fewer than compiled) and
+once 10 rows (3, 3, 2, 2 per micro-batch, as torch.tensor_split cuts them); an
+Inception-style CNN with BatchNorm (traced by torch.fx) at images of 6 and 8 pixels, also
+with 10 rows once. Under 1f1b, zb and graph_interleaved (stages of a DAG folded, several per
+rank) at 2 ranks, and 1f1b at 3, the losses and every parameter equal single-process
 gradient accumulation over the same micro-batches, each micro-batch's loss weighted by its
-share of the rows. The plan is never remade: the stage cut stays as compiled. A shape seen
-before reuses its stages; a model whose shapes depend on values is refused at compile,
-naming the op; a batch beyond the compiled example is refused before any communication.
+share of the rows; under 2bw (the CNN) they equal 2BW's recurrence. The plan is never
+remade: the stage cut stays as compiled. A shape seen before reuses its stages; a model
+whose shapes depend on values is refused at compile, naming the op; a batch beyond the
+compiled example is refused before any communication.
 
 Each world size is one launch running every case, to pay the process start-up once.
 """
@@ -20,15 +22,19 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from real_models import CASES, V, optimizer
+from torch import nn
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import ConfigError, GraphPipeError
 from graphpipe.runtime.launch import launch
 
 M = 4
-LENGTHS = (16, 24, 32, 20)  # the compiled example is the largest, 32
-SIZES = (8, 6, 6, 8)  # image sides; the example is 8
+ROWS = (12, 8, 8, 10, 8)  # the example's 12, a smaller batch, and 10 rows: 3, 3, 2, 2
+LENGTHS = (16, 24, 32, 20)  # the example's length is the largest, 32
+SIDES = (6, 6, 8, 8)  # image sides; the example's is 8
 TIMEOUT = 240
 
 Batches = list[tuple[dict[str, torch.Tensor], torch.Tensor]]
@@ -53,25 +59,25 @@ def _image_batches(rows: tuple[int, ...], sides: tuple[int, ...]) -> Batches:
     return out
 
 
-# name -> (model case, the batches of its steps; the first is the compiled example)
+# name -> (model case, the batches of its steps; the first is the compiled example, 12 rows)
 RUNS: dict[str, tuple[str, Callable[[], Batches]]] = {
-    "gpt2": ("gpt2", lambda: _lm_batches((8,) * 5, (32, *LENGTHS))),
-    "llama": ("llama", lambda: _lm_batches((8,) * 5, (32, *LENGTHS))),
-    "cnn": ("inception", lambda: _image_batches((8,) * 5, (8, *SIZES))),
-    "gpt2_odd": ("gpt2", lambda: _lm_batches((12, 10, 12, 10), (16, 16, 12, 16))),
-    "cnn_odd": ("inception", lambda: _image_batches((12, 10, 6, 10), (8, 8, 6, 6))),
+    "gpt2": ("gpt2", lambda: _lm_batches(ROWS, (32, *LENGTHS))),
+    "llama": ("llama", lambda: _lm_batches(ROWS, (32, *LENGTHS))),
+    "cnn": ("inception", lambda: _image_batches((12, 8, 10, 8, 8), (8, *SIDES))),
 }
 
 
-def _pipelined(run: str, schedule: str) -> dict[str, Any]:
+def _compiled(run: str, schedule: str) -> Any:
+    """The run's model compiled at its first batch (schedule "2bw": the 2bw policy)."""
     case_name, batches = RUNS[run]
     case = CASES[case_name]
-    steps = batches()
-    example, _ = steps[0]
+    example, _ = batches()[0]
     options: dict[str, Any] = {"replication": False}
     if schedule == "graph_interleaved":  # stages of a DAG folded onto the ranks
         options["interleave"] = True
-    pm = gp_compile(
+    if schedule == "2bw":
+        options["weights"] = "2bw"
+    return gp_compile(
         case.build(),
         {**example, **case.constants},
         loss_fn=case.loss,
@@ -81,60 +87,143 @@ def _pipelined(run: str, schedule: str) -> dict[str, Any]:
         runtime=RuntimeConfig(timeout=120),
         **options,
     )
+
+
+def _refusals(pm: Any) -> list[str]:
+    """Steps refused before any communication (the CNN's): an image larger than the
+    example, fewer rows than micro-batches, another dtype."""
+    x, y = torch.randn(8, 3, 10, 10), torch.randint(0, 5, (8,))
+    calls = [
+        lambda: pm.step(image=x, target=y),
+        lambda: pm.step(image=x[:3, :, :8, :8], target=y[:3]),
+        lambda: pm.step(image=x[:, :, :8, :8].double(), target=y),
+    ]
+    texts = []
+    for call in calls:
+        try:
+            call()
+        except ConfigError as err:
+            texts.append(str(err))
+    return texts
+
+
+def _pipelined(run: str, schedule: str) -> dict[str, Any]:
+    pm = _compiled(run, schedule)
+    steps = RUNS[run][1]()
+    refused = _refusals(pm) if (run, schedule) == ("cnn", "1f1b") else []
     losses = [pm.step(**inputs, target=target) for inputs, target in steps[1:]]
     state = pm.state_dict()
     seen = pm._stepper.inputs.stages
     return {
         "losses": losses,
         "state": state if pm.rank == 0 else None,
-        "signatures": None if seen is None else len(seen.seen),
-        "stages": [s.nodes for s in pm.plan.stages],
+        "signatures": len(seen.seen),
+        "stages": len(pm.plan.stages),
+        "refused": refused,
     }
 
 
-def _reference(run: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process: each step's micro-batches (torch.tensor_split) accumulated, each loss
-    weighted by its rows' share of the batch."""
+class ValueShaped(nn.Module):
+    """Keeps the rows whose first feature is positive: a shape that depends on values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        kept = h[h[:, 0] > 0]  # boolean-mask indexing: aten.nonzero underneath
+        return self.b(kept).sum(0, keepdim=True).expand(x.shape[0], 4)
+
+
+def _value_shaped() -> str:
+    """The refusal at compile of a model whose shapes depend on values ('' if none)."""
+    try:
+        gp_compile(
+            ValueShaped(),
+            torch.randn(8, 4),
+            loss_fn=F.mse_loss,
+            optimizer=optimizer,
+            micro_batches=M,
+            pins={"a": 0, "b": 1},
+            runtime=RuntimeConfig(timeout=60),
+        )
+    except GraphPipeError as err:
+        return str(err)
+    return ""
+
+
+def _grads_at(
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    case: Any,
+    batch: tuple[dict[str, torch.Tensor], torch.Tensor],
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """The batch's loss and gradient at `weights`, accumulated over its micro-batches (each
+    loss weighted by its rows' share)."""
+    inputs, target = batch
+    leaves = {n: w.clone().requires_grad_() for n, w in weights.items()}
+    total, grads = 0.0, {n: torch.zeros_like(w) for n, w in weights.items()}
+    for j in range(M):
+        part = {k: v.tensor_split(M)[j] for k, v in inputs.items()}
+        piece = target.tensor_split(M)[j]
+        out = torch.func.functional_call(model, leaves, (), {**part, **case.constants})
+        loss = case.loss(out, piece) * (piece.shape[0] / target.shape[0])
+        for n, g in zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True):
+            grads[n] += g
+        total += loss.item()
+    return total, grads
+
+
+def _reference(run: str, delay: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, each step's gradient at the weights of `delay` updates before: 0 is
+    gradient accumulation; 1 is PipeDream-2BW's W(t+1) = W(t) - step(grad f(W(t-1)))."""
     case_name, batches = RUNS[run]
     case = CASES[case_name]
     model = case.build()
     opt = optimizer(model.parameters())
+    params = dict(model.named_parameters())
+    history = [{n: p.detach().clone() for n, p in params.items()}]
     losses = []
-    for inputs, target in batches()[1:]:
-        rows = target.shape[0]
-        total = 0.0
-        for j in range(M):
-            part = {k: v.tensor_split(M)[j] for k, v in inputs.items()}
-            piece = target.tensor_split(M)[j]
-            loss = case.loss(model(**part, **case.constants), piece)
-            (loss * (piece.shape[0] / rows)).backward()
-            total += loss.item() * piece.shape[0] / rows
+    for batch in batches()[1:]:
+        loss, grads = _grads_at(model, history[max(0, len(history) - 1 - delay)], case, batch)
+        for n, p in params.items():
+            p.grad = grads[n]
         opt.step()
         opt.zero_grad()
-        losses.append(total)
+        history.append({n: p.detach().clone() for n, p in params.items()})
+        losses.append(loss)
     return losses, model.state_dict()
 
 
 CASES_2 = [
-    (run, schedule)
-    for run in ("gpt2", "llama", "cnn")
-    for schedule in ("1f1b", "zb", "graph_interleaved")
-] + [("gpt2_odd", "1f1b"), ("cnn_odd", "zb")]
-CASES_3 = [("gpt2", "1f1b"), ("cnn_odd", "1f1b")]
+    *[(run, s) for run in ("gpt2", "cnn") for s in ("1f1b", "zb", "graph_interleaved")],
+    ("llama", "1f1b"),
+    ("cnn", "2bw"),
+]
+CASES_3 = [("llama", "1f1b"), ("cnn", "1f1b")]
 
 
-def _worker(cases: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(run, schedule): _pipelined(run, schedule) for run, schedule in cases}
+def _worker(cases: list[tuple[str, str]], refusal: bool) -> dict[Any, Any]:
+    out: dict[Any, Any] = {(run, schedule): _pipelined(run, schedule) for run, schedule in cases}
+    if refusal:  # last: the refused compile leaves a failure posted
+        out["value_shaped"] = _value_shaped()
+    return out
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict[tuple[str, str], dict[str, Any]]]:
-    return launch(_worker, 2, args=(CASES_2,), timeout=TIMEOUT)
+def two_ranks() -> list[dict[Any, Any]]:
+    return launch(_worker, 2, args=(CASES_2, True), timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
-    return {run: _reference(run) for run in RUNS}
+def three_ranks() -> list[dict[Any, Any]]:
+    return launch(_worker, 3, args=(CASES_3, False), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[tuple[str, int], tuple[list[float], dict[str, torch.Tensor]]]:
+    return {(run, 0): _reference(run) for run in RUNS} | {("cnn", 1): _reference("cnn", 1)}
 
 
 def _assert_equal(result: dict[str, Any], reference: tuple[list[float], Any]) -> None:
@@ -147,9 +236,51 @@ def _assert_equal(result: dict[str, Any], reference: tuple[list[float], Any]) ->
 
 @pytest.mark.parametrize(("run", "schedule"), CASES_2, ids=[f"{r}-{s}" for r, s in CASES_2])
 def test_new_shapes_train_as_one_process_at_2_ranks(
-    two_ranks: list[dict[tuple[str, str], dict[str, Any]]],
-    references: dict[str, tuple[list[float], dict[str, torch.Tensor]]],
+    two_ranks: list[dict[Any, Any]],
+    references: dict[tuple[str, int], Any],
     run: str,
     schedule: str,
 ) -> None:
-    _assert_equal(two_ranks[0][(run, schedule)], references[run])
+    delay = 1 if schedule == "2bw" else 0
+    _assert_equal(two_ranks[0][(run, schedule)], references[(run, delay)])
+
+
+@pytest.mark.parametrize(("run", "schedule"), CASES_3, ids=[f"{r}-{s}" for r, s in CASES_3])
+def test_new_shapes_train_as_one_process_at_3_ranks(
+    three_ranks: list[dict[Any, Any]],
+    references: dict[tuple[str, int], Any],
+    run: str,
+    schedule: str,
+) -> None:
+    _assert_equal(three_ranks[0][(run, schedule)], references[(run, 0)])
+
+
+def test_each_shape_is_made_once_and_the_cut_is_kept(two_ranks: list[dict[Any, Any]]) -> None:
+    runs = two_ranks[0]
+    # GPT-2: the example's 3 rows at 32; 2 rows at 16, 24, 32 and 20 (the 10-row batch's
+    # 3-row micro-batches at 32 are the example's). The CNN: 3 rows at 8; 2 and 3 rows at 6,
+    # 2 rows at 8 (its last batch repeats the one before)
+    assert runs[("gpt2", "1f1b")]["signatures"] == 5
+    assert runs[("cnn", "1f1b")]["signatures"] == 4
+    for key, run in runs.items():
+        if isinstance(key, tuple):  # every rank made the same ones
+            assert two_ranks[1][key]["signatures"] == run["signatures"], key
+    assert runs[("gpt2", "graph_interleaved")]["stages"] > 2  # several stages per rank
+
+
+def test_steps_beyond_the_example_or_below_m_rows_are_refused_by_name(
+    two_ranks: list[dict[Any, Any]],
+) -> None:
+    for rank in two_ranks:  # every rank alike; the steps after them equal one process
+        beyond, few, dtype = rank[("cnn", "1f1b")]["refused"]
+        assert "input image is [8, 3, 10, 10]: dim 2 is beyond the compiled example's" in beyond
+        assert "the batch has 3 rows, fewer than the 4 micro-batches" in few
+        assert "input image is torch.float64[8, 3, 8, 8]" in dtype
+
+
+def test_a_shape_that_depends_on_values_is_refused_at_compile(
+    two_ranks: list[dict[Any, Any]],
+) -> None:
+    text = two_ranks[0]["value_shaped"]
+    assert "op aten.nonzero.default (node getitem_1" in text
+    assert "depends on the values of its input" in text

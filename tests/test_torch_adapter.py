@@ -276,3 +276,11 @@ def test_tensor_version_counts_in_place_changes() -> None:
     before = _torch.tensor_version(grad)
     grad.mul_(2)
     assert _torch.tensor_version(grad) == before + 1
+
+
+def test_data_dependent_op_names_the_op_a_fake_run_refuses() -> None:
+    with _torch.fake_mode() as mode, pytest.raises(Exception) as err:
+        x = mode.from_tensor(torch.randn(4))
+        torch.nonzero(x)
+    assert _torch.data_dependent_op(err.value) == "aten.nonzero.default"
+    assert _torch.data_dependent_op(RuntimeError("aten.nonzero.default")) is None
