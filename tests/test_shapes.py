@@ -113,13 +113,18 @@ def _pipelined(run: str, schedule: str) -> dict[str, Any]:
     refused = _refusals(pm) if (run, schedule) == ("cnn", "1f1b") else []
     losses = [pm.step(**inputs, target=target) for inputs, target in steps[1:]]
     state = pm.state_dict()
-    seen = pm._stepper.inputs.stages
+    signatures = len(pm._stepper.inputs.stages.seen)  # the shapes the steps made
+    evaluated = None
+    if (run, schedule) == ("gpt2", "1f1b"):  # forward only at a shape not trained at
+        inputs, target = _lm_batches((10,), (12,))[0]
+        evaluated = (pm.eval_step(**inputs, target=target), pm(**inputs).logits)
     return {
         "losses": losses,
         "state": state if pm.rank == 0 else None,
-        "signatures": len(seen.seen),
+        "signatures": signatures,
         "stages": len(pm.plan.stages),
         "refused": refused,
+        "evaluated": evaluated,
     }
 
 
@@ -284,3 +289,19 @@ def test_a_shape_that_depends_on_values_is_refused_at_compile(
     text = two_ranks[0]["value_shaped"]
     assert "op aten.nonzero.default (node getitem_1" in text
     assert "depends on the values of its input" in text
+
+
+def test_eval_at_a_new_shape_equals_the_trained_model(
+    two_ranks: list[dict[Any, Any]],
+    references: dict[tuple[str, int], Any],
+) -> None:
+    _, state = references[("gpt2", 0)]
+    model = CASES["gpt2"].build()
+    model.load_state_dict(state)
+    model.eval()
+    inputs, target = _lm_batches((10,), (12,))[0]
+    with torch.no_grad():
+        out = model(**inputs, use_cache=False)
+    loss, logits = two_ranks[0][("gpt2", "1f1b")]["evaluated"]
+    torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
+    assert loss == pytest.approx(CASES["gpt2"].loss(out, target).item(), rel=1e-5)
