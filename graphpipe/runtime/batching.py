@@ -158,18 +158,20 @@ class Inputs:
         (micro-batch j, slice d: rows of split j of M, then split d of dp)."""
         return [c.tensor_split(self.dp)[self.dp_index] for c in x.tensor_split(self.m)]
 
-    def check_loss(self, target: Any) -> None:
+    def check_loss(self, target: Any, batch: Batch | None = None) -> None:
         """Once, on every rank alike: loss_fn on the model's output for one micro-batch as
-        meta tensors (no memory, no values) and the target's first micro-batch must give a
-        real scalar. A loss_fn that cannot run on the meta device is left to the stage that
-        computes the loss.
+        meta tensors (no memory, no values; at the shapes of `batch`'s first micro-batch
+        where they are known) and the target's first micro-batch must give a real scalar. A
+        loss_fn that cannot run on the meta device is left to the stage that computes the
+        loss.
 
         Raises:
             ConfigError: the loss is not a real scalar tensor, naming what it is.
         """
         if self._loss_checked:
             return
-        out = example_output(self.gm)
+        shaped = None if batch is None or not batch.shaped else batch.shaped[0]
+        out = example_output(self.gm, shapes=None if shaped is None else shaped.specs)
         first = tree_map(  # the target of the output's rows: this rank's slice under a mesh
             lambda t: self._slices(t.to("meta"))[0] if isinstance(t, torch.Tensor) else t,
             target,

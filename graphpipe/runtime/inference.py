@@ -61,7 +61,7 @@ class Inference:
                 "eval_step() needs target=...: the loss is computed on the last stage"
             )
         batch = self.inputs.batch(args, kwargs, target, first=0)
-        self.inputs.check_loss(target)
+        self.inputs.check_loss(target, batch)
         run = self._forward_only(batch)
         # every rank's losses of its dp slices: the mean over the whole mini-batch
         count = self.w.spec.micro_batches * self.w.dp

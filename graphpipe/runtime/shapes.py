@@ -172,9 +172,11 @@ class Shapes:
             raise ConfigError(
                 f"at inputs {describe(signature)} per micro-batch torch.export traces another "
                 f"graph than at the compiled {describe(self.compiled)} ({differs}), so the "
-                "plan's stage cut does not apply to it. torch.export specialises a dimension "
-                "of size 1 (a micro-batch of one row, a sequence of one token); avoid those "
-                "sizes or compile at them"
+                "plan's stage cut does not apply to it. torch.export drops ops that do "
+                "nothing at the shapes it traces: at a dimension of size 1 (a micro-batch of "
+                "one row, a sequence of one token), or a slice that takes the whole of a "
+                "buffer (positions up to the model's maximum length); compile at an example "
+                "that avoids those sizes, or step at the compiled shapes only"
             )
         return gm
 

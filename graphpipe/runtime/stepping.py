@@ -88,7 +88,7 @@ class Stepper:
         w, m = self.w, self.w.spec.micro_batches
         first = self.calls * m if w.asynchronous else 0
         batch = self.inputs.batch(args, kwargs, target, first=first)
-        self.inputs.check_loss(target)
+        self.inputs.check_loss(target, batch)
         ops = self.programs.for_call(self.calls)
         if w.agree is not None:
             w.agree.problem = None
