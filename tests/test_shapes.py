@@ -30,7 +30,11 @@ from torch import nn
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, GraphPipeError
+from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
+from graphpipe.runtime.shapes import Shapes, signature_of, stand_in
+from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, model_output
+from graphpipe.tracing.tracer import trace, trace_info
 
 M = 4
 ROWS = (12, 8, 8, 10, 8)  # the example's 12, a smaller batch, and 10 rows: 3, 3, 2, 2
@@ -323,3 +327,51 @@ def test_eval_at_a_new_shape_equals_the_trained_model(
     loss, logits = two_ranks[0][("gpt2", "1f1b")]["evaluated"]
     torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
     assert loss == pytest.approx(CASES["gpt2"].loss(out, target).item(), rel=1e-5)
+
+
+class Windowed(nn.Module):
+    """Python control flow on a shape (torch.fx cannot trace it; torch.export can), two
+    positional inputs, and a reshape that torch.export writes as literals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.embed(x)) * scale  # (B, L, 8) * (B, L, 1)
+        if h.shape[1] > 1:
+            h = h + h.roll(1, dims=1)
+        h = self.mix(h.reshape(-1, 8)).reshape(x.shape[0], x.shape[1], 8)
+        return self.out(h).mean(1)
+
+
+def test_an_exported_stage_runs_at_a_new_shape_on_the_live_parameters() -> None:
+    """One process: the stages torch.export made at length 6 are made again at length 4 for
+    the same cut, read the live parameters, and compute what the model computes."""
+    model = Windowed()
+    inputs = (torch.randn(8, 6, 4), torch.rand(8, 6, 1))
+    gm = trace(model, inputs, micro_batch_size=2)
+    assert trace_info(gm).method == "export"
+    the_plan = plan(model, inputs, devices=2, micro_batches=M, pins={"embed": 0, "out": 1})
+    stages = {i: build_stage(gm, the_plan, i) for i in range(2)}
+    compiled = signature_of(inputs, 2)
+    specs = micro_shapes(gm, inputs, 2)
+    shapes = Shapes(
+        gm, the_plan, {i: m for i, (m, _) in stages.items()}, compiled, specs,
+        torch.device("cpu"), torch.device("cpu"), lambda d: d, stand_in(model),
+    )  # fmt: skip
+    x, scale = torch.randn(2, 4, 4), torch.rand(2, 4, 1)
+    lowered = shapes.lowered(signature_of((x, scale), 2))
+    assert shapes.lowered(signature_of((x, scale), 2)) is lowered  # cached
+    values = {"x": x, "scale": scale}
+    for i in range(2):
+        module, io = lowered.modules[i], stages[i][1]
+        out = module(*[values[n] for n in io.inputs])
+        for name in io.sent:
+            assert (tuple(out[name].shape), out[name].dtype) == lowered.specs[name]
+        values.update(out)
+    torch.testing.assert_close(model_output(gm, values[OUTPUT]), model(x, scale))
+    live = dict(stages[1][0].named_parameters())
+    assert all(p is live[n] for n, p in lowered.modules[1].named_parameters())
+    with pytest.raises(ConfigError, match="torch.export traces another graph"):
+        shapes.lowered(signature_of((x[:, :1], scale[:, :1]), 2))  # length 1: no roll

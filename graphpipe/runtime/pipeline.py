@@ -102,7 +102,9 @@ class PipelinedModel:
         """One mini-batch: every micro-batch through the schedule, and the updates.
 
         Args:
-            *inputs: The model's positional inputs, shaped like the example inputs.
+            *inputs: The model's positional inputs: the example inputs' dtypes and number
+                of dimensions, each dimension at most the example's (other sequence
+                lengths, image sizes, batch sizes; `graphpipe.runtime.batching`).
             target: What `loss_fn` compares the output with (dim 0 the batch).
             **kw_inputs: The model's keyword inputs, for a model compiled with a dict of
                 them (`input_ids=..., attention_mask=...`).
