@@ -13,7 +13,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks import convergence, emulated, fair, interleave, planner, real_models, runtime
+from benchmarks import (
+    convergence,
+    emulated,
+    fair,
+    interleave,
+    planner,
+    real_models,
+    runtime,
+    shapes,
+)
 from benchmarks._common import log
 
 NOTES = "<!-- generated above; notes below, kept when the figures are regenerated -->"
@@ -59,6 +68,7 @@ def main() -> int:
         ("runtime", runtime.report),
         ("graph interleaving", interleave.report),
         ("convergence", lambda: convergence.report(root / "benchmarks")),
+        ("shape-changing batches", shapes.report),
     ):
         log(f"running the {name} benchmark")
         sections.append(run())
