@@ -1,10 +1,11 @@
 """Batches whose shapes change train exactly as one process does (issue 27).
 
-GPT-2 and Llama (tiny, Hugging Face, traced by torch.export) are compiled at 12 sequences of
-length 32 and stepped at lengths 16, 24, 32 and 20, with 8 rows (fewer than compiled) and
-once 10 rows (3, 3, 2, 2 per micro-batch, as torch.tensor_split cuts them); BERT likewise
-(up to length 30), with a padding mask of each batch's length; an Inception-style CNN with
-BatchNorm (traced by torch.fx) at images of 6 and 8 pixels, also with 10 rows once. Under
+GPT-2 and Llama (tiny, Hugging Face, traced by torch.export; Llama's rows packed with two
+sequences each, by position_ids) are compiled at 12 rows of length 32 and stepped at lengths
+16, 24, 32 and 20, with 8 rows (fewer than compiled) and once 10 rows (3, 3, 2, 2 per
+micro-batch, as torch.tensor_split cuts them); BERT likewise (up to length 30), with a
+padding mask of each batch's length; an Inception-style CNN with BatchNorm (traced by
+torch.fx) at images of 6 and 8 pixels, also with 10 rows once. Under
 1f1b, zb and graph_interleaved (stages of a DAG folded, several per rank) at 2 ranks, and
 1f1b at 3, the losses and every parameter equal single-process gradient accumulation over
 the same micro-batches, each micro-batch's loss weighted by its share of the rows; under 2bw
@@ -55,6 +56,18 @@ def _lm_batches(rows: tuple[int, ...], lengths: tuple[int, ...]) -> Batches:
     return out
 
 
+def _packed_batches(rows: tuple[int, ...], lengths: tuple[int, ...]) -> Batches:
+    """Packed sequences: each row holds two sequences, its position ids restarting at the
+    second (at a row-dependent point), with `_lm_batches`' tokens and targets."""
+    out = []
+    for (inputs, target), b, n in zip(_lm_batches(rows, lengths), rows, lengths, strict=True):
+        starts = torch.arange(b) % (n // 2) + n // 4  # where each row's second sequence starts
+        columns = torch.arange(n).expand(b, n)
+        positions = torch.where(columns < starts[:, None], columns, columns - starts[:, None])
+        out.append(({**inputs, "position_ids": positions}, target))
+    return out
+
+
 def _masked_batches(rows: tuple[int, ...], lengths: tuple[int, ...]) -> Batches:
     """BERT's: tokens with a padding mask of each batch's length (its last two columns
     padded at random), and a target per token."""
@@ -80,7 +93,7 @@ def _image_batches(rows: tuple[int, ...], sides: tuple[int, ...]) -> Batches:
 # name -> (model case, the batches of its steps; the first is the compiled example, 12 rows)
 RUNS: dict[str, tuple[str, Callable[[], Batches]]] = {
     "gpt2": ("gpt2", lambda: _lm_batches(ROWS, (32, *LENGTHS))),
-    "llama": ("llama", lambda: _lm_batches(ROWS, (32, *LENGTHS))),
+    "llama": ("llama", lambda: _packed_batches(ROWS, (32, *LENGTHS))),
     # at its maximum length 32 BERT's export slices none of its position ids: another graph
     "bert": ("bert", lambda: _masked_batches(ROWS, (30, 16, 24, 30, 20))),
     "cnn": ("inception", lambda: _image_batches((12, 8, 10, 8, 8), (8, *SIDES))),
