@@ -33,7 +33,7 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, GraphPipeError
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
-from graphpipe.runtime.shapes import Shapes, signature_of, stand_in
+from graphpipe.runtime.shapes import Shapes, signature_of
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, model_output
 from graphpipe.tracing.tracer import trace, trace_info
 
@@ -371,7 +371,7 @@ def test_an_exported_stage_runs_at_a_new_shape_on_the_live_parameters() -> None:
     specs = micro_shapes(gm, inputs, 2)
     shapes = Shapes(
         gm, the_plan, {i: m for i, (m, _) in stages.items()}, compiled, specs,
-        torch.device("cpu"), torch.device("cpu"), lambda d: d, stand_in(model),
+        torch.device("cpu"), torch.device("cpu"), lambda d: d, model,
     )  # fmt: skip
     x, scale = torch.randn(2, 4, 4), torch.rand(2, 4, 1)
     lowered = shapes.lowered(signature_of((x, scale), 2))

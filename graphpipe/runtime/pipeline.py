@@ -26,7 +26,7 @@ from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Executor
 from graphpipe.runtime.inference import Inference
-from graphpipe.runtime.shapes import Shapes, signature_of, stand_in
+from graphpipe.runtime.shapes import Shapes, signature_of
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.state import ModelState
 from graphpipe.runtime.stepping import Programs, Stepper
@@ -72,8 +72,7 @@ class PipelinedModel:
         spec: RunSpec,
     ) -> None:
         traced_on = torch.device("meta") if is_meta(gm) else example_inputs[0].device
-        exported = trace_info(gm).method == "export"
-        copy = stand_in(model) if exported else None  # before this rank moves its tensors
+        exported = trace_info(gm).method == "export"  # exported again at new shapes
         w = wire(model, gm, example_inputs, plan, schedule, spec)
         self._wiring = w
         self.plan, self.schedule, self.runtime, self.spec = plan, schedule, spec.runtime, spec
@@ -88,7 +87,7 @@ class PipelinedModel:
         inputs = Inputs(
             gm, example_inputs, w.model_inputs, spec.loss_fn, spec.micro_batches, w.device,
             has_output, w.dp, 0 if layout is None else layout.dp_index,
-            _shapes(w, example_inputs, traced_on, copy),
+            _shapes(w, example_inputs, traced_on, model if exported else None),
         )  # fmt: skip
         programs = Programs(w)
         self._recorder = Recorder(w, self._collectives)
@@ -273,7 +272,7 @@ def _shapes(
     model: nn.Module | None,
 ) -> Shapes:
     """The stages at every input shape a step brings (`graphpipe.runtime.shapes`); `model`
-    is the stand-in to export again (None: an fx-traced graph)."""
+    is the model to export again (None: an fx-traced graph)."""
     executor = w.executor
     stages = {} if executor is None else executor.stages
     specs = next(iter(stages.values())).specs if stages else {}

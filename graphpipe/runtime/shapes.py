@@ -15,9 +15,10 @@ For a signature compile did not see:
                       fake-tensor run of the whole graph at the signature (`stage.shapes_at`).
     exported graph    torch.export wrote the traced shapes into the graph as literals, so the
                       model is exported again at the signature (`tracing.tracer.retrace`), on
-                      a stand-in of the model: its structure with empty tensors on the device
-                      it was traced on (`stand_in`), since by now each rank has moved or
-                      materialised its own stage's tensors. The new graph must hold the same
+                      a stand-in of the model made at the first new shape: its structure with
+                      empty tensors on the device it was traced on (`stand_in`), since by then
+                      each rank has moved or materialised its own stage's tensors. The new
+                      graph must hold the same
                       ops under the same names as the compiled one, so the plan's cut applies
                       to it; it is carved with the same plan, and each of this rank's stages
                       runs its new graph on the stage module's own (live) parameters.
@@ -63,12 +64,12 @@ def describe(signature: Signature) -> str:
     )
 
 
-def stand_in(model: nn.Module) -> nn.Module:
+def stand_in(model: nn.Module, device: torch.device) -> nn.Module:
     """A copy of `model` whose parameters and buffers are empty tensors of the same shapes,
-    strides, dtypes and devices (tied ones stay tied), for exporting it again.
+    strides and dtypes on `device` (tied ones stay tied), for exporting it again.
 
-    Empty CPU tensors are address space only: no page is touched, since torch.export reads
-    no value. Taken before the rank moves or materialises its stage's tensors.
+    `device` is the one the model was traced on, wherever its tensors are now. Empty CPU
+    tensors are address space only: no page is touched, since torch.export reads no value.
     """
     memo: dict[int, object] = {}
     named = [
@@ -77,7 +78,7 @@ def stand_in(model: nn.Module) -> nn.Module:
     ]
     for _, t in named:
         if id(t) not in memo:
-            empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
             memo[id(t)] = (
                 nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
             )
@@ -96,7 +97,8 @@ class Shapes:
         traced_on: The device the graph was traced on (meta for a meta model).
         device: This rank's device.
         crossing: A value's dtype as it crosses stages (the precision's `spec_dtype`).
-        model: The stand-in to export again (`stand_in`); None for an fx-traced graph.
+        model: The model, to export again at new shapes (through a `stand_in` made at the
+            first one); None for an fx-traced graph.
         compile_stages: torch.compile each new stage module, as compile did the others.
         fixed: Why shapes cannot change in this run (emulated stages, an exported graph
             under a mesh); None: they can.
@@ -119,6 +121,7 @@ class Shapes:
         self.gm, self.plan, self.modules, self.compiled = gm, plan, dict(modules), compiled
         self.traced_on, self.device, self.crossing = traced_on, device, crossing
         self.model, self.compile_stages, self.fixed = model, compile_stages, fixed
+        self._stand_in: nn.Module | None = None
         self._cache: dict[Signature, Lowered] = {compiled: Lowered(specs, self.modules)}
 
     @property
@@ -163,10 +166,12 @@ class Shapes:
     def _exported(self, signature: Signature) -> fx.GraphModule:
         """The model exported again at `signature`, checked to have the compiled ops."""
         assert self.model is not None
+        if self._stand_in is None:
+            self._stand_in = stand_in(self.model, self.traced_on)
         inputs = [
             torch.zeros(shape, dtype=dtype, device=self.traced_on) for shape, dtype in signature
         ]
-        gm = retrace(self.model, self.gm, inputs)
+        gm = retrace(self._stand_in, self.gm, inputs)
         differs = _difference(self.gm, gm)
         if differs:
             raise ConfigError(
