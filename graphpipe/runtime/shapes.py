@@ -18,10 +18,10 @@ For a signature compile did not see:
                       a stand-in of the model made at the first new shape: its structure with
                       empty tensors on the device it was traced on (`stand_in`), since by then
                       each rank has moved or materialised its own stage's tensors. The new
-                      graph must hold the same
-                      ops under the same names as the compiled one, so the plan's cut applies
-                      to it; it is carved with the same plan, and each of this rank's stages
-                      runs its new graph on the stage module's own (live) parameters.
+                      graph must hold the same ops under the same names as the compiled one,
+                      so the plan's cut applies to it; it is carved with the same plan, and
+                      each of this rank's stages runs its new graph on the stage module's own
+                      (live) parameters. Not under a mesh yet (refused by name).
 
 Both are cached by signature: a shape seen before costs one dictionary lookup. Every rank
 makes the same checks (idle ranks too), so a refusal is the same ConfigError everywhere,
