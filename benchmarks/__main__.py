@@ -22,6 +22,7 @@ from benchmarks import (
     planner,
     real_models,
     runtime,
+    shapes,
 )
 from benchmarks._common import log
 
@@ -69,6 +70,7 @@ def main() -> int:
         ("runtime", runtime.report),
         ("graph interleaving", interleave.report),
         ("convergence", lambda: convergence.report(root / "benchmarks")),
+        ("shape-changing batches", shapes.report),
     ):
         log(f"running the {name} benchmark")
         sections.append(run())

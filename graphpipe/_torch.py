@@ -294,6 +294,34 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def data_dependent_op(error: BaseException) -> str | None:
+    """The op a fake-tensor run refused because its output's shape (or a Python value it
+    returns) depends on tensor values, when `error` is that refusal; else None.
+
+    torch API: `torch._subclasses.fake_tensor.DynamicOutputShapeException` (`nonzero`,
+    boolean-mask indexing, `unique`) and `DataDependentOutputException` (`item`,
+    `tolist`), each with the op as `func`. graphpipe needs them to refuse, at compile, a
+    model whose message shapes no rank can compute from the input shapes alone.
+
+    Raises:
+        TorchAPIError: torch no longer has them.
+    """
+    try:
+        from torch._subclasses.fake_tensor import (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+        )
+    except ImportError as exc:
+        raise _missing(
+            "torch._subclasses.fake_tensor.DynamicOutputShapeException",
+            "name an op whose output shape depends on values",
+            exc,
+        ) from exc
+    if isinstance(error, (DynamicOutputShapeException, DataDependentOutputException)):
+        return str(getattr(error, "func", type(error).__name__))
+    return None
+
+
 # amp: fp16's loss scaler (graphpipe.runtime.precision) --------------------------------------
 
 

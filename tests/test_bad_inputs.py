@@ -197,11 +197,13 @@ def test_inputs_that_are_not_tensors_are_named(pm: Any) -> None:
     assert "input 0 (x) is a list, not a tensor" in text
     text = _untouched(pm, lambda: pm.step(x.numpy(), target=torch.randn(8, 4)))
     assert "input 0 (x) is a ndarray, not a tensor" in text
-    text = _untouched(pm, lambda: pm.step(x[:6], target=torch.randn(6, 4)))
+    text = _untouched(pm, lambda: pm.step(x.double(), target=torch.randn(8, 4)))
     assert (
-        "input x is torch.float32[6, 16], the pipeline was compiled for torch.float32[8, 16]"
+        "input x is torch.float64[8, 16], the pipeline was compiled for torch.float32[8, 16]"
         in text
     )
+    text = _untouched(pm, lambda: pm.step(torch.randn(10, 16), target=torch.randn(10, 4)))
+    assert "input x is [10, 16]: dim 0 is beyond the compiled example's [8, 16]" in text
     text = _untouched(pm, lambda: pm.step(x, x, target=torch.randn(8, 4)))
     assert "got 2 positional inputs, the model was compiled with 1" in text
 

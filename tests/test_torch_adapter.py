@@ -308,3 +308,11 @@ def test_fsdp_post_backward_reduces_a_gradient_added_by_hand(
     for p, g in zip(sharded, grads, strict=True):
         assert isinstance(p.grad, DTensor)
         torch.testing.assert_close(p.grad.full_tensor(), g)  # one rank: the sum is itself
+
+
+def test_data_dependent_op_names_the_op_a_fake_run_refuses() -> None:
+    with _torch.fake_mode() as mode, pytest.raises(Exception) as err:
+        x = mode.from_tensor(torch.randn(4))
+        torch.nonzero(x)
+    assert _torch.data_dependent_op(err.value) == "aten.nonzero.default"
+    assert _torch.data_dependent_op(RuntimeError("aten.nonzero.default")) is None

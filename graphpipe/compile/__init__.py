@@ -12,11 +12,13 @@ seed), traces it, and rank 0 plans it (or `plan=` a saved Plan) and sends the pl
 rank then keeps only its own stage: a GraphModule whose parameters have their original names.
 
 Semantics with the flush policy (the default): `step()` takes one mini-batch, splits it into
-M micro-batches along dim 0, runs them through the schedule and makes one optimizer step; it
-returns the mean of the M micro-batch losses, and the gradient is that mean's gradient. With
-equal micro-batches and a mean-reduced loss this is one full-batch step, and for models whose
-samples do not interact (no BatchNorm) it equals single-process training; with BatchNorm it
-equals single-process gradient accumulation over the same micro-batches.
+M micro-batches along dim 0 (as `torch.tensor_split`), runs them through the schedule and
+makes one optimizer step; it returns the mean of the M micro-batch losses (weighted by their
+rows where they differ), and the gradient is that mean's gradient. With a mean-reduced loss
+this is one full-batch step, and for models whose samples do not interact (no BatchNorm) it
+equals single-process training; with BatchNorm it equals single-process gradient
+accumulation over the same micro-batches. Batches may differ from the example in their rows
+and in any other dimension, up to the example's size (`graphpipe.runtime.shapes`).
 
 `compile()` is a short sequence of named steps: check every argument into one frozen
 `RunSpec` (`graphpipe.runtime.spec`), join the process group, trace, plan on rank 0 and
@@ -99,8 +101,9 @@ def compile(
         example_inputs: One mini-batch: a tensor, a tuple of positional tensors, or a dict
             of keyword inputs as Hugging Face models take them (`input_ids`,
             `attention_mask`; non-tensor values such as `use_cache=False` are constants of
-            the trace). Dim 0 of every tensor is the batch. It fixes the shapes: the model
-            is traced at the micro-batch size (batch / M).
+            the trace). Dim 0 of every tensor is the batch. The model is traced and planned
+            at its micro-batch size (batch / M); it must be the largest batch: steps may
+            bring smaller ones, of other shapes, never larger in any dimension.
         loss_fn: (model output, target) -> scalar, mean-reduced over the batch.
         optimizer: Builds the optimizer from a list of parameters, e.g.
             `functools.partial(torch.optim.SGD, lr=0.1)`.

@@ -2,6 +2,16 @@
 
 Every check here runs on every rank alike, before any communication, so a bad call raises
 the same ConfigError everywhere and leaves the pipeline as it was.
+
+What may change between steps: the batch size (B rows split as `torch.tensor_split` splits
+them, so the first B mod M micro-batches hold one row more) and any other dimension of the
+inputs (a sequence length, an image size), up to the compiled example's size in every
+dimension: the plan's memory was planned at the example, so a larger input is refused by
+name. What may not: the inputs' number, names, dtypes and number of dimensions, and the
+trace's constants. Each micro-batch's shapes (its signature) select its stages and message
+specs (`graphpipe.runtime.shapes`). With rows that differ between micro-batches, micro-batch
+j's loss is weighted by its rows, r_j / B, instead of 1 / M: for a loss that is a mean over
+the rows of its micro-batch, the sum is the mean over the whole batch, as one process gets.
 """
 
 from __future__ import annotations
@@ -15,7 +25,9 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
 from graphpipe.errors import ConfigError
 from graphpipe.runtime.executor import Batch, scalar
+from graphpipe.runtime.shapes import Lowered, Shapes, describe, signature_of
 from graphpipe.runtime.spec import LossFn
+from graphpipe.tracing import bind
 from graphpipe.tracing.annotate import trace_info
 from graphpipe.tracing.bind import example_output, flat_inputs
 
@@ -36,6 +48,7 @@ class Inputs:
         has_output: This rank holds the stage computing the loss (which needs the target).
         dp: Data-parallel slices of each micro-batch (a mesh's dp size; 1 without one).
         dp_index: The slice this rank runs (`graphpipe.runtime.mesh.MeshLayout.dp_index`).
+        shapes: The stages at each micro-batch's shapes; None: only the compiled shapes.
     """
 
     def __init__(
@@ -49,9 +62,10 @@ class Inputs:
         has_output: bool,
         dp: int = 1,
         dp_index: int = 0,
+        shapes: Shapes | None = None,
     ) -> None:
         self.gm, self.loss_fn, self.m, self.device = gm, loss_fn, micro_batches, device
-        self.dp, self.dp_index = dp, dp_index
+        self.dp, self.dp_index, self.stages = dp, dp_index, shapes
         self.shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
         self.names = list(trace_info(gm).input_names)
         self.model_inputs = frozenset(model_inputs)
@@ -62,52 +76,102 @@ class Inputs:
         """The micro-batches of one call, numbered from `first`.
 
         Raises:
-            ConfigError: an input of another shape or dtype than compiled, or a target
-                without the batch on dim 0.
+            ConfigError: an input of another dtype or number of dimensions than compiled, or
+                larger than compiled in some dimension; fewer rows than micro-batches; a
+                micro-batch whose rows the mesh's dp slices do not divide; a target without
+                the batch on dim 0; or shapes the stages cannot run at
+                (`graphpipe.runtime.shapes.Shapes.lowered`).
         """
         flat = flat_inputs(self.gm, *args, **kwargs)
-        for name, x, (shape, dtype) in zip(self.names, flat, self.shapes, strict=True):
-            if tuple(x.shape) != shape or x.dtype != dtype:
-                raise ConfigError(
-                    f"input {name} is {x.dtype}{list(x.shape)}, the pipeline was compiled "
-                    f"for {dtype}{list(shape)}"
-                )
+        rows = self._rows(flat)
         chunks = {  # only the inputs this rank's stages read are copied to its device
             name: self._micro_batches(x)
             for name, x in zip(self.names, flat, strict=True)
             if name in self.model_inputs
         }
+        shaped, shares = self._lowered(flat, rows)
         if target is None:
-            return Batch(first, chunks, None)
-        _check_target(target, flat[0].shape[0] if flat else 0)
-        if not self.has_output:
-            return Batch(first, chunks, [None] * self.m)  # only the loss's stage needs it
-        return Batch(first, chunks, _split(target, self.m, self._micro_batches))
+            return Batch(first, chunks, None, shaped, shares)
+        _check_target(target, sum(rows))
+        if not self.has_output:  # only the loss's stage needs it
+            return Batch(first, chunks, [None] * self.m, shaped, shares)
+        return Batch(first, chunks, _split(target, self.m, self._micro_batches), shaped, shares)
+
+    def _rows(self, flat: Sequence[torch.Tensor]) -> list[int]:
+        """Each micro-batch's rows, once every input is checked against the compiled ones.
+
+        Raises:
+            ConfigError: see `batch`.
+        """
+        for name, x, (shape, dtype) in zip(self.names, flat, self.shapes, strict=True):
+            if x.dtype != dtype or x.dim() != len(shape):
+                raise ConfigError(
+                    f"input {name} is {x.dtype}{list(x.shape)}, the pipeline was compiled "
+                    f"for {dtype}{list(shape)}: the dtype and number of dimensions must stay"
+                )
+            beyond = [d for d, (n, most) in enumerate(zip(x.shape, shape, strict=True)) if n > most]
+            if beyond:
+                raise ConfigError(
+                    f"input {name} is {list(x.shape)}: dim {beyond[0]} is beyond the compiled "
+                    f"example's {list(shape)}, the largest shape the plan's memory was planned "
+                    "for; compile with an example as large as the largest batch"
+                )
+        batch = bind.batch_of(tuple(flat), {}) if flat else 0
+        if batch < self.m:
+            raise ConfigError(f"the batch has {batch} rows, fewer than the {self.m} micro-batches")
+        q, r = divmod(batch, self.m)  # as torch.tensor_split: the first r hold one row more
+        rows = [q + 1] * r + [q] * (self.m - r)
+        if any(n % self.dp for n in rows):
+            raise ConfigError(
+                f"the batch of {batch} rows splits into micro-batches of {sorted(set(rows))} "
+                f"rows, which the mesh's {self.dp} data-parallel slices do not divide"
+            )
+        return rows
+
+    def _lowered(
+        self, flat: Sequence[torch.Tensor], rows: Sequence[int]
+    ) -> tuple[list[Lowered] | None, list[float] | None]:
+        """Each micro-batch's stages and specs, and its share of the rows when they differ
+        (None: all equal, each micro-batch's loss weighs 1 / M as before)."""
+        shares = None if len(set(rows)) == 1 else [n / sum(rows) for n in rows]
+        signatures = [signature_of(flat, n // self.dp) for n in rows]
+        if self.stages is None:  # only the compiled shapes
+            compiled = tuple((tuple(x), d) for x, d in self.shapes)
+            given = tuple((tuple(x.shape), x.dtype) for x in flat)
+            if given != compiled:
+                raise ConfigError(
+                    f"the inputs are {describe(given)}, the pipeline was compiled for "
+                    f"{describe(compiled)}"
+                )
+            return None, shares
+        return [self.stages.lowered(s) for s in signatures], shares
 
     def _micro_batches(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x's M micro-batches on this rank's device: with a mesh, this rank's dp slice of
         each (`_slices`)."""
         if self.dp == 1:
-            return list(to_device(x, self.device).chunk(self.m))
+            return list(to_device(x, self.device).tensor_split(self.m))
         return [to_device(c, self.device) for c in self._slices(x)]
 
     def _slices(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x's M micro-batches where it is: with a mesh, this rank's dp slice of each
-        (micro-batch j, slice d: rows of chunk j of M, then chunk d of dp)."""
-        return [c.chunk(self.dp)[self.dp_index] for c in x.chunk(self.m)]
+        (micro-batch j, slice d: rows of split j of M, then split d of dp)."""
+        return [c.tensor_split(self.dp)[self.dp_index] for c in x.tensor_split(self.m)]
 
-    def check_loss(self, target: Any) -> None:
+    def check_loss(self, target: Any, batch: Batch | None = None) -> None:
         """Once, on every rank alike: loss_fn on the model's output for one micro-batch as
-        meta tensors (no memory, no values) and the target's first micro-batch must give a
-        real scalar. A loss_fn that cannot run on the meta device is left to the stage that
-        computes the loss.
+        meta tensors (no memory, no values; at the shapes of `batch`'s first micro-batch
+        where they are known) and the target's first micro-batch must give a real scalar. A
+        loss_fn that cannot run on the meta device is left to the stage that computes the
+        loss.
 
         Raises:
             ConfigError: the loss is not a real scalar tensor, naming what it is.
         """
         if self._loss_checked:
             return
-        out = example_output(self.gm)
+        shaped = None if batch is None or not batch.shaped else batch.shaped[0]
+        out = example_output(self.gm, shapes=None if shaped is None else shaped.specs)
         first = tree_map(  # the target of the output's rows: this rank's slice under a mesh
             lambda t: self._slices(t.to("meta"))[0] if isinstance(t, torch.Tensor) else t,
             target,

@@ -41,6 +41,7 @@ from graphpipe.runtime.failures import failure, first_line
 from graphpipe.runtime.mesh import prepare_backward, reduce_gradients
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import Precision
+from graphpipe.runtime.shapes import Lowered
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
 from graphpipe.runtime.sync import final_backwards
 from graphpipe.runtime.tp import tp_context, whole_tensor
@@ -58,6 +59,8 @@ class Batch:
     first: int  # id of the first micro-batch (c * M for call c of an async schedule)
     inputs: dict[str, list[torch.Tensor]]
     targets: list[Any] | None
+    shaped: list[Lowered] | None = None  # each micro-batch's stages and specs (its shapes)
+    shares: list[float] | None = None  # each one's rows / B where rows differ; None: 1 / M
 
     def input(self, name: str, j: int) -> torch.Tensor:
         """Model input `name` of micro-batch j."""
@@ -124,6 +127,8 @@ class Executor:
         self.edges = list(self.plan.edges)
         self.state: dict[tuple[int, int], _MicroBatch] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        # micro-batch id -> its stages and specs at its shapes, and its share of the rows
+        self.shaped: dict[int, tuple[Lowered | None, float | None]] = {}
         self._mailbox: dict[Message, list[torch.Tensor]] = {}
         self.spans: list[Span] = []
         self.record = False
@@ -151,6 +156,7 @@ class Executor:
             self._run(ops, batch)
 
     def _run(self, ops: Sequence[Op], batch: Batch) -> None:
+        self._note_shapes(batch)
         finals = final_backwards(ops)
         for i, op in enumerate(ops):
             self._is_final = i in finals
@@ -180,6 +186,27 @@ class Executor:
         self.transport.finish_sends()
         self._tick("wait", start)
 
+    def _note_shapes(self, batch: Batch) -> None:
+        """Keep each micro-batch's shapes and share while it is in flight: an asynchronous
+        schedule runs its backward in a later call, whose batch no longer holds it."""
+        live = {j for _, j in self.state}
+        self.shaped = {j: v for j, v in self.shaped.items() if j in live}
+        count = len(batch.shaped or batch.shares or ())
+        for k in range(count):
+            self.shaped[batch.first + k] = (
+                None if batch.shaped is None else batch.shaped[k],
+                None if batch.shares is None else batch.shares[k],
+            )
+
+    def _lowered(self, j: int) -> Lowered | None:
+        """Micro-batch j's stages and specs when its shapes are not the compiled ones."""
+        return self.shaped.get(j, (None, None))[0]
+
+    def _module(self, stage: int, j: int) -> nn.Module:
+        """The module that runs micro-batch j on `stage` (the one for its shapes)."""
+        lowered = self._lowered(j)
+        return self.stages[stage].module if lowered is None else lowered.modules[stage]
+
     def _failed(self, op: Op, exc: Exception) -> PipelineError:
         """Post why this rank stops, so a peer left waiting for it names this failure (by
         its global rank: with a mesh, `self.rank` is its plan device)."""
@@ -207,8 +234,10 @@ class Executor:
     def _peer(self, stage: int, j: int) -> int:
         return self.plan.stages[stage].device_for(j)
 
-    def _specs(self, stage: int, names: Sequence[str]) -> list[Spec]:
-        return [self.stages[stage].specs[n] for n in names] if names else TOKEN
+    def _specs(self, stage: int, names: Sequence[str], j: int) -> list[Spec]:
+        lowered = self._lowered(j)
+        specs = self.stages[stage].specs if lowered is None else lowered.specs
+        return [specs[n] for n in names] if names else TOKEN
 
     def _await(self, a: Action) -> None:
         """Wait for the messages the compute action `a` reads."""
@@ -255,10 +284,10 @@ class Executor:
         assert a.mb is not None and a.peer is not None
         if a.kind.direction == "F":
             i, edge = self._edge(a.peer, a.stage)
-            specs = self._specs(a.stage, edge.tensors)
+            specs = self._specs(a.stage, edge.tensors, a.mb)
         else:
             i, edge = self._edge(a.stage, a.peer)
-            specs = self._specs(a.stage, edge.grads)
+            specs = self._specs(a.stage, edge.grads, a.mb)
         return Incoming(
             specs, self._peer(a.peer, a.mb), tag_for(i, a.kind.direction == "B", a.mb), str(a)
         )
@@ -294,13 +323,12 @@ class Executor:
         for name in s.io.model_inputs:
             mb.inputs[name] = batch.input(name, j)
         args = [mb.inputs[name] for name in s.io.inputs]
+        module = self._module(a.stage, j)
         call = _call
         if self.training and self.plan.stages[a.stage].recompute:
             call = functools.partial(checkpoint, _call, use_reentrant=False)  # keeps the inputs
         with torch.set_grad_enabled(self.training), self.precision.autocast(s.device):
-            mb.outputs = self._crossing(
-                s, self.policy.forward(j, lambda w: call(s.module, w, args))
-            )
+            mb.outputs = self._crossing(s, self.policy.forward(j, lambda w: call(module, w, args)))
             if s.io.has_output:
                 out = model_output(s.gm, mb.outputs[OUTPUT])
                 if batch.targets is None:  # inference: keep the output
@@ -325,7 +353,8 @@ class Executor:
         roots: list[torch.Tensor] = []
         seeds: list[torch.Tensor | None] = []
         if mb.loss is not None:
-            roots.append(mb.loss * (self.policy.loss_scale() * self.grad_scale))
+            share = self.shaped.get(j, (None, None))[1]
+            roots.append(mb.loss * (self.policy.loss_scale(share) * self.grad_scale))
             seeds.append(None)
         for name, g in grads.items():
             out = mb.outputs[name]
@@ -349,9 +378,10 @@ class Executor:
         """Run micro-batch j's forward again, with the weights the policy picks for backward."""
         mb, s = self.state[(stage, j)], self.stages[stage]
         args = [mb.inputs[name] for name in s.io.inputs]
+        module = self._module(stage, j)
         with torch.enable_grad(), self.precision.autocast(s.device):
             mb.outputs = self._crossing(
-                s, self.policy.recompute(j, lambda w: _call(s.module, w, args))
+                s, self.policy.recompute(j, lambda w: _call(module, w, args))
             )
             if s.io.has_output:
                 mb.loss = s.loss_fn(model_output(s.gm, mb.outputs[OUTPUT]), mb.target)

@@ -20,7 +20,7 @@ from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor
 from graphpipe.runtime.mesh import reshard
 from graphpipe.runtime.stage import OUTPUT
-from graphpipe.runtime.stepping import Programs
+from graphpipe.runtime.stepping import Programs, weighted
 from graphpipe.runtime.wiring import Wiring
 from graphpipe.scheduling.generators import make_schedule
 
@@ -61,11 +61,11 @@ class Inference:
                 "eval_step() needs target=...: the loss is computed on the last stage"
             )
         batch = self.inputs.batch(args, kwargs, target, first=0)
-        self.inputs.check_loss(target)
+        self.inputs.check_loss(target, batch)
         run = self._forward_only(batch)
-        losses = [] if run is None else run.losses.values()
         # every rank's losses of its dp slices: the mean over the whole mini-batch
-        return self.collectives.mean_loss(losses, self.w.spec.micro_batches * self.w.loss_copies)
+        count = self.w.spec.micro_batches * self.w.loss_copies
+        return self.collectives.mean_loss(*weighted(run, batch, count, self.w.loss_copies))
 
     def _forward_only(self, batch: Batch) -> Executor | None:
         """Run the forward schedule in eval mode with the live weights, outside the policy."""

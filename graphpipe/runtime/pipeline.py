@@ -26,12 +26,14 @@ from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Executor
 from graphpipe.runtime.inference import Inference
+from graphpipe.runtime.shapes import Shapes, signature_of
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.state import ModelState
 from graphpipe.runtime.stepping import Programs, Stepper
 from graphpipe.runtime.timelines import Recorder
 from graphpipe.runtime.weights import WeightPolicy
-from graphpipe.runtime.wiring import wire
+from graphpipe.runtime.wiring import Wiring, wire
+from graphpipe.tracing.annotate import is_meta, trace_info
 
 __all__ = ["PipelinedModel", "RuntimeConfig"]
 
@@ -69,6 +71,8 @@ class PipelinedModel:
         schedule: Schedule,
         spec: RunSpec,
     ) -> None:
+        traced_on = torch.device("meta") if is_meta(gm) else example_inputs[0].device
+        exported = trace_info(gm).method == "export"  # exported again at new shapes
         w = wire(model, gm, example_inputs, plan, schedule, spec)
         self._wiring = w
         self.plan, self.schedule, self.runtime, self.spec = plan, schedule, spec.runtime, spec
@@ -83,6 +87,7 @@ class PipelinedModel:
         inputs = Inputs(
             gm, example_inputs, w.model_inputs, spec.loss_fn, spec.micro_batches, w.device,
             has_output, w.dp, 0 if layout is None else layout.dp_index,
+            _shapes(w, example_inputs, traced_on, model if exported else None),
         )  # fmt: skip
         programs = Programs(w)
         self._recorder = Recorder(w, self._collectives)
@@ -96,7 +101,9 @@ class PipelinedModel:
         """One mini-batch: every micro-batch through the schedule, and the updates.
 
         Args:
-            *inputs: The model's positional inputs, shaped like the example inputs.
+            *inputs: The model's positional inputs: the example inputs' dtypes and number
+                of dimensions, each dimension at most the example's (other sequence
+                lengths, image sizes, batch sizes; `graphpipe.runtime.batching`).
             target: What `loss_fn` compares the output with (dim 0 the batch).
             **kw_inputs: The model's keyword inputs, for a model compiled with a dict of
                 them (`input_ids=..., attention_mask=...`).
@@ -256,3 +263,38 @@ class PipelinedModel:
     def _stage_indices(self) -> tuple[int, ...]:
         """This rank's stages."""
         return self._wiring.stage_indices
+
+
+def _shapes(
+    w: Wiring,
+    example_inputs: tuple[torch.Tensor, ...],
+    traced_on: torch.device,
+    model: nn.Module | None,
+) -> Shapes:
+    """The stages at every input shape a step brings (`graphpipe.runtime.shapes`); `model`
+    is the model to export again (None: an fx-traced graph)."""
+    executor = w.executor
+    stages = {} if executor is None else executor.stages
+    specs = next(iter(stages.values())).specs if stages else {}
+    rows = w.plan.micro_batch_size // w.dp  # one dp rank's slice of a micro-batch
+    fixed = None
+    if w.spec.runtime.emulate is not None:
+        fixed = "emulated stages run at the compiled shapes only"
+    elif model is not None and w.layout is not None and w.layout.sharded:
+        fixed = (
+            "a graph torch.export traced runs at other shapes as a new stage module per shape, "
+            "not yet under a mesh (FSDP2 shards the compiled one); planned"
+        )
+    return Shapes(
+        w.gm,
+        w.plan,
+        {i: r.module for i, r in stages.items()},
+        signature_of(example_inputs, rows),
+        specs,
+        traced_on,
+        w.device,
+        (lambda d: d) if executor is None else executor.precision.spec_dtype,
+        model,
+        w.spec.compile_stages,
+        fixed,
+    )

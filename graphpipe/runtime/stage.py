@@ -25,13 +25,22 @@ import torch
 from torch import fx, nn
 
 import graphpipe._torch as _torch
-from graphpipe.errors import PlanError
+from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan
 from graphpipe.planning.profile import resize_batch
 from graphpipe.tracing.annotate import is_meta
 from graphpipe.tracing.bind import model_output
 
-__all__ = ["OUTPUT", "StageIO", "build_stage", "micro_shapes", "model_output", "retarget"]
+__all__ = [
+    "OUTPUT",
+    "Specs",
+    "StageIO",
+    "build_stage",
+    "micro_shapes",
+    "model_output",
+    "retarget",
+    "shapes_at",
+]
 
 OUTPUT = "__output__"
 
@@ -151,19 +160,76 @@ def _retarget_graph(graph: fx.Graph, device: torch.device) -> bool:
     return changed
 
 
+Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # node name -> shape, dtype
+
+
 def micro_shapes(
     gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], micro_batch_size: int
-) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+) -> Specs:
     """Shape and dtype of every tensor a node outputs, for one micro-batch.
 
     A fake-tensor run (no memory, no compute) on fake copies of the parameters and buffers,
     so the real ones are never touched (a BatchNorm's `num_batches_tracked` stays as it is).
+
+    Raises:
+        ConfigError: an op whose output shape depends on the values of its inputs
+            (`nonzero`, boolean-mask indexing), named with its node: no rank could size
+            the messages after it from the input shapes.
     """
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    on_meta = is_meta(gm)
+    with _torch.fake_mode() as mode, torch.no_grad():
+        fakes = [
+            mode.from_tensor(resize_batch(x.to("meta") if on_meta else x, micro_batch_size))
+            for x in example_inputs
+        ]
+        state = _fake_state(gm, mode)
+        specs = _recorded(gm, state, fakes)
+    # the fake mode memoises the real parameters through weak references until it is
+    # collected; the weight policies' copy on write (swap_tensors) refuses such tensors
+    del mode, fakes, state
+    gc.collect()
+    return specs
+
+
+def shapes_at(
+    gm: fx.GraphModule, inputs: Sequence[tuple[tuple[int, ...], torch.dtype]], device: torch.device
+) -> Specs:
+    """`micro_shapes` at the input shapes `inputs`, without reading any real tensor.
+
+    Every parameter, buffer and input is made inside the fake mode on `device` (the device
+    the graph was traced on, whose device constants it holds), so the run works whatever
+    device each real tensor has been moved to since.
+
+    Raises:
+        ConfigError: as `micro_shapes`; or the graph does not run at these shapes, naming
+            the node that failed.
+    """
+    named = [
+        *gm.named_parameters(remove_duplicate=False),
+        *gm.named_buffers(remove_duplicate=False),
+    ]
+    with _torch.fake_mode(), torch.no_grad():
+        made: dict[int, torch.Tensor] = {}
+        for _, t in named:
+            if id(t) not in made:
+                made[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+        state = {f"gm.{name}": made[id(t)] for name, t in named}
+        fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in inputs]
+        return _recorded(gm, state, fakes)
+
+
+def _recorded(
+    gm: fx.GraphModule, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> Specs:
+    """Run `gm` with `state` as its parameters and buffers, recording every tensor's spec."""
+    specs: Specs = {}
 
     class _Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
-            value = super().run_node(n)
+            try:
+                value = super().run_node(n)
+            except Exception as exc:
+                raise _refusal(n, exc) from exc
             if isinstance(value, torch.Tensor):
                 specs[n.name] = (tuple(value.shape), value.dtype)
             return value
@@ -176,19 +242,23 @@ def micro_shapes(
         def forward(self, *inputs: torch.Tensor) -> Any:
             return _Recorder(self.gm).run(*inputs)
 
-    on_meta = is_meta(gm)
-    with _torch.fake_mode() as mode, torch.no_grad():
-        fakes = [
-            mode.from_tensor(resize_batch(x.to("meta") if on_meta else x, micro_batch_size))
-            for x in example_inputs
-        ]
-        state = _fake_state(gm, mode)
-        torch.func.functional_call(_Run(), state, tuple(fakes), strict=False)
-    # the fake mode memoises the real parameters through weak references until it is
-    # collected; the weight policies' copy on write (swap_tensors) refuses such tensors
-    del mode, fakes, state
-    gc.collect()
+    torch.func.functional_call(_Run(), state, tuple(inputs), strict=False)
     return specs
+
+
+def _refusal(n: fx.Node, exc: Exception) -> Exception:
+    """A ConfigError naming node `n` for an op with a data-dependent shape; else `exc`."""
+    if isinstance(exc, ConfigError):
+        return exc
+    op = _torch.data_dependent_op(exc)
+    if op is None:
+        return exc
+    return ConfigError(
+        f"op {op} (node {n.name}, {n.format_node()}) makes a shape that depends on the "
+        "values of its input: no rank can size the messages after it from the input shapes, "
+        "so graphpipe cannot pipeline it. Use a fixed-shape form (torch.where with a mask, "
+        "a padded gather), or keep it inside a leaf module whose output shape is fixed"
+    )
 
 
 def _fake_state(gm: fx.GraphModule, mode: _torch.FakeTensorMode) -> dict[str, torch.Tensor]:

@@ -11,19 +11,21 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from graphpipe.errors import ConfigError, FailureKind, PipelineError
 from graphpipe.ir import Schedule
 from graphpipe.ir.program import Comm, Op, Program
 from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.collectives import Collectives
-from graphpipe.runtime.executor import Batch
+from graphpipe.runtime.executor import Batch, Executor
 from graphpipe.runtime.failures import posted
 from graphpipe.runtime.timelines import Recorder
 from graphpipe.runtime.wiring import Wiring
 from graphpipe.scheduling.generators import drain_schedule, make_schedule
 from graphpipe.scheduling.program import lower
 
-__all__ = ["Programs", "Stepper"]
+__all__ = ["Programs", "Stepper", "weighted"]
 
 
 class Programs:
@@ -86,7 +88,7 @@ class Stepper:
         w, m = self.w, self.w.spec.micro_batches
         first = self.calls * m if w.asynchronous else 0
         batch = self.inputs.batch(args, kwargs, target, first=first)
-        self.inputs.check_loss(target)
+        self.inputs.check_loss(target, batch)
         ops = self.programs.for_call(self.calls)
         if w.agree is not None:
             w.agree.problem = None
@@ -94,9 +96,9 @@ class Stepper:
             self._run(ops, batch)
             self.calls += 1
             self.steps_done += 1
-            losses = [] if w.executor is None else w.executor.losses.values()
-            # with a mesh each of the dp last-stage ranks holds M losses of its slices
-            loss = self.collectives.mean_loss(losses, m * w.loss_copies)
+            # with a mesh each of the dp x tp last-stage ranks holds M losses of its slices
+            copies = w.loss_copies
+            loss = self.collectives.mean_loss(*weighted(w.executor, batch, m * copies, copies))
         if w.agree is not None and w.agree.problem is not None:
             raise PipelineError(w.agree.problem, kind=FailureKind.NONFINITE)
         return loss
@@ -126,6 +128,19 @@ class Stepper:
             w.executor.run(self.programs.lowered(actions, end), Batch(end, {}, None))
             w.executor.state.clear()
         self.calls = 0
+
+
+def weighted(
+    executor: Executor | None, batch: Batch, count: int, copies: int
+) -> tuple[list[torch.Tensor], int]:
+    """This rank's micro-batch losses of `batch` and what their sum over the ranks is divided
+    by: the losses and `count` (M, times the copies) when the micro-batches have equal rows;
+    else each loss times its share of the rows, and `copies` (`graphpipe.runtime.batching`),
+    the ranks holding each slice's loss (`Wiring.loss_copies`: dp slices x tp ranks)."""
+    losses = {} if executor is None else executor.losses
+    if batch.shares is None:
+        return list(losses.values()), count
+    return [loss * batch.shares[j - batch.first] for j, loss in losses.items()], copies
 
 
 def _moved(op: Any, shift: int) -> Any:

@@ -143,9 +143,10 @@ class WeightPolicy:
         self.finals = FinalGrads(sync, parts)
         self.hooks = tuple(hooks)
 
-    def loss_scale(self) -> float:
-        """What each micro-batch's loss is multiplied by before its backward."""
-        return 1.0 / self.m
+    def loss_scale(self, share: float | None = None) -> float:
+        """What a micro-batch's loss is multiplied by before its backward: its share of the
+        mini-batch's rows (`share`, where micro-batches differ in rows), else 1 / M."""
+        return 1.0 / self.m if share is None else share
 
     def forward(self, j: int, run: Callable[[Weights], T]) -> T:
         """Run micro-batch j's forward with the weights it should see."""
@@ -308,8 +309,8 @@ class Stash(_Versioned):
 
     name = "stash"
 
-    def loss_scale(self) -> float:
-        return 1.0
+    def loss_scale(self, share: float | None = None) -> float:
+        return 1.0  # every micro-batch is an update of its own
 
     def _version_id(self, j: int) -> int:
         return self.version  # the newest weights
@@ -356,8 +357,8 @@ class PipeMare(WeightPolicy):
         self.delta = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.backward_weights: dict[int, dict[str, torch.Tensor]] = {}
 
-    def loss_scale(self) -> float:
-        return 1.0
+    def loss_scale(self, share: float | None = None) -> float:
+        return 1.0  # every micro-batch is an update of its own
 
     def forward(self, j: int, run: Callable[[Weights], T]) -> T:
         self.log.append(("F", j, self.version))

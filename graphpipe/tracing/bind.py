@@ -247,15 +247,23 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def example_output(gm: fx.GraphModule, device: torch.device | str = "meta") -> Any:
+def example_output(
+    gm: fx.GraphModule,
+    device: torch.device | str = "meta",
+    shapes: Mapping[str, Any] | None = None,
+) -> Any:
     """The model's output for one micro-batch as empty tensors of the traced shapes and dtypes
-    on `device` (by default the meta device: no memory), nested as the model returns it."""
+    on `device` (by default the meta device: no memory), nested as the model returns it.
+    `shapes` (node name -> (shape, dtype)) gives other shapes, where it names every leaf."""
+    leaves = [n for _, n in _output_leaves(_output_arg(gm), "") if isinstance(n, fx.Node)]
+    known = shapes is not None and all(n.name in shapes for n in leaves)
 
     def fake(leaf: Any) -> Any:
         spec = leaf.meta.get("gp_outputs") if isinstance(leaf, fx.Node) else None
         if not isinstance(spec, TensorSpec):
             return leaf
-        return torch.empty(spec.shape, dtype=_dtype(spec.dtype), device=device)
+        shape = shapes[leaf.name][0] if known and shapes is not None else spec.shape
+        return torch.empty(shape, dtype=_dtype(spec.dtype), device=device)
 
     return model_output(gm, fx.node.map_aggregate(_output_arg(gm), fake))
 

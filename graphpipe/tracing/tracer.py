@@ -50,9 +50,11 @@ Keys written on `node.meta` (every node):
 
 "Per sample" is per row of the traced batch (the micro-batch with `micro_batch_size`).
 
-Key written on `gm.meta`:
+Keys written on `gm.meta`:
     graphpipe     `TraceInfo`: how the graph was traced, the batch size, the input names and
                   the bytes of every parameter and buffer of the model.
+    gp_constants  dict[str, Any]: the non-tensor keyword inputs as given (`use_cache=False`),
+                  which `retrace` passes again.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ __all__ = [
     "flat_inputs",
     "has_float_output",
     "model_output",
+    "retrace",
     "trace",
     "trace_info",
 ]
@@ -167,7 +170,41 @@ def trace(
         constants={k: repr(v) for k, v in concrete.items() if k in kwargs},
         out_spec=_torch.out_spec(gm),
     )
+    gm.meta["gp_constants"] = {k: v for k, v in concrete.items() if k in kwargs}
     return gm
+
+
+def retrace(model: nn.Module, gm: fx.GraphModule, flat: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """`model` exported again, as `trace` exported `gm`, at the shapes of `flat`.
+
+    torch.export writes every shape into its graph, so a graph `trace` exported runs at its
+    traced shapes only. At other input shapes (another sequence length, another micro-batch
+    size) the same model exports to a graph of the same ops with other literals; the runtime
+    carves it with the same plan. Nothing is annotated (the plan already exists).
+
+    Args:
+        model: The model (or a stand-in with its structure, `graphpipe.runtime.shapes`).
+        gm: The graph `trace` exported: its inputs' sources and the trace's constants.
+        flat: One tensor per placeholder of `gm`, at the new shapes.
+
+    Returns:
+        The exported graph, taking the tensor inputs, with `gm`'s `TraceInfo`.
+
+    Raises:
+        TraceError: `gm` was not exported, or torch.export fails at these shapes.
+    """
+    info = trace_info(gm)
+    if info.method != "export":
+        raise TraceError(f"retrace is for exported graphs; this one was traced by {info.method}")
+    by_source = list(zip(info.sources, flat, strict=True))
+    positional = {s: x for s, x in by_source if isinstance(s, int)}
+    args = tuple(positional[i] for i in sorted(positional))
+    kwargs: dict[str, Any] = {s: x for s, x in by_source if isinstance(s, str)}
+    kwargs.update(gm.meta.get("gp_constants", {}))
+    new, _ = _export_trace(model, (args, kwargs), (args, kwargs), info.fx_error or "")
+    _drop_dead_getitems(new)
+    new.meta["graphpipe"] = info
+    return new
 
 
 def _checked_micro(batch: int, micro_batch_size: int) -> int:

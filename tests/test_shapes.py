@@ -1,0 +1,390 @@
+"""Batches whose shapes change train exactly as one process does (issue 27).
+
+GPT-2 and Llama (tiny, Hugging Face, traced by torch.export; Llama's rows packed with two
+sequences each, by position_ids) are compiled at 12 rows of length 32 and stepped at lengths
+16, 24, 32 and 20, with 8 rows (fewer than compiled) and once 10 rows (3, 3, 2, 2 per
+micro-batch, as torch.tensor_split cuts them); BERT likewise (up to length 30), with a
+padding mask of each batch's length; an Inception-style CNN with BatchNorm (traced by
+torch.fx) at images of 6 and 8 pixels, also with 10 rows once. Under
+1f1b, zb and graph_interleaved (stages of a DAG folded, several per rank) at 2 ranks, and
+1f1b at 3, the losses and every parameter equal single-process gradient accumulation over
+the same micro-batches, each micro-batch's loss weighted by its share of the rows; under 2bw
+(the CNN) they equal 2BW's recurrence. The plan is never remade: the stage cut stays as
+compiled. A shape seen before reuses its stages; a model whose shapes depend on values is
+refused at compile, naming the op; a batch beyond the compiled example is refused before
+any communication.
+
+Each world size is one launch running every case, to pay the process start-up once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from real_models import CASES, V, optimizer
+from torch import nn
+
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import ConfigError, GraphPipeError
+from graphpipe.planning.partition import plan
+from graphpipe.runtime.launch import launch
+from graphpipe.runtime.shapes import Shapes, signature_of
+from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, model_output
+from graphpipe.tracing.tracer import trace, trace_info
+
+M = 4
+ROWS = (12, 8, 8, 10, 8)  # the example's 12, a smaller batch, and 10 rows: 3, 3, 2, 2
+LENGTHS = (16, 24, 32, 20)  # the example's length is the largest, 32
+SIDES = (6, 6, 8, 8)  # image sides; the example's is 8
+TIMEOUT = 240
+
+Batches = list[tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+def _lm_batches(rows: tuple[int, ...], lengths: tuple[int, ...]) -> Batches:
+    """One (inputs, target) per step: rows[i] sequences of lengths[i] tokens."""
+    out = []
+    for step, (b, n) in enumerate(zip(rows, lengths, strict=True)):
+        gen = torch.Generator().manual_seed(200 + step)
+        ids = torch.randint(3, V, (b, n), generator=gen)
+        out.append(({"input_ids": ids}, torch.randint(3, V, (b, n), generator=gen)))
+    return out
+
+
+def _packed_batches(rows: tuple[int, ...], lengths: tuple[int, ...]) -> Batches:
+    """Packed sequences: each row holds two sequences, its position ids restarting at the
+    second (at a row-dependent point), with `_lm_batches`' tokens and targets."""
+    out = []
+    for (inputs, target), b, n in zip(_lm_batches(rows, lengths), rows, lengths, strict=True):
+        starts = torch.arange(b) % (n // 2) + n // 4  # where each row's second sequence starts
+        columns = torch.arange(n).expand(b, n)
+        positions = torch.where(columns < starts[:, None], columns, columns - starts[:, None])
+        out.append(({**inputs, "position_ids": positions}, target))
+    return out
+
+
+def _masked_batches(rows: tuple[int, ...], lengths: tuple[int, ...]) -> Batches:
+    """BERT's: tokens with a padding mask of each batch's length (its last two columns
+    padded at random), and a target per token."""
+    out = []
+    for step, (b, n) in enumerate(zip(rows, lengths, strict=True)):
+        gen = torch.Generator().manual_seed(400 + step)
+        ids = torch.randint(3, V, (b, n), generator=gen)
+        mask = torch.ones(b, n, dtype=torch.long)
+        mask[:, n - 2 :] = (torch.rand(b, 2, generator=gen) > 0.5).long()
+        out.append(({"input_ids": ids, "attention_mask": mask}, torch.randn(b, n, generator=gen)))
+    return out
+
+
+def _image_batches(rows: tuple[int, ...], sides: tuple[int, ...]) -> Batches:
+    out = []
+    for step, (b, side) in enumerate(zip(rows, sides, strict=True)):
+        gen = torch.Generator().manual_seed(300 + step)
+        image = torch.randn(b, 3, side, side, generator=gen)
+        out.append(({"image": image}, torch.randint(0, 5, (b,), generator=gen)))
+    return out
+
+
+# name -> (model case, the batches of its steps; the first is the compiled example, 12 rows)
+RUNS: dict[str, tuple[str, Callable[[], Batches]]] = {
+    "gpt2": ("gpt2", lambda: _lm_batches(ROWS, (32, *LENGTHS))),
+    "llama": ("llama", lambda: _packed_batches(ROWS, (32, *LENGTHS))),
+    # at its maximum length 32 BERT's export slices none of its position ids: another graph
+    "bert": ("bert", lambda: _masked_batches(ROWS, (30, 16, 24, 30, 20))),
+    "cnn": ("inception", lambda: _image_batches((12, 8, 10, 8, 8), (8, *SIDES))),
+}
+
+
+def _compiled(run: str, schedule: str) -> Any:
+    """The run's model compiled at its first batch (schedule "2bw": the 2bw policy)."""
+    case_name, batches = RUNS[run]
+    case = CASES[case_name]
+    example, _ = batches()[0]
+    options: dict[str, Any] = {"replication": False}
+    if schedule == "graph_interleaved":  # stages of a DAG folded onto the ranks
+        options["interleave"] = True
+    if schedule == "2bw":
+        options["weights"] = "2bw"
+    return gp_compile(
+        case.build(),
+        {**example, **case.constants},
+        loss_fn=case.loss,
+        optimizer=optimizer,
+        micro_batches=M,
+        schedule=schedule,
+        runtime=RuntimeConfig(timeout=120),
+        **options,
+    )
+
+
+def _refusals(pm: Any) -> list[str]:
+    """Steps refused before any communication (the CNN's): an image larger than the
+    example, fewer rows than micro-batches, another dtype."""
+    x, y = torch.randn(8, 3, 10, 10), torch.randint(0, 5, (8,))
+    calls = [
+        lambda: pm.step(image=x, target=y),
+        lambda: pm.step(image=x[:3, :, :8, :8], target=y[:3]),
+        lambda: pm.step(image=x[:, :, :8, :8].double(), target=y),
+    ]
+    texts = []
+    for call in calls:
+        try:
+            call()
+        except ConfigError as err:
+            texts.append(str(err))
+    return texts
+
+
+def _pipelined(run: str, schedule: str) -> dict[str, Any]:
+    pm = _compiled(run, schedule)
+    steps = RUNS[run][1]()
+    refused = _refusals(pm) if (run, schedule) == ("cnn", "1f1b") else []
+    losses = [pm.step(**inputs, target=target) for inputs, target in steps[1:]]
+    state = pm.state_dict()
+    signatures = len(pm._stepper.inputs.stages.seen)  # the shapes the steps made
+    evaluated = None
+    if (run, schedule) == ("gpt2", "1f1b"):  # forward only at a shape not trained at
+        inputs, target = _lm_batches((10,), (12,))[0]
+        evaluated = (pm.eval_step(**inputs, target=target), pm(**inputs).logits)
+    return {
+        "losses": losses,
+        "state": state if pm.rank == 0 else None,
+        "signatures": signatures,
+        "stages": len(pm.plan.stages),
+        "refused": refused,
+        "evaluated": evaluated,
+    }
+
+
+class ValueShaped(nn.Module):
+    """Keeps the rows whose first feature is positive: a shape that depends on values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        kept = h[h[:, 0] > 0]  # boolean-mask indexing: aten.nonzero underneath
+        return self.b(kept).sum(0, keepdim=True).expand(x.shape[0], 4)
+
+
+def _value_shaped() -> str:
+    """The refusal at compile of a model whose shapes depend on values ('' if none)."""
+    try:
+        gp_compile(
+            ValueShaped(),
+            torch.randn(8, 4),
+            loss_fn=F.mse_loss,
+            optimizer=optimizer,
+            micro_batches=M,
+            pins={"a": 0, "b": 1},
+            runtime=RuntimeConfig(timeout=60),
+        )
+    except GraphPipeError as err:
+        return str(err)
+    return ""
+
+
+def _grads_at(
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    case: Any,
+    batch: tuple[dict[str, torch.Tensor], torch.Tensor],
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """The batch's loss and gradient at `weights`, accumulated over its micro-batches (each
+    loss weighted by its rows' share)."""
+    inputs, target = batch
+    leaves = {n: w.clone().requires_grad_() for n, w in weights.items()}
+    total, grads = 0.0, {n: torch.zeros_like(w) for n, w in weights.items()}
+    for j in range(M):
+        part = {k: v.tensor_split(M)[j] for k, v in inputs.items()}
+        piece = target.tensor_split(M)[j]
+        out = torch.func.functional_call(model, leaves, (), {**part, **case.constants})
+        loss = case.loss(out, piece) * (piece.shape[0] / target.shape[0])
+        found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        for n, g in zip(leaves, found, strict=True):
+            if g is not None:  # BERT's pooler does not reach this loss
+                grads[n] += g
+        total += loss.item()
+    return total, grads
+
+
+def _reference(run: str, delay: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, each step's gradient at the weights of `delay` updates before: 0 is
+    gradient accumulation; 1 is PipeDream-2BW's W(t+1) = W(t) - step(grad f(W(t-1)))."""
+    case_name, batches = RUNS[run]
+    case = CASES[case_name]
+    model = case.build()
+    opt = optimizer(model.parameters())
+    params = dict(model.named_parameters())
+    history = [{n: p.detach().clone() for n, p in params.items()}]
+    losses = []
+    for batch in batches()[1:]:
+        loss, grads = _grads_at(model, history[max(0, len(history) - 1 - delay)], case, batch)
+        for n, p in params.items():
+            p.grad = grads[n]
+        opt.step()
+        opt.zero_grad()
+        history.append({n: p.detach().clone() for n, p in params.items()})
+        losses.append(loss)
+    return losses, model.state_dict()
+
+
+CASES_2 = [
+    *[(run, s) for run in ("gpt2", "cnn") for s in ("1f1b", "zb", "graph_interleaved")],
+    ("llama", "1f1b"),
+    ("cnn", "2bw"),
+]
+CASES_3 = [("bert", "1f1b"), ("cnn", "1f1b")]
+
+
+def _worker(cases: list[tuple[str, str]], refusal: bool) -> dict[Any, Any]:
+    out: dict[Any, Any] = {(run, schedule): _pipelined(run, schedule) for run, schedule in cases}
+    if refusal:  # last: the refused compile leaves a failure posted
+        out["value_shaped"] = _value_shaped()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[Any, Any]]:
+    return launch(_worker, 2, args=(CASES_2, True), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> list[dict[Any, Any]]:
+    return launch(_worker, 3, args=(CASES_3, False), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[tuple[str, int], tuple[list[float], dict[str, torch.Tensor]]]:
+    return {(run, 0): _reference(run) for run in RUNS} | {("cnn", 1): _reference("cnn", 1)}
+
+
+def _assert_equal(result: dict[str, Any], reference: tuple[list[float], Any]) -> None:
+    losses, expected = reference
+    torch.testing.assert_close(result["losses"], losses, rtol=1e-5, atol=1e-7)
+    state = result["state"]
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize(("run", "schedule"), CASES_2, ids=[f"{r}-{s}" for r, s in CASES_2])
+def test_new_shapes_train_as_one_process_at_2_ranks(
+    two_ranks: list[dict[Any, Any]],
+    references: dict[tuple[str, int], Any],
+    run: str,
+    schedule: str,
+) -> None:
+    delay = 1 if schedule == "2bw" else 0
+    _assert_equal(two_ranks[0][(run, schedule)], references[(run, delay)])
+
+
+@pytest.mark.parametrize(("run", "schedule"), CASES_3, ids=[f"{r}-{s}" for r, s in CASES_3])
+def test_new_shapes_train_as_one_process_at_3_ranks(
+    three_ranks: list[dict[Any, Any]],
+    references: dict[tuple[str, int], Any],
+    run: str,
+    schedule: str,
+) -> None:
+    _assert_equal(three_ranks[0][(run, schedule)], references[(run, 0)])
+
+
+def test_each_shape_is_made_once_and_the_cut_is_kept(two_ranks: list[dict[Any, Any]]) -> None:
+    runs = two_ranks[0]
+    # GPT-2: the example's 3 rows at 32; 2 rows at 16, 24, 32 and 20 (the 10-row batch's
+    # 3-row micro-batches at 32 are the example's). The CNN: 3 rows at 8; 2 and 3 rows at 6,
+    # 2 rows at 8 (its last batch repeats the one before)
+    assert runs[("gpt2", "1f1b")]["signatures"] == 5
+    assert runs[("cnn", "1f1b")]["signatures"] == 4
+    for key, run in runs.items():
+        if isinstance(key, tuple):  # every rank made the same ones
+            assert two_ranks[1][key]["signatures"] == run["signatures"], key
+    assert runs[("gpt2", "graph_interleaved")]["stages"] > 2  # several stages per rank
+
+
+def test_steps_beyond_the_example_or_below_m_rows_are_refused_by_name(
+    two_ranks: list[dict[Any, Any]],
+) -> None:
+    for rank in two_ranks:  # every rank alike; the steps after them equal one process
+        beyond, few, dtype = rank[("cnn", "1f1b")]["refused"]
+        assert "input image is [8, 3, 10, 10]: dim 2 is beyond the compiled example's" in beyond
+        assert "the batch has 3 rows, fewer than the 4 micro-batches" in few
+        assert "input image is torch.float64[8, 3, 8, 8]" in dtype
+
+
+def test_a_shape_that_depends_on_values_is_refused_at_compile(
+    two_ranks: list[dict[Any, Any]],
+) -> None:
+    text = two_ranks[0]["value_shaped"]
+    assert "op aten.nonzero.default (node getitem_1" in text
+    assert "depends on the values of its input" in text
+
+
+def test_eval_at_a_new_shape_equals_the_trained_model(
+    two_ranks: list[dict[Any, Any]],
+    references: dict[tuple[str, int], Any],
+) -> None:
+    _, state = references[("gpt2", 0)]
+    model = CASES["gpt2"].build()
+    model.load_state_dict(state)
+    model.eval()
+    inputs, target = _lm_batches((10,), (12,))[0]
+    with torch.no_grad():
+        out = model(**inputs, use_cache=False)
+    loss, logits = two_ranks[0][("gpt2", "1f1b")]["evaluated"]
+    torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
+    assert loss == pytest.approx(CASES["gpt2"].loss(out, target).item(), rel=1e-5)
+
+
+class Windowed(nn.Module):
+    """Python control flow on a shape (torch.fx cannot trace it; torch.export can), two
+    positional inputs, and a reshape that torch.export writes as literals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.embed(x)) * scale  # (B, L, 8) * (B, L, 1)
+        if h.shape[1] > 1:
+            h = h + h.roll(1, dims=1)
+        h = self.mix(h.reshape(-1, 8)).reshape(x.shape[0], x.shape[1], 8)
+        return self.out(h).mean(1)
+
+
+def test_an_exported_stage_runs_at_a_new_shape_on_the_live_parameters() -> None:
+    """One process: the stages torch.export made at length 6 are made again at length 4 for
+    the same cut, read the live parameters, and compute what the model computes."""
+    model = Windowed()
+    inputs = (torch.randn(8, 6, 4), torch.rand(8, 6, 1))
+    gm = trace(model, inputs, micro_batch_size=2)
+    assert trace_info(gm).method == "export"
+    the_plan = plan(model, inputs, devices=2, micro_batches=M, pins={"embed": 0, "out": 1})
+    stages = {i: build_stage(gm, the_plan, i) for i in range(2)}
+    compiled = signature_of(inputs, 2)
+    specs = micro_shapes(gm, inputs, 2)
+    shapes = Shapes(
+        gm, the_plan, {i: m for i, (m, _) in stages.items()}, compiled, specs,
+        torch.device("cpu"), torch.device("cpu"), lambda d: d, model,
+    )  # fmt: skip
+    x, scale = torch.randn(2, 4, 4), torch.rand(2, 4, 1)
+    lowered = shapes.lowered(signature_of((x, scale), 2))
+    assert shapes.lowered(signature_of((x, scale), 2)) is lowered  # cached
+    values = {"x": x, "scale": scale}
+    for i in range(2):
+        module, io = lowered.modules[i], stages[i][1]
+        out = module(*[values[n] for n in io.inputs])
+        for name in io.sent:
+            assert (tuple(out[name].shape), out[name].dtype) == lowered.specs[name]
+        values.update(out)
+    torch.testing.assert_close(model_output(gm, values[OUTPUT]), model(x, scale))
+    live = dict(stages[1][0].named_parameters())
+    assert all(p is live[n] for n, p in lowered.modules[1].named_parameters())
+    with pytest.raises(ConfigError, match="torch.export traces another graph"):
+        shapes.lowered(signature_of((x[:, :1], scale[:, :1]), 2))  # length 1: no roll
