@@ -42,7 +42,6 @@ from graphpipe.compile.steps import (
     plan_on_rank_0,
     schedule_plan,
 )
-from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
@@ -52,7 +51,6 @@ from graphpipe.runtime.pipeline import PipelinedModel
 from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig, schedule_for
 from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.runtime.wiring import runtime_device
-from graphpipe.tracing.annotate import is_meta
 from graphpipe.tracing.bind import check_output, flat_inputs, normalise
 from graphpipe.tracing.tracer import LeafSpec, trace
 
@@ -198,11 +196,6 @@ def compile(
     )
     spec = _join(spec)
     gm, inputs = _trace(model, example_inputs, spec)
-    if spec.meshed and is_meta(gm):
-        raise ConfigError(
-            "a model on the meta device is not yet supported with a mesh (FSDP2 per stage); "
-            "planned: materialise each stage, then shard it; build the model on the CPU"
-        )
     the_plan = _plan(gm, inputs, spec)
     check_world(spec, the_plan)
     sched = schedule_plan(the_plan, spec)

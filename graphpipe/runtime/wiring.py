@@ -31,7 +31,7 @@ from graphpipe.runtime.executor import Executor, StageRuntime
 from graphpipe.runtime.failures import guarded, install_watch, set_collective_timeout
 from graphpipe.runtime.groups import Modules, sum_groups, update_group
 from graphpipe.runtime.hooks import AgreeFinite, Clip, Unscale, hooks_for
-from graphpipe.runtime.materialize import materialize, names_by_id
+from graphpipe.runtime.materialize import is_meta, materialize, materialize_sharded, names_by_id
 from graphpipe.runtime.mesh import MeshLayout, shard_stage
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import LossScaler, Precision
@@ -129,7 +129,6 @@ def wire(
     canon = {n: names[0] for names in names_by_id(model).values() for n in names}
     precision = _precision(spec, layout, gm)
     built = _build_modules(model, gm, plan, spec, example_inputs, mine, device, precision)
-    aliases = names_by_id(model)  # by the ids of the materialised tensors: after materialize
     modules = built.modules
     sync, shared = sum_groups(plan, spec, schedule.name, rank, canon, modules, mine, layout.sharded)
     update_group, scaler, agree = _update_checks(plan, spec, modules, canon, device, layout)
@@ -154,6 +153,7 @@ def wire(
             scaler,
             agree,
         )
+    aliases = names_by_id(model)  # by the ids of the materialised (and sharded) tensors
     return Wiring(
         spec=spec,
         plan=plan,
@@ -263,10 +263,10 @@ def _build_modules(
     specs = {  # what crosses stages, in the precision's dtype
         name: (shape, precision.spec_dtype(dtype)) for name, (shape, dtype) in specs.items()
     }
-    materialized = [
+    materialized = [  # under a mesh a stage is sharded first (`_place`)
         t
         for i in mine
-        if emulate is None
+        if emulate is None and not spec.meshed
         for t in materialize(model, modules[i][0], device, spec.init_weights, spec.checkpoint)
     ]
     return _Built(modules, specs, model_inputs, orphans, bool(materialized))
@@ -307,11 +307,7 @@ def _wire_stages(
         module, io = modules[i]
         if spec.runtime.emulate is None:
             retarget(module, c.device)
-        module.to(c.device)
-        if spec.compile_stages:  # in place: the module and its state dict keys stay
-            module.compile()
-        if c.fsdp_mesh is not None:  # before the optimizer: it steps the sharded parameters
-            shard_stage(module, c.model, c.fsdp_mesh, spec.reshard_after_forward, precision)
+        _place(c, module, precision)
         runtime_stages[i] = StageRuntime(
             c.rank, c.plan, i, module, io, specs, c.gm, spec.loss_fn, c.device
         )
@@ -347,6 +343,29 @@ def _wire_stages(
         grad_scale=None if scaler is None else lambda: scaler.scale,
     )
     return _Parts(whole, optimizer, clipper, policy, executor)
+
+
+def _place(c: _Context, module: fx.GraphModule, precision: Precision) -> None:
+    """Put a stage module on the device, compiled if asked, and under a mesh sharded by
+    FSDP2 before the optimizer is made (it steps the sharded parameters). A stage still on
+    meta (a meta model under a mesh) is sharded first and only its shards materialised."""
+    spec = c.spec
+    if c.fsdp_mesh is not None:
+        mesh = c.fsdp_mesh
+
+        def shard() -> None:
+            shard_stage(module, c.model, mesh, spec.reshard_after_forward, precision)
+
+        if spec.runtime.emulate is None and is_meta(module):
+            materialize_sharded(
+                c.model, module, c.device, shard, spec.init_weights, spec.checkpoint
+            )
+            return
+    module.to(c.device)
+    if spec.compile_stages:  # in place: the module and its state dict keys stay
+        module.compile()
+    if c.fsdp_mesh is not None:
+        shard()
 
 
 def _scaler(group: dist.ProcessGroup | None) -> LossScaler:
