@@ -52,6 +52,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graphpipe.errors import ConfigError
+from graphpipe.runtime.checkpoint_files import entries, load_slice
 from graphpipe.tracing.annotate import is_meta
 
 __all__ = [
@@ -141,7 +142,7 @@ def materialize_sharded(
     names = _meta_names(model, stage)
     aliases = _aliases(model)
     canonical = {n: names[0] for names in aliases.values() for n in names}
-    loaded = set(_entries(checkpoint, names, aliases)) if checkpoint is not None else set()
+    loaded = set(entries(checkpoint, names, aliases)) if checkpoint is not None else set()
     rest = [n for n in names if n not in loaded]
     _check_complete(checkpoint, rest, aliases, set(model.state_dict(keep_vars=True)))
     kept = _real(stage, canonical)  # tensors already real: kept whole until sharded
@@ -348,111 +349,3 @@ def rebind(stage: nn.Module, model: nn.Module) -> None:
         *stage.named_buffers(remove_duplicate=False),
     ]:
         _set(stage, name, _get(model, name))
-
-
-def load_slice(
-    checkpoint: str | Path, names: list[str], aliases: dict[str, list[str]]
-) -> dict[str, torch.Tensor]:
-    """The entries of `checkpoint` for `names` (found under any alias), read lazily.
-
-    Args:
-        checkpoint: A `torch.save` state_dict file, a `.safetensors` file, a directory of
-            safetensors files, or a DCP directory (it has a `.metadata` file).
-        names: Canonical names wanted.
-        aliases: Every name of each canonical name.
-
-    Returns:
-        Canonical name -> tensor, for the names the checkpoint has.
-
-    Raises:
-        ConfigError: the path does not exist or holds no known format.
-    """
-    path, files = _files(checkpoint)
-    if not files:
-        return _load_dcp(path, names, aliases)
-    found: dict[str, torch.Tensor] = {}
-    for file in files:
-        found.update(_load_file(file, names, aliases))
-    return found
-
-
-def _files(checkpoint: str | Path) -> tuple[Path, list[Path]]:
-    """The checkpoint's path and its files; none for a DCP directory.
-
-    Raises:
-        ConfigError: the path does not exist or holds no known format.
-    """
-    path = Path(checkpoint)
-    if not path.exists():
-        raise ConfigError(f"checkpoint {str(path)!r} does not exist")
-    if path.is_dir() and (path / ".metadata").exists():
-        return path, []
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files:
-        raise ConfigError(f"checkpoint directory {str(path)!r} holds no .safetensors file")
-    return path, files
-
-
-def _entries(checkpoint: str | Path, names: list[str], aliases: dict[str, list[str]]) -> list[str]:
-    """Which of `names` `checkpoint` holds (under any alias), from its index: no value read
-    (a `torch.save` file is memory-mapped).
-
-    Raises:
-        ConfigError: as `load_slice`.
-    """
-    path, files = _files(checkpoint)
-    keys: set[str] = set()
-    if not files:
-        import torch.distributed.checkpoint as dcp
-
-        keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    for file in files:
-        keys |= set(_load_file(file, None, {}))
-    return [n for n in names if _lookup(keys, n, aliases) is not None]
-
-
-def _lookup(available: set[str], name: str, aliases: dict[str, list[str]]) -> str | None:
-    return next((a for a in aliases.get(name, [name]) if a in available), None)
-
-
-def _load_file(
-    file: Path, names: list[str] | None, aliases: dict[str, list[str]]
-) -> dict[str, Any]:
-    """The file's entries for `names` by canonical name; None: every key, with no value."""
-    if file.suffix == ".safetensors":
-        try:
-            from safetensors import safe_open
-        except ImportError as exc:
-            raise ConfigError(
-                f"reading {str(file)!r} needs the safetensors package: pip install safetensors"
-            ) from exc
-
-        with safe_open(str(file), framework="pt") as f:
-            keys = set(f.keys())
-            if names is None:
-                return dict.fromkeys(keys)
-            return {
-                n: f.get_tensor(k) for n in names if (k := _lookup(keys, n, aliases)) is not None
-            }
-    state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    if not isinstance(state, dict):
-        raise ConfigError(f"checkpoint {str(file)!r} holds a {type(state).__name__}, not a dict")
-    keys = set(state)
-    if names is None:
-        return dict.fromkeys(keys)
-    return {n: state[k] for n in names if (k := _lookup(keys, n, aliases)) is not None}
-
-
-def _load_dcp(
-    path: Path, names: list[str], aliases: dict[str, list[str]]
-) -> dict[str, torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
-
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    wanted = {n: k for n in names if (k := _lookup(set(meta), n, aliases)) is not None}
-    state = {
-        k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype)  # type: ignore[union-attr]
-        for k in wanted.values()
-    }
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return {n: state[k] for n, k in wanted.items()}
