@@ -482,12 +482,15 @@ def posted(where: str) -> Iterator[None]:
         raise
 
 
-def set_collective_timeout(seconds: float) -> None:
-    """Make `seconds` the limit of the default process group's collectives.
+def set_collective_timeout(seconds: float, groups: Sequence[dist.ProcessGroup] = ()) -> None:
+    """Make `seconds` the limit of the collectives of the default process group and of
+    `groups` (a mesh's dp groups, whose collectives FSDP2 runs inside the stage's actions,
+    outside the watch: a peer stalled in one fails them at this limit, `action_failure`).
 
     On NCCL the process group's own timeout (and watchdog) is the limit. Elsewhere the watch
     enforces `seconds` and diagnoses who stalls; the process group's timeout comes
     `BACKSTOP` s later, so that its bare "timed out" never races the diagnosis.
     """
     backstop = 0.0 if dist.get_backend() == "nccl" else BACKSTOP
-    set_default_pg_timeout(seconds + backstop)
+    for group in (None, *groups):
+        set_default_pg_timeout(seconds + backstop, group)

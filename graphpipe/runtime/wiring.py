@@ -29,6 +29,7 @@ from graphpipe.runtime.comm import Transport
 from graphpipe.runtime.emulate import Emulate, EmulatedStage, emulated_specs
 from graphpipe.runtime.executor import Executor, StageRuntime
 from graphpipe.runtime.failures import guarded, install_watch, set_collective_timeout
+from graphpipe.runtime.fsdp_comms import guard_collectives
 from graphpipe.runtime.groups import Modules, sum_groups, update_group
 from graphpipe.runtime.hooks import AgreeFinite, Clip, Unscale, hooks_for
 from graphpipe.runtime.materialize import is_meta, materialize, materialize_sharded, names_by_id
@@ -141,6 +142,8 @@ def wire(
         guarded("the all-reduce that starts NCCL", lambda: dist.all_reduce(warm))
     parts = _Parts(None, None, None, None, None)
     fsdp_mesh = layout.fsdp_mesh(spec.dp_shard) if layout.sharded else None  # every rank
+    if fsdp_mesh is not None:  # FSDP2's collectives, unguarded: their groups' own limit
+        set_collective_timeout(runtime.timeout, fsdp_mesh.get_all_groups())
     if mine:
         parts = _wire_stages(
             _Context(spec, plan, rank, device, gm, mine, shared, canon, model, layout, fsdp_mesh),
@@ -307,7 +310,7 @@ def _wire_stages(
         module, io = modules[i]
         if spec.runtime.emulate is None:
             retarget(module, c.device)
-        _place(c, module, precision)
+        _place(c, i, module, precision)
         runtime_stages[i] = StageRuntime(
             c.rank, c.plan, i, module, io, specs, c.gm, spec.loss_fn, c.device
         )
@@ -345,16 +348,18 @@ def _wire_stages(
     return _Parts(whole, optimizer, clipper, policy, executor)
 
 
-def _place(c: _Context, module: fx.GraphModule, precision: Precision) -> None:
-    """Put a stage module on the device, compiled if asked, and under a mesh sharded by
-    FSDP2 before the optimizer is made (it steps the sharded parameters). A stage still on
-    meta (a meta model under a mesh) is sharded first and only its shards materialised."""
+def _place(c: _Context, index: int, module: fx.GraphModule, precision: Precision) -> None:
+    """Put stage `index`'s module on the device, compiled if asked, and under a mesh
+    sharded by FSDP2 (its collectives under the watch) before the optimizer is made (it
+    steps the sharded parameters). A stage still on meta (a meta model under a mesh) is
+    sharded first and only its shards materialised."""
     spec = c.spec
     if c.fsdp_mesh is not None:
         mesh = c.fsdp_mesh
 
         def shard() -> None:
             shard_stage(module, c.model, mesh, spec.reshard_after_forward, precision)
+            guard_collectives(module, index)
 
         if spec.runtime.emulate is None and is_meta(module):
             materialize_sharded(
