@@ -3,9 +3,10 @@
 Four gloo processes on a (2, 2) mesh (pp ranks [[0, 1], [2, 3]]). A model built under
 torch.device("meta") is sharded by FSDP2 while still on meta and only the local shards get
 storage (`graphpipe.runtime.materialize.materialize_sharded`). Each way of giving values
-(reset_parameters() seeded by path, an init callback, a torch.save file, a DCP directory, a
-tiny Hugging Face Llama from a file with its own init_weights) trained 2 steps equals the
-same model made whole on one process: losses and parameters at rtol 1e-5. Each rank's
+(reset_parameters() seeded by path, an init callback, a torch.save file, a safetensors
+file, a DCP directory; a tiny Hugging Face Llama from a file with its own init_weights)
+trained 2 steps (the Llama 3) equals the same model made whole on one process: losses and
+parameters at rtol 1e-5. Each rank's
 local parameter bytes are 1/(pp * dp) of the model's, and the peak resident memory of the
 materialisation (Linux's VmHWM, reset just before it) stays under the stage's whole bytes
 for reset_parameters() and reaches them for an init callback (its documented peak).
@@ -23,6 +24,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from test_mesh_models import _optimizer as llama_optimizer
 from test_mesh_models import batch as llama_batch
 from test_mesh_models import llama, lm_loss
@@ -102,15 +104,15 @@ def _train(pm: Any) -> dict[str, Any]:
 
 # -- the ways of giving values ------------------------------------------------------------------
 
-WAYS = ["reset_parameters", "init", "torch_file", "dcp"]
+WAYS = ["reset_parameters", "init", "torch_file", "safetensors", "dcp"]
+FILES = ("torch_file", "safetensors", "dcp")  # the ways that read a checkpoint
 
 
 def _way_worker(files: dict[str, str]) -> dict[str, Any]:
     options: dict[str, dict[str, Any]] = {
         "reset_parameters": {},
         "init": {"init_weights": init_by_name},
-        "torch_file": {"checkpoint": files["torch_file"]},
-        "dcp": {"checkpoint": files["dcp"]},
+        **{way: {"checkpoint": files[way]} for way in FILES},
     }
     return {way: _train(_compile(_meta_chain(), D, PINS, **options[way])) for way in WAYS}
 
@@ -124,7 +126,7 @@ def saved() -> nn.Module:
 
 def one_process(way: str) -> nn.Module:
     """The same model made whole on one process."""
-    if way in ("torch_file", "dcp"):
+    if way in FILES:
         return saved()
     model = _meta_chain()
     if way == "init":
@@ -156,8 +158,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     root = tmp_path_factory.mktemp("meta")
     state = {k: v.detach().clone() for k, v in saved().state_dict().items()}
     torch.save(state, root / "model.pt")
+    save_file(state, str(root / "model.safetensors"))
     dcp.save(state, checkpoint_id=str(root / "dcp"), no_dist=True)
-    files = {"torch_file": str(root / "model.pt"), "dcp": str(root / "dcp")}
+    files = {
+        "torch_file": str(root / "model.pt"),
+        "safetensors": str(root / "model.safetensors"),
+        "dcp": str(root / "dcp"),
+    }
     return launch(_way_worker, 4, args=(files,), timeout=TIMEOUT)
 
 

@@ -2,6 +2,7 @@
 
     load_slice("model.pt", ["0.weight"], aliases)     # {"0.weight": tensor}
     entries("model.pt", names, aliases)               # which of names the file holds
+    for name, tensor in read_each("model.pt", names, aliases): ...   # one at a time
 
 The formats: a `torch.save` state_dict file (memory-mapped: a tensor's pages are read only
 when touched), a `.safetensors` file or a directory of them, and a torch.distributed.checkpoint
@@ -11,6 +12,7 @@ weight stored once under one alias, as Hugging Face does).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import torch
 
 from graphpipe.errors import ConfigError
 
-__all__ = ["entries", "load_slice"]
+__all__ = ["entries", "load_slice", "read_each"]
 
 
 def load_slice(
@@ -38,13 +40,26 @@ def load_slice(
     Raises:
         ConfigError: the path does not exist or holds no known format.
     """
+    return dict(read_each(checkpoint, names, aliases))
+
+
+def read_each(
+    checkpoint: str | Path, names: list[str], aliases: dict[str, list[str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The entries of `checkpoint` for `names`, one at a time (canonical name, tensor): a
+    `torch.save` file memory-mapped once (a tensor's pages read when touched), a
+    safetensors file opened once and each tensor read when its turn comes, a DCP
+    directory read one entry at a time.
+
+    Raises:
+        ConfigError: as `load_slice`.
+    """
     path, files = _files(checkpoint)
     if not files:
-        return _load_dcp(path, names, aliases)
-    found: dict[str, torch.Tensor] = {}
+        for name in names:
+            yield from _load_dcp(path, [name], aliases).items()
     for file in files:
-        found.update(_load_file(file, names, aliases))
-    return found
+        yield from _each_in_file(file, names, aliases)
 
 
 def _files(checkpoint: str | Path) -> tuple[Path, list[Path]]:
@@ -78,7 +93,7 @@ def entries(checkpoint: str | Path, names: list[str], aliases: dict[str, list[st
 
         keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     for file in files:
-        keys |= set(_load_file(file, None, {}))
+        keys |= {k for k, _ in _each_in_file(file, None, {})}
     return [n for n in names if _lookup(keys, n, aliases) is not None]
 
 
@@ -86,10 +101,11 @@ def _lookup(available: set[str], name: str, aliases: dict[str, list[str]]) -> st
     return next((a for a in aliases.get(name, [name]) if a in available), None)
 
 
-def _load_file(
+def _each_in_file(
     file: Path, names: list[str] | None, aliases: dict[str, list[str]]
-) -> dict[str, Any]:
-    """The file's entries for `names` by canonical name; None: every key, with no value."""
+) -> Iterator[tuple[str, Any]]:
+    """The file's entries for `names` by canonical name, each read when its turn comes;
+    None: every key, with no value."""
     if file.suffix == ".safetensors":
         try:
             from safetensors import safe_open
@@ -101,17 +117,20 @@ def _load_file(
         with safe_open(str(file), framework="pt") as f:
             keys = set(f.keys())
             if names is None:
-                return dict.fromkeys(keys)
-            return {
-                n: f.get_tensor(k) for n in names if (k := _lookup(keys, n, aliases)) is not None
-            }
+                yield from ((k, None) for k in keys)
+                return
+            for n in names:
+                if (k := _lookup(keys, n, aliases)) is not None:
+                    yield n, f.get_tensor(k)
+        return
     state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     if not isinstance(state, dict):
         raise ConfigError(f"checkpoint {str(file)!r} holds a {type(state).__name__}, not a dict")
-    keys = set(state)
     if names is None:
-        return dict.fromkeys(keys)
-    return {n: state[k] for n in names if (k := _lookup(keys, n, aliases)) is not None}
+        yield from ((k, None) for k in state)
+        return
+    keys = set(state)
+    yield from ((n, state[k]) for n in names if (k := _lookup(keys, n, aliases)) is not None)
 
 
 def _load_dcp(

@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graphpipe.errors import ConfigError
-from graphpipe.runtime.checkpoint_files import entries, load_slice
+from graphpipe.runtime.checkpoint_files import entries, load_slice, read_each
 from graphpipe.tracing.annotate import is_meta
 
 __all__ = [
@@ -205,9 +205,8 @@ def _values(
     """Each tensor's whole value by canonical name, one at a time (or one module's): the
     real ones, then the checkpoint's entries, then the ones reset_parameters() makes."""
     yield from kept.items()
-    for name in loaded:
-        assert checkpoint is not None  # loaded names come from it
-        yield name, load_slice(checkpoint, [name], aliases)[name]
+    if checkpoint is not None:
+        yield from read_each(checkpoint, loaded, aliases)
     for path in sorted(owners):
         module = scratch.pop(path)
         module.to_empty(device=device, recurse=False)  # its own tensors, not its children's
