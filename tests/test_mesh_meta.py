@@ -3,13 +3,14 @@
 Four gloo processes on a (2, 2) mesh (pp ranks [[0, 1], [2, 3]]). A model built under
 torch.device("meta") is sharded by FSDP2 while still on meta and only the local shards get
 storage (`graphpipe.runtime.materialize.materialize_sharded`). Each way of giving values
-(reset_parameters() seeded by path, an init callback, a torch.save file, a safetensors
-file, a DCP directory; a tiny Hugging Face Llama from a file with its own init_weights)
-trained 2 steps (the Llama 3) equals the same model made whole on one process: losses and
-parameters at rtol 1e-5. Each rank's
-local parameter bytes are 1/(pp * dp) of the model's, and the peak resident memory of the
-materialisation (Linux's VmHWM, reset just before it) stays under the stage's whole bytes
-for reset_parameters() and reaches them for an init callback (its documented peak).
+trained 2 steps equals the same model made whole on one process (losses and parameters at
+rtol 1e-5): reset_parameters() seeded by path, an init callback, a torch.save file, a
+safetensors file, a DCP directory, reset_parameters() with dp_shard=False (replicated);
+and a tiny Hugging Face Llama from a file with its own init_weights (3 steps). Each rank's
+local parameter bytes are 1/(pp * dp) of the model's (1/pp replicated), and the peak
+resident memory of the materialisation (Linux's VmHWM, reset just before it) stays under
+the stage's whole bytes for reset_parameters() and reaches them for an init callback (its
+documented peak).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _train(pm: Any) -> dict[str, Any]:
 
 # -- the ways of giving values ------------------------------------------------------------------
 
-WAYS = ["reset_parameters", "init", "torch_file", "safetensors", "dcp"]
+WAYS = ["reset_parameters", "init", "torch_file", "safetensors", "dcp", "replicated"]
 FILES = ("torch_file", "safetensors", "dcp")  # the ways that read a checkpoint
 
 
@@ -112,6 +113,7 @@ def _way_worker(files: dict[str, str]) -> dict[str, Any]:
     options: dict[str, dict[str, Any]] = {
         "reset_parameters": {},
         "init": {"init_weights": init_by_name},
+        "replicated": {"dp_shard": False},  # reset_parameters, each stage whole on its dp ranks
         **{way: {"checkpoint": files[way]} for way in FILES},
     }
     return {way: _train(_compile(_meta_chain(), D, PINS, **options[way])) for way in WAYS}
@@ -182,7 +184,8 @@ def test_a_meta_model_on_the_mesh_trains_as_the_model_made_on_one_process(
         for name, value in params.items():
             torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
             assert not torch.equal(value, start[name]), f"{name} never moved"
-        assert got["local"] * 4 == model_bytes, f"rank {rank}: 1/(pp * dp) of the model"
+        copies = 2 if way == "replicated" else 4  # pp, or pp * dp
+        assert got["local"] * copies == model_bytes, f"rank {rank}: 1/{copies} of the model"
 
 
 # -- a Hugging Face Llama from a file, with its own init_weights --------------------------------

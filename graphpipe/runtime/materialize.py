@@ -141,7 +141,7 @@ def materialize_sharded(
     """
     names = _meta_names(model, stage)
     aliases = _aliases(model)
-    canonical = {n: names[0] for names in aliases.values() for n in names}
+    canonical = {n: every[0] for every in aliases.values() for n in every}
     loaded = set(entries(checkpoint, names, aliases)) if checkpoint is not None else set()
     rest = [n for n in names if n not in loaded]
     _check_complete(checkpoint, rest, aliases, set(model.state_dict(keep_vars=True)))
