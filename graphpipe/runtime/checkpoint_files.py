@@ -20,7 +20,7 @@ import torch
 
 from graphpipe.errors import ConfigError
 
-__all__ = ["entries", "load_slice", "read_each"]
+__all__ = ["entries", "load_into", "load_slice", "read_each"]
 
 
 def load_slice(
@@ -60,6 +60,30 @@ def read_each(
             yield from _load_dcp(path, [name], aliases).items()
     for file in files:
         yield from _each_in_file(file, names, aliases)
+
+
+def load_into(
+    checkpoint: str | Path, targets: dict[str, torch.Tensor], aliases: dict[str, list[str]]
+) -> bool:
+    """Read a DCP checkpoint's entries for `targets` (canonical name -> tensor, a DTensor's
+    shard included) straight into them: DCP reads each DTensor's local rows only, so no
+    entry is ever whole here. A file format is not read (False: use `read_each`).
+
+    Returns:
+        Whether `checkpoint` is a DCP directory (its entries then loaded).
+
+    Raises:
+        ConfigError: as `load_slice`.
+    """
+    path, files = _files(checkpoint)
+    if files:
+        return False
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {k: t for n, t in targets.items() if (k := _lookup(set(meta), n, aliases)) is not None}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return True
 
 
 def _files(checkpoint: str | Path) -> tuple[Path, list[Path]]:

@@ -31,9 +31,10 @@ value is made whole, by the same rules, and only this rank's shard of it is kept
 
 - `reset_parameters()`: on a copy of the owning module's own tensors, seeded by its path;
   peak beyond the shards: the largest module's own tensors.
-- a checkpoint: one entry at a time; a `torch.save` file is memory-mapped, so only the
-  pages of this rank's rows are read; a safetensors or DCP entry is read whole: peak
-  beyond the shards, the largest entry.
+- a checkpoint: a DCP directory is read straight into the shards (DCP reads each
+  DTensor's local rows): nothing beyond them. A file one entry at a time: a `torch.save`
+  file is memory-mapped, so only the pages of this rank's rows are read; a safetensors
+  entry is read whole: peak beyond the shards, the largest entry.
 - `init`: it runs on the whole model, so the tensors it initialises (those no checkpoint
   holds; without one, the whole stage) are real and whole while it runs; peak beyond the
   shards: those tensors, freed before the stage is sharded.
@@ -52,7 +53,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graphpipe.errors import ConfigError
-from graphpipe.runtime.checkpoint_files import entries, load_slice, read_each
+from graphpipe.runtime.checkpoint_files import entries, load_into, load_slice, read_each
 from graphpipe.tracing.annotate import is_meta
 
 __all__ = [
@@ -155,7 +156,10 @@ def materialize_sharded(
     shard()
     stage.to_empty(device=device)
     targets = _targets(stage, canonical)
-    values = _values(kept, checkpoint, sorted(loaded), aliases, scratch, owners, device)
+    wanted = {n: targets[n] for n in loaded}
+    in_shards = checkpoint is not None and load_into(checkpoint, wanted, aliases)  # DCP
+    files = None if in_shards else checkpoint
+    values = _values(kept, files, sorted(loaded), aliases, scratch, owners, device)
     for name, value in values:
         _fill(targets[name], value, name)
     return names
