@@ -471,3 +471,34 @@ def tensor_version(t: torch.Tensor) -> int:
     if not isinstance(version, int):
         raise _missing(f"Tensor._version as an int (got {type(version).__name__})", "sync")
     return version
+
+
+# FSDP2: reducing gradients a split backward computed by hand (graphpipe.runtime.mesh) -------
+
+
+def fsdp_post_backward(module: nn.Module) -> None:
+    """Run FSDP2's post-backward on every unit under the root `module` now, then its root's
+    end-of-backward callback: reduce-scatter (or all-reduce) the gradients accumulated on the
+    unsharded parameters, reshard, and finish the step's backward.
+
+    torch APIs: `fully_shard.state(module)`, its `_state_ctx.all_states`, each state's
+    `_fsdp_param_groups` and `FSDPParamGroup.post_backward()`, and the root state's
+    `_root_post_backward_final_callback()` (torch 2.13; torch's own pipelining calls the same
+    in `_PipelineStageBase.perform_reduce_grad`). FSDP2 runs them from autograd hooks on each
+    unit's forward inputs, which a zero-bubble weight half never reaches: it computes the
+    parameter gradients with `torch.autograd.grad` after the input half has passed those
+    hooks. Idempotent per unit: a unit already reduced is left alone by FSDP.
+
+    Raises:
+        TorchAPIError: one of those is gone.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    need = "reduce the gradients of a split (zero-bubble) backward under FSDP2"
+    state = _private(fully_shard, "state", "fully_shard.state()", need)(module)
+    ctx = _private(state, "_state_ctx", "FSDPState._state_ctx", need)
+    for unit in _private(ctx, "all_states", "FSDPStateContext.all_states", need):
+        for group in _private(unit, "_fsdp_param_groups", "FSDPState._fsdp_param_groups", need):
+            _private(group, "post_backward", "FSDPParamGroup.post_backward()", need)()
+    api = "FSDPState._root_post_backward_final_callback()"
+    _private(state, "_root_post_backward_final_callback", api, need)()

@@ -4,12 +4,14 @@ chain."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 from test_program import placed_plan
-from test_runtime import TIMEOUT, M, _assert_matches, _optimizer, _train
+from test_runtime import TIMEOUT, M, _assert_matches, _optimizer, _train, batch
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
@@ -169,3 +171,56 @@ def test_interleaved_needs_m_a_multiple_of_the_devices() -> None:
 
 
 torch.set_num_threads(1)
+
+
+def _resume_worker(where: str) -> dict[str, Any]:
+    """Two steps under zbv (two stages per rank), saved; loaded by a 1f1b pipeline on two
+    stages (one per rank), which takes the third step. Also the uninterrupted zbv run."""
+    name = "tied"
+    model, inputs = ZOO[name]()
+    zbv = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        schedule="zbv",
+        plan=plan(
+            model,
+            inputs,
+            devices=2,
+            micro_batches=M,
+            pins=CHAINS[name],
+            virtual_stages=2,
+            placement="v",
+        ),
+    )
+    for s in range(2):
+        zbv.step(*batch(name, s)[0], target=batch(name, s)[1])
+    zbv.save(where)
+    model, inputs = ZOO[name]()
+    pins = {"embed": 0, "body.0": 0, "body.1": 1, "body.2": 1, "out": 1}
+    one = gp_compile(
+        model, inputs, loss_fn=dict_loss, optimizer=_optimizer(), micro_batches=M, pins=pins
+    )
+    one.load(where)
+    loaded = one.state_dict()
+    for pm in (zbv, one):
+        pm.step(*batch(name, 2)[0], target=batch(name, 2)[1])
+    return {"saved": zbv.state_dict(), "loaded": loaded, "after": one.state_dict()}
+
+
+def test_a_checkpoint_of_several_stages_per_rank_is_keyed_by_the_models_names(
+    tmp_path: Path,
+) -> None:
+    """A rank's stages are a ModuleList, whose keys put each stage's position first; the
+    checkpoint is keyed by the model's names, so another plan loads it (and the tied weight,
+    held by stages 0 and 3 on rank 0, once)."""
+    (result, _) = launch(_resume_worker, 2, args=(str(tmp_path / "ckpt"),), timeout=TIMEOUT)
+    saved = torch.distributed.checkpoint.FileSystemReader(str(tmp_path / "ckpt"))
+    keys = saved.read_metadata().state_dict_metadata
+    model_keys = sorted(k[len("model/") :] for k in keys if k.startswith("model/"))
+    names = [n for n in ZOO["tied"]()[0].state_dict() if n != "out.weight"]  # embed's alias
+    assert model_keys == sorted(names)  # no "0." / "1." prefix
+    assert list(result["after"]) == list(result["saved"])
+    for n, value in result["after"].items():  # the same third step from the same state
+        torch.testing.assert_close(value, result["saved"][n], rtol=1e-5, atol=1e-6, msg=n)

@@ -21,6 +21,7 @@ from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.compile.steps import checked_plan
 from graphpipe.errors import ConfigError
+from graphpipe.planning.interleave import place_graph
 from graphpipe.planning.partition import plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.batching import Inputs
@@ -114,7 +115,7 @@ def _compile(name: str, schedule: str, variant: str, m: int = M) -> Any:
         "mesh": None if variant == "shorthand" else _mesh(),
         "data_parallel": 2 if variant == "shorthand" else None,
         "dp_shard": variant != "replicate",
-        "reshard_after_forward": variant != "keep",
+        "reshard_after_forward": None if schedule == "zb" else variant != "keep",
     }
     return gp_compile(
         model,
@@ -157,7 +158,8 @@ def _equality_worker(cases: list[tuple[str, str, str]]) -> dict[tuple[str, str, 
 
 
 CASES = [
-    *[(name, s, "mesh") for name in MODELS for s in ("1f1b", "gpipe")],
+    *[(name, s, "mesh") for name in MODELS for s in ("1f1b", "gpipe", "zb")],
+    ("chain", "zb", "replicate"),
     ("chain", "1f1b", "shorthand"),
     ("chain", "1f1b", "replicate"),
     ("two_branch", "gpipe", "replicate"),
@@ -196,14 +198,83 @@ def test_a_mesh_step_equals_one_process_on_the_whole_mini_batch(
     # dimension with the run's FSDP options in its cost model
     pp, rows, dp = runs[0][case]["plan"]
     assert (pp, rows, dp.degree) == (2, 8 // M, 2)
-    assert (dp.shard, dp.reshard_after_forward) == (case[2] != "replicate", case[2] != "keep")
+    kept = case[2] == "keep" or case[1] == "zb"  # zero bubble keeps them gathered to its W
+    assert (dp.shard, dp.reshard_after_forward) == (case[2] != "replicate", not kept)
+
+
+# -- several stages per pp rank ---------------------------------------------------------------
+
+CHAIN4 = {"blocks.0": 0, "blocks.1": 1, "blocks.2": 2, "blocks.3": 3, "head": 3}
+FOLDED = ({"a": 0, "b": 1, "cat": 2, "head": 2}, [0, 1, 0])  # join on pp rank 0 with a
+SEVERAL = [("chain", "interleaved"), ("chain", "zbv"), ("two_branch", "graph_interleaved")]
+
+
+def _several_plan(name: str, schedule: str) -> Any:
+    """A plan for the 2 x 2 mesh with two stages on a pp rank: the chain cut in four and
+    folded "loop" (interleaved) or "v" (zbv), or the two-branch DAG's three stages folded
+    onto two pp ranks (branch a and the join on rank 0)."""
+    model, inputs = MODELS[name]()
+    if schedule == "graph_interleaved":
+        pins, assignment = FOLDED
+        unfolded = plan(model, inputs, devices=6, dp=2, micro_batches=M, pins=pins)
+        return place_graph(unfolded, 2, assignment)
+    placement = {"interleaved": "loop", "zbv": "v"}[schedule]
+    return plan(
+        model,
+        inputs,
+        devices=4,
+        dp=2,
+        micro_batches=M,
+        pins=CHAIN4,
+        virtual_stages=2,
+        placement=placement,
+    )
+
+
+def _several_worker() -> dict[tuple[str, str], Any]:
+    out = {}
+    for name, schedule in SEVERAL:
+        model, inputs = MODELS[name]()
+        pm = gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            schedule=schedule,
+            plan=_several_plan(name, schedule),
+            mesh=_mesh(),
+            runtime=RuntimeConfig(timeout=60),
+        )
+        out[(name, schedule)] = {**_train(pm, name), "held": len(pm.plan.stages_on(0))}
+    return out
+
+
+@pytest.fixture(scope="module")
+def several() -> list[dict[tuple[str, str], Any]]:
+    return launch(_several_worker, 4, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("case", SEVERAL, ids=["-".join(c) for c in SEVERAL])
+def test_several_stages_per_pp_rank_on_a_mesh_equal_one_process(
+    several: list[dict[tuple[str, str], Any]], case: tuple[str, str]
+) -> None:
+    """Each stage of a pp rank is its own FSDP2 root over the rank's dp sub-mesh."""
+    ref_losses, ref_params, ref_eval = reference(case[0])
+    for rank, result in enumerate(several):
+        got = result[case]
+        assert got["held"] == 2, f"rank {rank}"
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        assert got["eval"] == pytest.approx(ref_eval, rel=1e-5), f"rank {rank}"
+        assert list(got["state"]) == list(ref_params), f"rank {rank}"
+        for n, value in ref_params.items():
+            torch.testing.assert_close(got["state"][n], value, rtol=1e-5, atol=1e-6, msg=n)
 
 
 # -- once per step ------------------------------------------------------------------------------
 
 
-def _count_worker() -> dict[int, int]:
-    """Reduce-scatters in one warm step, for M = 2 and M = 4."""
+def _count_worker() -> dict[tuple[str, int], int]:
+    """Reduce-scatters in one warm step, for M = 2 and M = 4, under 1f1b and zero bubble."""
     calls = []
     original = dist.reduce_scatter_single
 
@@ -214,13 +285,14 @@ def _count_worker() -> dict[int, int]:
     dist.reduce_scatter_single = counted  # type: ignore[assignment]
     try:
         out = {}
-        for m in (2, 4):
-            pm = _compile("chain", "1f1b", "mesh", m=m)
-            inputs, target = batch("chain", 0)
-            pm.step(*inputs, target=target)  # warm
-            calls.clear()
-            pm.step(*inputs, target=target)
-            out[m] = len(calls)
+        for schedule in ("1f1b", "zb"):
+            for m in (2, 4):
+                pm = _compile("chain", schedule, "mesh", m=m)
+                inputs, target = batch("chain", 0)
+                pm.step(*inputs, target=target)  # warm
+                calls.clear()
+                pm.step(*inputs, target=target)
+                out[(schedule, m)] = len(calls)
         return out
     finally:
         dist.reduce_scatter_single = original  # type: ignore[assignment]
@@ -230,7 +302,8 @@ def test_gradients_are_reduce_scattered_once_per_step_not_per_micro_batch() -> N
     units = {0: 2, 1: 3}  # stage 0: blocks 0 and 1; stage 1: blocks 2 and 3, and the head
     for rank, counts in enumerate(launch(_count_worker, 4, timeout=TIMEOUT)):
         # one reduce-scatter per FSDP unit per step, whatever M (mesh ranks [[0, 1], [2, 3]])
-        assert counts == {2: units[rank // 2], 4: units[rank // 2]}, f"rank {rank}"
+        want = {(s, m): units[rank // 2] for s in ("1f1b", "zb") for m in (2, 4)}
+        assert counts == want, f"rank {rank}"
 
 
 def test_stage_blocks_are_the_model_s_list_elements() -> None:
@@ -288,9 +361,9 @@ def _spec(**kwargs: Any) -> RunSpec:
     ("kwargs", "named"),
     [
         ({"weights": "stash"}, "weights='stash'"),
-        ({"schedule": "zb"}, "schedule='zb'"),
-        ({"schedule": "interleaved"}, "schedule='interleaved'"),
-        ({"schedule": "graph_interleaved"}, "schedule='graph_interleaved'"),
+        ({"schedule": "zb", "reshard_after_forward": True}, "reshard_after_forward=True"),
+        ({"schedule": "zbv", "reshard_after_forward": True}, "reshard_after_forward=True"),
+        ({"reshard_after_forward": 1}, "reshard_after_forward=1"),
         ({"precision": "fp16"}, "precision='fp16'"),
         ({"nan_check": True}, "nan_check=True"),
         ({"compile_stages": True}, "compile_stages=True"),
@@ -359,6 +432,21 @@ def _refusal_worker() -> list[str]:
             profile_config=ProfileConfig(mode="flops"),
         )
     )
+    model, inputs = ZOO["tied"]()  # embed and out share a weight: stages 0 and 3, pp rank 0
+    pins = {"embed": 0, "body.0": 1, "body.1": 2, "body.2": 3, "out": 3}
+    folded = plan(model, inputs, devices=4, dp=2, micro_batches=2, pins=pins, virtual_stages=2,
+                  placement="v")  # fmt: skip
+    refused(
+        lambda: gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            schedule="zbv",
+            plan=folded,
+            data_parallel=2,
+        )
+    )
     return said
 
 
@@ -388,6 +476,7 @@ def test_what_needs_the_process_group_is_refused_by_name() -> None:
         "data_parallel=3 does not divide the world size 4",
         "pm(...) (the outputs) is not yet available with a mesh",
         "a weight tied across pp ranks is not yet summed with a mesh",
+        "embed.weight is held by stages [0, 3] on one pp rank",
     ]
     assert len(said[0]) == len(expected)
     for message, part in zip(said[0], expected, strict=True):

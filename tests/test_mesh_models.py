@@ -3,8 +3,10 @@
 Four gloo processes on a (2, 2) mesh, as in tests/test_mesh.py. A tiny Llama (hidden 32, two
 decoder layers, random weights) trained under 1f1b with Adam for 3 steps must equal one
 process training on the whole mini-batch with gradient accumulation over the same M
-micro-batches: the losses of every step, every parameter (`pm.state_dict()`), Adam's state
-(the optimizer's sharded moments gathered over dp) and an `eval_step` afterwards.
+micro-batches, and so must the same under zero bubble (zb: the backward split into input and
+weight halves, FSDP2's reduction run after the last weight half): the losses of every step,
+every parameter (`pm.state_dict()`), Adam's state (the optimizer's sharded moments gathered
+over dp) and an `eval_step` afterwards.
 
 Llama traces through torch.export: the stage is a flat aten graph whose parameters are
 read by get_attr, with no submodule calls for FSDP2's hooks to wrap, so each stage is one
@@ -137,7 +139,10 @@ def _adam_state(pm: Any) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def _compile_llama(**kwargs: Any) -> Any:
+SCHEDULES = ("1f1b", "zb")
+
+
+def _compile_llama(schedule: str = "1f1b", **kwargs: Any) -> Any:
     """The Llama over a 2 x 2 mesh, pinned to two stages."""
     ids, _ = batch(0)
     return gp_compile(
@@ -146,7 +151,7 @@ def _compile_llama(**kwargs: Any) -> Any:
         loss_fn=lm_loss,
         optimizer=_optimizer(),
         micro_batches=M,
-        schedule="1f1b",
+        schedule=schedule,
         pins=PINS,
         mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")),
         profile_config=ProfileConfig(mode="flops"),
@@ -163,8 +168,12 @@ def _bf16_refusal() -> str:
     return "not refused"
 
 
-def _train_worker() -> dict[str, Any]:
-    pm = _compile_llama()
+def _train_worker() -> dict[str, dict[str, Any]]:
+    return {schedule: _train(schedule) for schedule in SCHEDULES}
+
+
+def _train(schedule: str) -> dict[str, Any]:
+    pm = _compile_llama(schedule)
     losses = [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
     evaluated = pm.eval_step(input_ids=batch(0)[0], target=batch(0)[1])
     return {
@@ -174,7 +183,7 @@ def _train_worker() -> dict[str, Any]:
         "adam": _adam_state(pm),
         "stages": len(pm.plan.stages),
         "sharded": all(isinstance(p, DTensor) for p in pm.module.parameters()),
-        "bf16": _bf16_refusal(),
+        "bf16": _bf16_refusal() if schedule == "1f1b" else "",
     }
 
 
@@ -183,8 +192,14 @@ def _named(what: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[str, Any]]:
+def launched() -> list[dict[str, dict[str, Any]]]:
     return launch(_train_worker, 4, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module", params=SCHEDULES)
+def runs(launched: list[dict[str, dict[str, Any]]], request: pytest.FixtureRequest) -> Any:
+    """Each rank's results under one schedule."""
+    return [by_schedule[request.param] for by_schedule in launched]
 
 
 @pytest.fixture(scope="module")
@@ -229,10 +244,12 @@ def test_llama_s_eval_step_on_the_mesh_equals_one_process_s(
         assert result["eval"] == pytest.approx(expected["eval"], rel=1e-5), f"rank {rank}"
 
 
-def test_bf16_with_a_mesh_refuses_an_exported_graph_by_name(runs: list[dict[str, Any]]) -> None:
+def test_bf16_with_a_mesh_refuses_an_exported_graph_by_name(
+    launched: list[dict[str, dict[str, Any]]],
+) -> None:
     """torch.export fixed the Llama graph's dtypes at float32: FSDP2's bf16 parameters would
     meet its float32 casts and dtype checks, so it is refused before any step."""
-    for rank, result in enumerate(runs):
+    for rank, result in enumerate(r["1f1b"] for r in launched):
         assert "precision='bf16' with a mesh" in result["bf16"], f"rank {rank}"
         assert "traced by torch.export" in result["bf16"], f"rank {rank}"
 

@@ -289,3 +289,35 @@ def test_tensor_version_counts_in_place_changes() -> None:
     before = _torch.tensor_version(grad)
     grad.mul_(2)
     assert _torch.tensor_version(grad) == before + 1
+
+
+def test_fsdp_post_backward_reduces_a_gradient_added_by_hand(
+    launcher_store: dist.TCPStore,
+) -> None:
+    """A gradient added to a gathered parameter outside autograd (a zero-bubble weight half)
+    reaches the sharded parameter's `.grad` and the unit reshards: what FSDP2's hooks would
+    have done at the end of a backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=False)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=False)
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    out = model(torch.randn(3, 4))
+    gathered = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    assert len(gathered) == 4  # kept gathered after the forward
+    grads = torch.autograd.grad(out.sum(), gathered)  # by hand: no hook sees these
+    for p, g in zip(gathered, grads, strict=True):
+        p.grad = g
+    model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    model.set_is_last_backward(True)  # type: ignore[operator]
+    model.set_reshard_after_backward(True)  # type: ignore[operator]
+    _torch.fsdp_post_backward(model)
+    sharded = list(model.parameters())
+    assert all(isinstance(p, DTensor) for p in sharded)  # resharded
+    for p, g in zip(sharded, grads, strict=True):
+        assert isinstance(p.grad, DTensor)
+        torch.testing.assert_close(p.grad.full_tensor(), g)  # one rank: the sum is itself

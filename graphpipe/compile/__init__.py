@@ -83,7 +83,7 @@ def compile(
     mesh: DeviceMesh | None = None,
     data_parallel: int | None = None,
     dp_shard: bool = True,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -155,6 +155,8 @@ def compile(
             with one shard: whole gradients all-reduced).
         reshard_after_forward: With a mesh, FSDP2 frees each unit's gathered parameters
             after its forward and gathers them again for its backward; False keeps them.
+            None (the default): True, but False under a zero-bubble schedule, whose weight
+            gradients come after later forwards (True is refused there).
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...);
             devices, if given, must equal the world size (one device per rank), or with a
             mesh its pp size.

@@ -109,14 +109,8 @@ def schedule_plan(plan: Plan, spec: RunSpec) -> Schedule:
 
     Raises:
         ScheduleError: the schedule cannot run the plan.
-        ConfigError: a plan with several stages on a device, with a mesh.
     """
     name = spec.schedule
-    if spec.meshed and plan.shared_devices():
-        raise ConfigError(
-            f"the plan places several stages on a device ({plan.shared_devices()}), which "
-            "is not yet run with a mesh (FSDP2 per stage); planned: plan with interleave=False"
-        )
     if not spec.schedule_given and name == "1f1b" and plan.shared_devices():
         name = FOLDED
     schedule = make_schedule(plan, name, spec.micro_batches)

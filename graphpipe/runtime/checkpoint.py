@@ -94,6 +94,8 @@ class Checkpointable(Protocol):
     @property
     def canonical(self) -> Mapping[str, str]: ...  # every name of a tensor -> its first
     @property
+    def held_names(self) -> Mapping[str, str]: ...  # the module's keys -> the model's first
+    @property
     def names(self) -> Sequence[str]: ...  # the model's state dict keys, in order
 
     @property
@@ -159,14 +161,13 @@ def _publish(tmp: Path, path: Path) -> None:
 
 def _model_items(pm: Checkpointable) -> dict[str, torch.Tensor]:
     """This rank's parameters and buffers by `model/<first name>`, as live tensors."""
-    canon = pm.canonical
     items = {}
     if pm.module is not None:
-        for name, value in pm.module.state_dict(keep_vars=True).items():
-            items[f"model/{canon.get(name, name)}"] = value.detach()
+        for key, value in pm.module.state_dict(keep_vars=True).items():
+            items[f"model/{pm.held_names[key]}"] = value.detach()
     if pm.rank == 0:
         for name, value in pm.orphans.items():
-            items[f"model/{canon.get(name, name)}"] = value.detach()
+            items[f"model/{pm.canonical.get(name, name)}"] = value.detach()
     return items
 
 
@@ -179,7 +180,7 @@ def _names(pm: Checkpointable) -> dict[str, str]:
     must be keyed by the model's names to load under another plan, so this map translates.
     """
     assert pm.module is not None
-    return {n: pm.canonical.get(n, n) for n, _ in pm.module.named_parameters()}
+    return {n: pm.held_names[n] for n, _ in pm.module.named_parameters()}
 
 
 def _optim_items(pm: Checkpointable) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from graphpipe.ir.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
 from graphpipe.runtime.failures import action_failure
-from graphpipe.runtime.mesh import prepare_backward
+from graphpipe.runtime.mesh import prepare_backward, reduce_gradients
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import Precision
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
@@ -368,15 +368,20 @@ class Executor:
             inputs = self._grad_inputs(a.stage, j)
             _, mb.weight_half = backward.input_half(roots, seeds, inputs, params)
 
+        prepare_backward(self.stages[a.stage].module, last=False)  # reduced after the last W
         self.policy.backward(a.mb, run)
 
     def _weight_half(self, a: Action, batch: Batch) -> None:
         assert a.mb is not None
         half = self.state[(a.stage, a.mb)].weight_half
+        module = self.stages[a.stage].module
+        prepare_backward(module, last=False)
         self.policy.accumulate(
             lambda on_grad: None if half is None else backward.weight_half(half, on_grad),
             self._final(a.stage),
         )
+        if self._is_final:  # FSDP2 (a mesh): the stage's gradients are complete, reduce them
+            reduce_gradients(module)
         self._finish_backward(a.stage, a.mb)
 
     def _final(self, stage: int) -> list[nn.Parameter]:

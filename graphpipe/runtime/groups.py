@@ -62,6 +62,14 @@ def sum_groups(
             f"planned): {label[5:]} is held on pp ranks {list(ranks)}; pin the stages that "
             "share it onto one device, or give the modules copies of their own"
         )
+    if shared and meshed:  # on one rank, in two of its stages: FSDP2 shards per stage
+        name, held = next(iter(shared.items()))
+        raise ConfigError(
+            f"a weight tied across stages is not yet run with a mesh (FSDP2 per stage; "
+            f"planned): {name} is held by stages {list(held)} on one pp rank, and each "
+            "stage's fully_shard would make a sharded copy of its own; put its readers in "
+            "one stage, or give the modules copies of their own"
+        )
     groups = make_groups(replicas + tied, rank, spec.runtime.timeout)
     local = {canon.get(n, n): p for index in mine for n, p in modules[index][0].named_parameters()}
     sums: list[SyncGroup] = []

@@ -16,9 +16,15 @@ Each stage module is sharded by torch's FSDP2 (`fully_shard`) over its dp sub-me
 by block (`shard_stage`), then as a whole. Gradients are reduced once per step:
 `prepare_backward` tells FSDP, before each backward, whether it is the stage's last one
 before the update; only then does it reduce-scatter (the others accumulate unsharded
-gradients locally). Each micro-batch's loss is scaled by 1/M by the flush policy and FSDP
-averages the reduce-scatter over dp, so the gradient is the whole mini-batch's mean. graphpipe's
-own gradient sums (`graphpipe.runtime.sync`) are not used over dp: torch's engine serves.
+gradients locally). A split backward (zero bubble) never reduces in autograd: its weight
+halves add into the gathered parameters' gradients by hand, and `reduce_gradients` runs
+FSDP's reduction after the stage's last one. Its parameters stay gathered from the forward
+to the last weight half (`reshard_after_forward` is False under a split backward: a weight
+half may read a saved parameter, whose storage a reshard would free).
+
+Each micro-batch's loss is scaled by 1/M by the flush policy and FSDP averages the
+reduce-scatter over dp, so the gradient is the whole mini-batch's mean. graphpipe's own
+gradient sums (`graphpipe.runtime.sync`) are not used over dp: torch's engine serves.
 
 precision="bf16" is FSDP2's mixed-precision policy on every unit (`Precision.fsdp_policy`):
 parameters gathered in bf16, gradients reduced in float32 into the float32 shards.
@@ -41,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+import graphpipe._torch as _torch
 from graphpipe.errors import ConfigError
 from graphpipe.runtime.precision import Precision
 
@@ -48,6 +55,7 @@ __all__ = [
     "MESH_DIMS",
     "MeshLayout",
     "prepare_backward",
+    "reduce_gradients",
     "reshard",
     "shaped_like",
     "shard_stage",
@@ -252,6 +260,24 @@ def prepare_backward(module: nn.Module, last: bool) -> None:
         module.set_requires_gradient_sync(last)
         module.set_is_last_backward(last)
         module.set_reshard_after_backward(last)
+
+
+def reduce_gradients(module: nn.Module) -> None:
+    """After a stage's last weight half of the step (zero bubble): reduce its gradients and
+    reshard now. A module FSDP does not wrap is left alone.
+
+    A split backward runs each micro-batch's input half through autograd (which passes
+    FSDP2's post-backward hooks, with no parameter gradient yet) and its weight half by
+    `torch.autograd.grad` on the gathered parameters (which passes none), so every backward
+    of the step runs with `prepare_backward(module, last=False)` and the reduction is asked
+    for here, once, as torch's own pipelining does for its split backward.
+
+    Args:
+        module: The stage module.
+    """
+    if isinstance(module, FSDPModule):
+        prepare_backward(module, last=True)
+        _torch.fsdp_post_backward(module)
 
 
 def reshard(module: nn.Module) -> None:

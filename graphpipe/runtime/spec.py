@@ -47,6 +47,7 @@ __all__ = [
     "RunSpec",
     "RuntimeConfig",
     "check_mesh",
+    "check_reshard",
     "mesh_refusals",
     "schedule_for",
 ]
@@ -152,7 +153,7 @@ class RunSpec:
         mesh: DeviceMesh | None = None,
         data_parallel: int | None = None,
         dp_shard: bool = True,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         **plan_options: Any,
     ) -> RunSpec:
         """Check `compile()`'s arguments and freeze them (the same names and meanings).
@@ -172,9 +173,10 @@ class RunSpec:
         _check(problems, check_nan_check, nan_check, weights)
         _check(problems, _check_combinations, nan_check, precision, compile_stages, resolved)
         dp = _check(problems, check_mesh, mesh, data_parallel)
+        reshard = _check(problems, check_reshard, reshard_after_forward, resolved)
         if mesh is not None or (dp or 1) > 1:
             asked = dict(
-                weights=weights, schedule=resolved, precision=precision,
+                weights=weights, precision=precision,
                 nan_check=nan_check, compile_stages=compile_stages,
                 replication=plan_options.get("replication", False),
                 emulate=(runtime or RuntimeConfig()).emulate,
@@ -192,7 +194,7 @@ class RunSpec:
         if problems:
             raise ConfigError(_joined(problems))
         assert resolved is not None and options is not None and m is not None and b is not None
-        assert dp is not None
+        assert dp is not None and reshard is not None
         return cls(
             loss_fn=loss_fn,
             optimizer=optimizer,
@@ -221,7 +223,7 @@ class RunSpec:
             mesh=mesh,
             data_parallel=dp,
             dp_shard=dp_shard,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=reshard,
         )
 
     @property
@@ -422,10 +424,35 @@ def check_mesh(mesh: Any, data_parallel: Any) -> int:
     return data_parallel
 
 
+def check_reshard(reshard_after_forward: bool | None, schedule: str | None) -> bool:
+    """FSDP2's reshard_after_forward for `schedule`: as given, or by default True, but False
+    under a split backward (zero bubble), whose weight halves run after later forwards and
+    may read a parameter their forward saved: a reshard in between would free its storage.
+
+    Raises:
+        ConfigError: not a bool or None, or True under a split backward.
+    """
+    split = schedule is not None and schedule_spec(schedule).split_backward
+    if reshard_after_forward is None:
+        return not split
+    if not isinstance(reshard_after_forward, bool):
+        raise ConfigError(
+            f"reshard_after_forward={reshard_after_forward!r}: it must be True, False or None "
+            "(None: True, but False for a zero-bubble schedule)"
+        )
+    if reshard_after_forward and split:
+        raise ConfigError(
+            f"reshard_after_forward=True with schedule={schedule!r}: a zero-bubble schedule "
+            "keeps each stage's parameters gathered from its forwards to its last weight "
+            "gradient (a weight half may read a parameter its forward saved); pass False or "
+            "leave it None"
+        )
+    return reshard_after_forward
+
+
 def mesh_refusals(
     *,
     weights: str,
-    schedule: str | None,
     precision: str | None,
     nan_check: bool,
     compile_stages: bool,
@@ -437,12 +464,6 @@ def mesh_refusals(
     out = []
     if weights != "flush":
         out.append(f"weights={weights!r} is {later}: use weights='flush'")
-    if schedule is not None:
-        s = schedule_spec(schedule)
-        if s.split_backward:
-            out.append(f"schedule={schedule!r} splits the backward (zero bubble), {later}")
-        elif s.placement is not None:
-            out.append(f"schedule={schedule!r} places several stages per device, {later}")
     if precision == "fp16":
         out.append(f"precision='fp16' (a loss scale agreed by all ranks) is {later}")
     if nan_check:

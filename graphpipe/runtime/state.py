@@ -33,6 +33,7 @@ class ModelState:
         self.canonical: Mapping[str, str] = w.canonical
         self.names: tuple[str, ...] = tuple(w.model.state_dict())  # the model's order
         self._by_name = {n: names for names in w.aliases.values() for n in names}
+        self.held_names: Mapping[str, str] = self._held_names()
 
     # -- the Checkpointable interface ----------------------------------------------------------
 
@@ -145,11 +146,30 @@ class ModelState:
             )
         self.module.load_state_dict(found)
 
-    def _aliases(self, name: str, value: torch.Tensor) -> list[str]:
-        """Every name of the model's tensor that the stage holds as `name`: by identity, or
-        by name where FSDP2 (a mesh) replaced the tensor with its sharded parameter."""
+    def _aliases(self, key: str, value: torch.Tensor) -> list[str]:
+        """Every name of the model's tensor that this rank's module holds as `key`: by
+        identity, or by name where FSDP2 (a mesh) replaced the tensor with its sharded
+        parameter."""
         found = self.w.aliases.get(id(value))
-        return found if found is not None else self._by_name.get(name, [name])
+        if found is not None:
+            return found
+        name = self._stage_name(key)
+        return self._by_name.get(name, [name])
+
+    def _stage_name(self, key: str) -> str:
+        """The name a stage holds a tensor under, from this rank's module's key: several
+        stages are a ModuleList, whose keys put the stage's position first ("1.head.bias")."""
+        return key.split(".", 1)[1] if len(self.stage_indices) > 1 else key
+
+    def _held_names(self) -> dict[str, str]:
+        """Each key of this rank's module's state dict (and parameter name: DCP's FQNs) ->
+        the model's first name of that tensor, so that a checkpoint is keyed by the model's
+        names whatever the plan (several stages per rank included)."""
+        if self.module is None:
+            return {}
+        keys = [*self.module.state_dict(keep_vars=True), *dict(self.module.named_parameters())]
+        names = {k: self._stage_name(k) for k in keys}
+        return {k: self.canonical.get(n, n) for k, n in names.items()}
 
     def versions(self) -> dict[str, Any]:
         """This rank's weight bookkeeping: the copies it holds and, per micro-batch, the
