@@ -446,20 +446,22 @@ def store_connection(store: dist.Store) -> dist.Store:
     return clone()
 
 
-def set_default_pg_timeout(seconds: float) -> None:
-    """Make `seconds` the timeout of the default process group's collectives, from now on.
+def set_default_pg_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
+    """Make `seconds` the timeout of a process group's collectives (default: the default
+    group's), from now on.
 
-    torch API: `torch.distributed.distributed_c10d._set_pg_timeout(timedelta)`. graphpipe
-    needs `RuntimeConfig.timeout` to govern a process group that init_process_group created
-    with another timeout (gloo's: later than the watch's, so the watch diagnoses first;
-    NCCL's: the watchdog's limit).
+    torch API: `torch.distributed.distributed_c10d._set_pg_timeout(timedelta, group)`.
+    graphpipe needs `RuntimeConfig.timeout` to govern a process group that was created with
+    another timeout (by init_process_group, or a DeviceMesh's dp groups, whose collectives
+    FSDP2 runs; gloo's: later than the watch's, so the watch diagnoses first; NCCL's: the
+    watchdog's limit).
 
     Raises:
         TorchAPIError: the function is gone.
     """
     api = "distributed_c10d._set_pg_timeout()"
     setter = _private(dist.distributed_c10d, "_set_pg_timeout", api, "apply RuntimeConfig.timeout")
-    setter(datetime.timedelta(seconds=seconds))
+    setter(datetime.timedelta(seconds=seconds), group)
 
 
 CLOSED_WORDS = ("closed", "reset", "broken pipe")  # gloo: "Connection closed by peer", ...

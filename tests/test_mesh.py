@@ -417,7 +417,6 @@ def _refusal_worker() -> list[str]:
     )
     refused(lambda: _compile_with(mesh=_mesh(), data_parallel=2))
     refused(lambda: _compile_with(data_parallel=3, micro_batches=1, example=torch.randn(6, D)))
-    refused(lambda: _compile_with(data_parallel=2, on_meta=True))
     pm = _compile("chain", "1f1b", "mesh")
     refused(lambda: pm(batch("chain", 0)[0][0]))
     model, inputs = ZOO["tied"]()
@@ -453,17 +452,11 @@ def _refusal_worker() -> list[str]:
 
 def _compile_with(
     example: torch.Tensor | None = None,
-    on_meta: bool = False,
     micro_batches: int = M,
     **kwargs: Any,
 ) -> Any:
-    if on_meta:
-        with torch.device("meta"):
-            model = Chain()
-    else:
-        model = chain()[0]
     return gp_compile(
-        model,
+        chain()[0],
         example if example is not None else chain()[1],
         loss_fn=dict_loss,
         optimizer=_optimizer(),
@@ -481,7 +474,6 @@ def test_what_needs_the_process_group_is_refused_by_name() -> None:
         "mesh_dim_names=('pp', 'dp')",
         "data_parallel=2 both given",
         "data_parallel=3 does not divide the world size 4",
-        "meta device is not yet supported with a mesh",
         "pm(...) (the outputs) is not yet available with a mesh",
         "a weight tied across pp ranks is not yet summed with a mesh",
         "embed.weight is held by stages [0, 3] on one pp rank",

@@ -221,6 +221,19 @@ def test_set_default_pg_timeout_changes_the_gloo_timeout(launcher_store: dist.TC
     assert gloo.options._timeout == datetime.timedelta(seconds=3.5)
 
 
+def test_set_default_pg_timeout_changes_a_subgroups_gloo_timeout(
+    launcher_store: dist.TCPStore,
+) -> None:
+    """A DeviceMesh's dp group (here a one-rank subgroup), whose collectives FSDP2 runs."""
+    group = dist.new_group([0])
+    gloo = group._get_backend(torch.device("cpu"))
+    default = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    before = default.options._timeout
+    _torch.set_default_pg_timeout(4.5, group)
+    assert gloo.options._timeout == datetime.timedelta(seconds=4.5)
+    assert default.options._timeout == before  # the default group's is its own
+
+
 def test_a_missing_api_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(dist.distributed_c10d, "_set_pg_timeout")
     with pytest.raises(TorchAPIError, match=r"_set_pg_timeout\(\).*RuntimeConfig.timeout"):

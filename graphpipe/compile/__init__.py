@@ -208,10 +208,10 @@ def compile(
     )
     spec = _join(spec)
     gm, inputs = _trace(model, example_inputs, spec)
-    if spec.meshed and is_meta(gm) and spec.runtime.emulate is None:  # emulated: no weights
+    if spec.tensor_parallel > 1 and is_meta(gm) and spec.runtime.emulate is None:
         raise ConfigError(
-            "a model on the meta device is not yet supported with a mesh (FSDP2 per stage); "
-            "planned: materialise each stage, then shard it; build the model on the CPU"
+            "a model on the meta device is not yet supported with a 'tp' mesh dimension "
+            "(planned: materialise only the tp x dp shard); build the model on the CPU"
         )
     the_plan = _plan(gm, inputs, spec)
     check_world(spec, the_plan)

@@ -32,12 +32,12 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from graphpipe.errors import ConfigError, FailureKind, PipelineError
+from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Action, ActionKind, Message, Plan, Span, sends
 from graphpipe.ir.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
-from graphpipe.runtime.failures import failure, first_line
+from graphpipe.runtime.failures import action_failure
 from graphpipe.runtime.mesh import prepare_backward, reduce_gradients
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import Precision
@@ -210,10 +210,8 @@ class Executor:
     def _failed(self, op: Op, exc: Exception) -> PipelineError:
         """Post why this rank stops, so a peer left waiting for it names this failure (by
         its global rank: with a mesh, `self.rank` is its plan device)."""
-        text = f"rank {self.transport.rank}, action {op}: {first_line(exc)}"
-        kind = FailureKind.BAD_INPUT if isinstance(exc, ConfigError) else FailureKind.RAISED
         fields = {"stage": op.stage, "micro_batch": op.mb} if isinstance(op, Action) else {}
-        return failure(text, kind, **fields)
+        return action_failure(f"rank {self.transport.rank}, action {op}", exc, **fields)
 
     def _tick(self, kind: str, start: float) -> None:
         """With record, add the time since `start` to `clock[kind]`."""

@@ -54,6 +54,7 @@ __all__ = [
     "FailureBoard",
     "Post",
     "Watch",
+    "action_failure",
     "current_watch",
     "failure",
     "first_line",
@@ -344,7 +345,8 @@ class Watch:
     def failed(self, peers: Sequence[int], what: str, exc: Exception) -> PipelineError:
         """The posted error for a call that raised: when a peer closed its connection (it
         died), the cause another rank or the launcher posts, else the call's own error."""
-        head = f"rank {self.rank}, {what}, peer rank {_ranks(peers)}: "
+        with_peers = f", peer rank {_ranks(peers)}" if peers else ""  # none: not known here
+        head = f"rank {self.rank}, {what}{with_peers}: "
         seen = backend_failure(exc)
         if seen is None:
             return self.raised(head + first_line(exc), FailureKind.RAISED, peers=peers)
@@ -358,7 +360,8 @@ class Watch:
             text, ends = self._diagnose(peers, what, self.timeout)
             return self.raised(text, FailureKind.TIMED_OUT, peers=ends)
         return self.raised(
-            f"{head}rank {_ranks(peers)} closed its connection: it has probably died",
+            f"{head}{f'rank {_ranks(peers)}' if peers else 'a peer'} closed its connection: "
+            "it has probably died",
             FailureKind.DIED,
             peers=peers,
         )
@@ -500,6 +503,24 @@ def failure(text: str, kind: FailureKind, **fields: Any) -> PipelineError:
     return PipelineError(text, kind=kind, rank=rank, **fields)
 
 
+def action_failure(where: str, exc: Exception, **fields: Any) -> PipelineError:
+    """The posted PipelineError for an action of this rank that raised `exc` (`where`: "rank
+    r, action 1F0"; `fields`: its stage and micro-batch).
+
+    A backend's closed connection or timeout inside an action comes from a collective that
+    runs within the stage's own code, outside `guarded`: FSDP2's all-gathers and
+    reduce-scatters over the dp ranks of a mesh, in the stage's forward and backward. Its
+    peer died (or stalled): the cause the launcher or that peer posts is quoted, as for a
+    guarded wait (`Watch.failed`), instead of gloo's text. Any other error is the action's
+    own: BAD_INPUT for a ConfigError, else RAISED.
+    """
+    watch = current_watch()
+    if watch is not None and backend_failure(exc) is not None:
+        return watch.failed((), where.removeprefix(f"rank {watch.rank}, "), exc)
+    kind = FailureKind.BAD_INPUT if isinstance(exc, ConfigError) else FailureKind.RAISED
+    return failure(f"{where}: {first_line(exc)}", kind, **fields)
+
+
 def unwatched_error(head: str, rank: int, peers: Sequence[int], exc: Exception) -> PipelineError:
     """The PipelineError for a backend's error `exc` outside a watch (nothing is posted).
 
@@ -534,12 +555,15 @@ def posted(where: str) -> Iterator[None]:
         raise
 
 
-def set_collective_timeout(seconds: float) -> None:
-    """Make `seconds` the limit of the default process group's collectives.
+def set_collective_timeout(seconds: float, groups: Sequence[dist.ProcessGroup] = ()) -> None:
+    """Make `seconds` the limit of the collectives of the default process group and of
+    `groups` (a mesh's dp groups, whose collectives FSDP2 runs inside the stage's actions,
+    outside the watch: a peer stalled in one fails them at this limit, `action_failure`).
 
     On NCCL the process group's own timeout (and watchdog) is the limit. Elsewhere the watch
     enforces `seconds` and diagnoses who stalls; the process group's timeout comes
     `BACKSTOP` s later, so that its bare "timed out" never races the diagnosis.
     """
     backstop = 0.0 if dist.get_backend() == "nccl" else BACKSTOP
-    set_default_pg_timeout(seconds + backstop)
+    for group in (None, *groups):
+        set_default_pg_timeout(seconds + backstop, group)

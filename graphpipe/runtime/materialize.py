@@ -23,22 +23,48 @@ values in this order:
 
 Anything that would stay uninitialised is refused with a `ConfigError` that names it.
 Afterwards the stage module reads the new tensors: `rebind` points its attributes at them.
+
+Under a mesh (`materialize_sharded`), as torchtitan does: FSDP2 shards the stage while it
+is still on meta, `to_empty` gives storage to the local shards only, and each tensor's
+value is made whole, by the same rules, and only this rank's shard of it is kept, one tensor
+(for `reset_parameters`, one module's tensors) at a time:
+
+- `reset_parameters()`: on a copy of the owning module's own tensors, seeded by its path;
+  peak beyond the shards: the largest module's own tensors.
+- a checkpoint: a DCP directory is read straight into the shards (DCP reads each
+  DTensor's local rows): nothing beyond them. A file one entry at a time: a `torch.save`
+  file is memory-mapped, so only the pages of this rank's rows are read; a safetensors
+  entry is read whole: peak beyond the shards, the largest entry.
+- `init`: it runs on the whole model, so the tensors it initialises (those no checkpoint
+  holds; without one, the whole stage) are real and whole while it runs; peak beyond the
+  shards: those tensors, freed before the stage is sharded.
 """
 
 from __future__ import annotations
 
+import copy
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from graphpipe.errors import ConfigError
+from graphpipe.runtime.checkpoint_files import entries, load_into, load_slice, read_each
 from graphpipe.tracing.annotate import is_meta
 
-__all__ = ["InitFn", "is_meta", "load_slice", "materialize", "names_by_id", "rebind"]
+__all__ = [
+    "InitFn",
+    "is_meta",
+    "load_slice",
+    "materialize",
+    "materialize_sharded",
+    "names_by_id",
+    "rebind",
+]
 
 InitFn = Callable[[nn.Module], None]
 
@@ -74,24 +100,157 @@ def materialize(
     fresh = _allocate(model, names, device)
     loaded = load_slice(checkpoint, names, aliases) if checkpoint is not None else {}
     rest = [n for n in names if n not in loaded]
-    lacking = [n for n in rest if persistent & set(aliases.get(n, [n]))]
-    if checkpoint is not None and lacking:
-        raise ConfigError(f"checkpoint {str(checkpoint)!r} lacks tensors this stage needs", lacking)
+    _check_complete(checkpoint, rest, aliases, persistent)
     if init is not None:
         init(model)
     elif rest:
         _reset(model, rest)
-    with torch.no_grad():
-        for name, value in loaded.items():
-            target = fresh[name]
-            if tuple(value.shape) != tuple(target.shape):
-                raise ConfigError(
-                    f"checkpoint entry {name!r} has shape {list(value.shape)}, the model's "
-                    f"tensor has {list(target.shape)}"
-                )
-            target.copy_(value)
+    for name, value in loaded.items():
+        _fill(fresh[name], value, name)
     rebind(stage, model)
     return names
+
+
+def materialize_sharded(
+    model: nn.Module,
+    stage: nn.Module,
+    device: torch.device,
+    shard: Callable[[], object],
+    init: InitFn | None = None,
+    checkpoint: str | Path | None = None,
+) -> list[str]:
+    """Shard `stage` on meta with `shard()`, then give storage and values to this rank's
+    shards only (the module docstring says the peak of each way).
+
+    The values equal `materialize`'s: each tensor is made whole by the same rules (init,
+    else reset_parameters seeded by its module's path; a checkpoint's entries override), and
+    this rank's shard of it is copied into its local tensor.
+
+    Args:
+        model: The whole model, on the meta device.
+        stage: This rank's stage module; its tensor names are names in `model`.
+        device: Where the stage runs.
+        shard: Wraps `stage` with FSDP2 (`graphpipe.runtime.mesh.shard_stage`).
+        init: `init(model)`, initialising the real tensors.
+        checkpoint: A state_dict file, safetensors file(s) or a DCP directory.
+
+    Returns:
+        The canonical names of the meta tensors materialised.
+
+    Raises:
+        ConfigError: as `materialize`.
+    """
+    names = _meta_names(model, stage)
+    aliases = _aliases(model)
+    canonical = {n: every[0] for every in aliases.values() for n in every}
+    loaded = set(entries(checkpoint, names, aliases)) if checkpoint is not None else set()
+    rest = [n for n in names if n not in loaded]
+    _check_complete(checkpoint, rest, aliases, set(model.state_dict(keep_vars=True)))
+    kept = _real(stage, canonical)  # tensors already real: kept whole until sharded
+    owners: dict[str, list[str]] = {}
+    if init is not None and rest:
+        kept.update(_initialised(model, rest, device, init))
+    elif rest:
+        owners = _owners(model, rest)
+    scratch = {path: copy.deepcopy(model.get_submodule(path)) for path in owners}  # on meta
+    shard()
+    stage.to_empty(device=device)
+    targets = _targets(stage, canonical)
+    wanted = {n: targets[n] for n in loaded}
+    in_shards = checkpoint is not None and load_into(checkpoint, wanted, aliases)  # DCP
+    files = None if in_shards else checkpoint
+    values = _values(kept, files, sorted(loaded), aliases, scratch, owners, device)
+    for name, value in values:
+        _fill(targets[name], value, name)
+    return names
+
+
+def _real(stage: nn.Module, canonical: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The stage's tensors that are not on meta, by canonical name."""
+    return {canonical.get(n, n): t for n, t in _named(stage) if not t.is_meta}
+
+
+def _named(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+
+
+def _targets(stage: nn.Module, canonical: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The sharded stage's tensors (a parameter a DTensor), by canonical name."""
+    return {canonical.get(n, n): t for n, t in _named(stage)}
+
+
+def _initialised(
+    model: nn.Module, names: list[str], device: torch.device, init: InitFn
+) -> dict[str, torch.Tensor]:
+    """`names` made real and whole in `model`, `init(model)` run, and their values; the
+    model's meta tensors are put back, so `model` still holds no storage afterwards."""
+    aliases = _aliases(model)
+    meta = {name: _get(model, name) for name in names}
+    fresh = _allocate(model, names, device)
+    init(model)
+    for name, old in meta.items():
+        for alias in aliases.get(name, [name]):
+            _set(model, alias, old)
+    return fresh
+
+
+def _values(
+    kept: dict[str, torch.Tensor],
+    checkpoint: str | Path | None,
+    loaded: list[str],
+    aliases: dict[str, list[str]],
+    scratch: dict[str, nn.Module],
+    owners: dict[str, list[str]],
+    device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor's whole value by canonical name, one at a time (or one module's): the
+    real ones, then the checkpoint's entries, then the ones reset_parameters() makes."""
+    yield from kept.items()
+    if checkpoint is not None:
+        yield from read_each(checkpoint, loaded, aliases)
+    for path in sorted(owners):
+        module = scratch.pop(path)
+        module.to_empty(device=device, recurse=False)  # its own tensors, not its children's
+        _reset_module(module, path)
+        yield from ((name, _get(module, name.rpartition(".")[2])) for name in owners[path])
+
+
+def _fill(target: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    """Copy `value` (a whole tensor) into `target`: into its local shard where `target` is
+    a DTensor (this rank's rows, sliced here: no collective), else whole.
+
+    Raises:
+        ConfigError: `value` is not shaped as the model's tensor `name`.
+    """
+    if tuple(value.shape) != tuple(target.shape):
+        raise ConfigError(
+            f"checkpoint entry {name!r} has shape {list(value.shape)}, the model's tensor has "
+            f"{list(target.shape)}"
+        )
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            value = value.to(device=target.device, dtype=target.dtype)
+            mine = distribute_tensor(
+                value, target.device_mesh, target.placements, src_data_rank=None
+            )
+            target.to_local().copy_(mine.to_local())
+        else:
+            target.copy_(value)
+
+
+def _check_complete(
+    checkpoint: str | Path | None,
+    rest: list[str],
+    aliases: dict[str, list[str]],
+    persistent: set[str],
+) -> None:
+    """Raises: ConfigError: `checkpoint` lacks persistent tensors of `rest`, naming them."""
+    lacking = [n for n in rest if persistent & set(aliases.get(n, [n]))]
+    if checkpoint is not None and lacking:
+        raise ConfigError(f"checkpoint {str(checkpoint)!r} lacks tensors this stage needs", lacking)
 
 
 def _meta_names(model: nn.Module, stage: nn.Module) -> list[str]:
@@ -152,6 +311,23 @@ def _reset(model: nn.Module, names: list[str]) -> None:
     Raises:
         ConfigError: owners without reset_parameters(), naming them and their tensors.
     """
+    for path in sorted(_owners(model, names)):
+        _reset_module(model.get_submodule(path), path)
+
+
+def _reset_module(module: nn.Module, path: str) -> None:
+    """`module.reset_parameters()` under a seed made from its path in the model."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(path.encode()))
+        module.reset_parameters()  # type: ignore[operator]
+
+
+def _owners(model: nn.Module, names: list[str]) -> dict[str, list[str]]:
+    """The modules owning `names`, by path, each with the names it owns.
+
+    Raises:
+        ConfigError: owners without reset_parameters(), naming them and their tensors.
+    """
     owners: dict[str, list[str]] = {}
     for name in names:
         owners.setdefault(name.rpartition(".")[0], []).append(name)
@@ -166,10 +342,7 @@ def _reset(model: nn.Module, names: list[str]) -> None:
             "initialise their tensors: pass init_weights=fn(model) or checkpoint=...",
             [f"{path or type(model).__name__}: {held}" for path, held in sorted(missing.items())],
         )
-    for path in sorted(owners):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(zlib.crc32(path.encode()))
-            model.get_submodule(path).reset_parameters()  # type: ignore[operator]
+    return owners
 
 
 def rebind(stage: nn.Module, model: nn.Module) -> None:
@@ -179,76 +352,3 @@ def rebind(stage: nn.Module, model: nn.Module) -> None:
         *stage.named_buffers(remove_duplicate=False),
     ]:
         _set(stage, name, _get(model, name))
-
-
-def load_slice(
-    checkpoint: str | Path, names: list[str], aliases: dict[str, list[str]]
-) -> dict[str, torch.Tensor]:
-    """The entries of `checkpoint` for `names` (found under any alias), read lazily.
-
-    Args:
-        checkpoint: A `torch.save` state_dict file, a `.safetensors` file, a directory of
-            safetensors files, or a DCP directory (it has a `.metadata` file).
-        names: Canonical names wanted.
-        aliases: Every name of each canonical name.
-
-    Returns:
-        Canonical name -> tensor, for the names the checkpoint has.
-
-    Raises:
-        ConfigError: the path does not exist or holds no known format.
-    """
-    path = Path(checkpoint)
-    if not path.exists():
-        raise ConfigError(f"checkpoint {str(path)!r} does not exist")
-    if path.is_dir() and (path / ".metadata").exists():
-        return _load_dcp(path, names, aliases)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files:
-        raise ConfigError(f"checkpoint directory {str(path)!r} holds no .safetensors file")
-    found: dict[str, torch.Tensor] = {}
-    for file in files:
-        found.update(_load_file(file, names, aliases))
-    return found
-
-
-def _lookup(available: set[str], name: str, aliases: dict[str, list[str]]) -> str | None:
-    return next((a for a in aliases.get(name, [name]) if a in available), None)
-
-
-def _load_file(
-    file: Path, names: list[str], aliases: dict[str, list[str]]
-) -> dict[str, torch.Tensor]:
-    if file.suffix == ".safetensors":
-        try:
-            from safetensors import safe_open
-        except ImportError as exc:
-            raise ConfigError(
-                f"reading {str(file)!r} needs the safetensors package: pip install safetensors"
-            ) from exc
-
-        with safe_open(str(file), framework="pt") as f:
-            keys = set(f.keys())
-            return {
-                n: f.get_tensor(k) for n in names if (k := _lookup(keys, n, aliases)) is not None
-            }
-    state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    if not isinstance(state, dict):
-        raise ConfigError(f"checkpoint {str(file)!r} holds a {type(state).__name__}, not a dict")
-    keys = set(state)
-    return {n: state[k] for n in names if (k := _lookup(keys, n, aliases)) is not None}
-
-
-def _load_dcp(
-    path: Path, names: list[str], aliases: dict[str, list[str]]
-) -> dict[str, torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
-
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    wanted = {n: k for n in names if (k := _lookup(set(meta), n, aliases)) is not None}
-    state = {
-        k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype)  # type: ignore[union-attr]
-        for k in wanted.values()
-    }
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return {n: state[k] for n, k in wanted.items()}

@@ -30,9 +30,10 @@ from graphpipe.runtime.comm import Transport
 from graphpipe.runtime.emulate import Emulate, EmulatedStage, emulated_specs
 from graphpipe.runtime.executor import Executor, StageRuntime
 from graphpipe.runtime.failures import guarded, install_watch, set_collective_timeout
+from graphpipe.runtime.fsdp_comms import guard_collectives
 from graphpipe.runtime.groups import Modules, sum_groups, update_group
 from graphpipe.runtime.hooks import AgreeFinite, Clip, Unscale, hooks_for
-from graphpipe.runtime.materialize import materialize, names_by_id
+from graphpipe.runtime.materialize import is_meta, materialize, materialize_sharded, names_by_id
 from graphpipe.runtime.mesh import MeshLayout, shard_stage
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import LossScaler, Precision
@@ -138,7 +139,6 @@ def wire(
     canon = {n: names[0] for names in names_by_id(model).values() for n in names}
     precision = _precision(spec, layout, gm)
     built = _build_modules(model, gm, plan, spec, example_inputs, mine, device, precision)
-    aliases = names_by_id(model)  # by the ids of the materialised tensors: after materialize
     modules = built.modules
     sync, shared = sum_groups(plan, spec, schedule.name, rank, canon, modules, mine, layout.sharded)
     update_group, scaler, agree = _update_checks(plan, spec, modules, canon, device, layout)
@@ -151,6 +151,8 @@ def wire(
         guarded("the all-reduce that starts NCCL", lambda: dist.all_reduce(warm))
     parts = _Parts(None, None, None, None, None)
     fsdp_mesh = layout.fsdp_mesh(spec.dp_shard) if layout.fsdp else None  # every rank
+    if fsdp_mesh is not None:  # FSDP2's collectives, unguarded: their groups' own limit
+        set_collective_timeout(runtime.timeout, fsdp_mesh.get_all_groups())
     tp_plan = resolve_tp_plan(model, spec.tp_plan) if layout.tp_mesh is not None else None
     if mine:
         parts = _wire_stages(
@@ -177,6 +179,7 @@ def wire(
             scaler,
             agree,
         )
+    aliases = names_by_id(model)  # by the ids of the materialised (and sharded) tensors
     return Wiring(
         spec=spec,
         plan=plan,
@@ -287,10 +290,10 @@ def _build_modules(
     specs = {  # what crosses stages, in the precision's dtype
         name: (shape, precision.spec_dtype(dtype)) for name, (shape, dtype) in specs.items()
     }
-    materialized = [
+    materialized = [  # under a mesh a stage is sharded first (`_place`)
         t
         for i in mine
-        if emulate is None
+        if emulate is None and not spec.meshed
         for t in materialize(model, modules[i][0], device, spec.init_weights, spec.checkpoint)
     ]
     return _Built(modules, specs, model_inputs, orphans, bool(materialized))
@@ -331,13 +334,7 @@ def _wire_stages(
         module, io = modules[i]
         if spec.runtime.emulate is None:
             retarget(module, c.device)
-        module.to(c.device)
-        if spec.compile_stages:  # in place: the module and its state dict keys stay
-            module.compile()
-        if c.tp_plan is not None:  # DTensors over tp first: FSDP2 shards them over dp (2D)
-            apply_tp(module, c.canon, cast(DeviceMesh, c.layout.tp_mesh), c.tp_plan)
-        if c.fsdp_mesh is not None:  # before the optimizer: it steps the sharded parameters
-            shard_stage(module, c.model, c.fsdp_mesh, spec.reshard_after_forward, precision)
+        _place(c, i, module, precision)
         runtime_stages[i] = StageRuntime(
             c.rank, c.plan, i, module, io, specs, c.gm, spec.loss_fn, c.device,
             tensor_parallel=c.tp_plan is not None,
@@ -374,6 +371,33 @@ def _wire_stages(
         grad_scale=None if scaler is None else lambda: scaler.scale,
     )
     return _Parts(whole, optimizer, clipper, policy, executor)
+
+
+def _place(c: _Context, index: int, module: fx.GraphModule, precision: Precision) -> None:
+    """Put stage `index`'s module on the device, compiled if asked, and under a mesh
+    sharded by FSDP2 (its collectives under the watch) before the optimizer is made (it
+    steps the sharded parameters). A stage still on meta (a meta model under a mesh) is
+    sharded first and only its shards materialised."""
+    spec = c.spec
+    if c.fsdp_mesh is not None:
+        mesh = c.fsdp_mesh
+
+        def shard() -> None:
+            shard_stage(module, c.model, mesh, spec.reshard_after_forward, precision)
+            guard_collectives(module, index)
+
+        if spec.runtime.emulate is None and is_meta(module):
+            materialize_sharded(
+                c.model, module, c.device, shard, spec.init_weights, spec.checkpoint
+            )
+            return
+    module.to(c.device)
+    if spec.compile_stages:  # in place: the module and its state dict keys stay
+        module.compile()
+    if c.tp_plan is not None:  # DTensors over tp first: FSDP2 shards them over dp (2D)
+        apply_tp(module, c.canon, cast(DeviceMesh, c.layout.tp_mesh), c.tp_plan)
+    if c.fsdp_mesh is not None:
+        shard()
 
 
 def _scaler(group: dist.ProcessGroup | None) -> LossScaler:
