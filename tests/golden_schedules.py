@@ -25,7 +25,7 @@ from graphpipe.scheduling.program import lower
 from graphpipe.scheduling.simulate import simulate, steady_run
 
 PATH = Path(__file__).parent / "data" / "schedules.json.gz"
-NAMES = ("gpipe", "1f1b", "zb", "async", "2bw", "forward", "graph_interleaved")
+NAMES = ("gpipe", "1f1b", "zb", "zb2", "async", "2bw", "forward", "graph_interleaved")
 CALLS = 2  # step() calls of an asynchronous run, before its drain
 
 

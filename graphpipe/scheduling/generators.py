@@ -11,12 +11,27 @@ Generators:
             up with S-1-i forwards, the textbook order; on a stage DAG this is GraphPipe's
             graph 1F1B (parallel branches share a depth and so keep fewer micro-batches in
             flight). Alias: graph1f1b.
-    zb      zero bubble ZB-H1 (Qi et al., arXiv 2401.10241): 1F1B with the backward split into
-            I (input gradient, on the critical path) and W (weight gradient, deferrable). The
-            W passes fill bubbles: a greedy run of the plan's costs does W whenever the next
-            F or I waits for its input, and before a new F once a stage holds as much
-            activation as 1F1B would (an I frees all but the W share, see
-            `graphpipe.scheduling.simulate`). Same memory as 1F1B, a smaller bubble.
+    zb      zero bubble ZB-H1 (Qi et al., arXiv 2401.10241, section 3.1): 1F1B with the
+            backward split into I (input gradient, on the critical path) and W (weight
+            gradient, deferrable). The F and I passes keep 1F1B's order; a stage d stages
+            from a source (stage i of a chain) defers its first d W passes, then runs the
+            oldest pending W right after each I, and its deferred ones at the end, where
+            they fill the cool-down bubble (as torch's ScheduleInterleavedZeroBubble does
+            with one stage per rank). On a chain of p equal stages the step is
+            M(F + I + W) + (p - 1)(F + I - W), the paper's bubble; the peak memory is
+            1F1B's (the first stage's p micro-batches): stage i holds p - i full
+            micro-batches and i weight halves at most. A second candidate places the W
+            passes by a greedy run of the plan's costs (a W whenever the next F or I waits,
+            and before an F once the stage holds 1F1B's activation); the one that replays
+            faster over the plan's costs is kept, the paper's on a tie, so unknown
+            (all-zero) times give the paper's order.
+    zb2     zero bubble ZB-H2 (same paper): stage s warms up with up to 2 w(s) + 1 forwards
+            (w: its 1F1B warm-up, so 2p - 1 on a chain's first stage), runs a ready I
+            first, then F, and W passes in between, built by a greedy run under the paper's
+            F = I = W (`graphpipe.scheduling.greedy.zb_h2`). Each rank is busy from its
+            first F to its last W with no gap on equal stages: the step is
+            M(F + I + W) + (p - 1)F, the rest of the paper's zero bubble being the ramp of a
+            flushed step.
     async   1F1B without a flush (PipeDream): micro-batches keep flowing across step() calls,
             call c holding micro-batches cM..cM+M-1, and every backward is followed by an
             update (`sUj`). `drain` ends the run with the backwards still in flight.
@@ -29,12 +44,15 @@ Generators:
             stages in rounds of N micro-batches, backwards through them in reverse; the
             warm-up on device d is 2(N-1-d) + (v-1)N forwards. Needs M a multiple of N.
             The bubble shrinks by v against 1F1B.
-    zbv     ZB-V (Qi et al., arXiv 2401.10241) on a chain of 2N stages folded "v" onto the
+    zbv     ZB-V (Qi et al., arXiv 2405.15362) on a chain of 2N stages folded "v" onto the
             devices (device d holds stages d and 2N-1-d): the backward split into I and W,
-            built by a greedy run of the plan's costs in which each device does a ready I
-            first, then a ready F (the deeper stage first) while it holds fewer than 2N
-            activation units (and its first stage's forwards are fewer than 2(N-d)-1 ahead
-            of its second's), and W passes whenever nothing else is ready.
+            built by a greedy run in which each device does a ready I first, then a ready F
+            (the deeper stage first) while it holds fewer than 2N activation units (and its
+            first stage's forwards are fewer than 2(N-d)-1 ahead of its second's), and W
+            passes whenever nothing else is ready. Two runs: one under the paper's
+            F = I = W, one under the plan's times; the one that replays faster over the
+            plan's times is kept, the paper's on a tie, so unknown (all-zero) times give the
+            paper's order. On equal stages the step is 2M(F + I + W) + (N - 1)F.
     graph_interleaved
             1F1B on a stage DAG whose devices may hold several stages, in any placement
             (`graphpipe.planning.interleave`: a later stage on a device that holds an
@@ -81,14 +99,16 @@ from graphpipe.scheduling.greedy import (
     Order,
     RankOrder,
     Step,
+    fastest,
     graph_interleaved,
     weight_halves,
+    zb_h2,
     zbv,
 )
 
 __all__ = ["drain_schedule", "make_schedule", "warmups"]
 
-F, B, I, U = (ActionKind(k) for k in "FBIU")  # noqa: E741 -- the kinds' own letters
+F, B, I, W, U = (ActionKind(k) for k in "FBIWU")  # noqa: E741 -- the kinds' own letters
 Builder = Callable[[Plan, int, int], list[list[Action]]]  # (plan, call, M) -> rank lists
 
 
@@ -178,7 +198,8 @@ def _builders() -> dict[str, Builder]:
     builders: dict[str, Builder] = {
         "gpipe": _flushed(_gpipe),
         "1f1b": _flushed(_flush_1f1b),
-        "zb": _flushed(_zero_bubble),
+        "zb": _flushed(_zb_h1),
+        "zb2": _flushed(lambda p, mbs: zb_h2(p, mbs, warmups(p))),
         "async": _asynchronous("async"),
         "2bw": _asynchronous("2bw"),
         "forward": _forward_only,
@@ -361,11 +382,44 @@ def _interleaved(plan: Plan, mbs: list[int]) -> list[RankOrder]:
     return orders
 
 
-def _zero_bubble(plan: Plan, mbs: list[int]) -> dict[int, Order]:
-    """ZB-H1 per stage: the 1F1B order with I for B, and W placed by a greedy run of the costs."""
+def _zb_h1(plan: Plan, mbs: list[int]) -> dict[int, Order]:
+    """ZB-H1 per stage (see the module docstring): the paper's order, or the plan's costs'
+    placement of the W passes where that replays faster."""
     w = warmups(plan)
     base = {s.index: _one_f_one_b(mbs, w[s.index], backward=I) for s in plan.stages}
-    return weight_halves(plan, base, w)
+    return fastest(plan, [_paper_zb_h1(plan, base), weight_halves(plan, base, w)])
+
+
+def _paper_zb_h1(plan: Plan, base: dict[int, Order]) -> dict[int, Order]:
+    """Each stage's 1F1B order `base` (F and I) with its W passes placed as the paper's
+    ZB-H1: right after each I once the stage has deferred as many as the stages before it."""
+    before = edges_to_sink(plan.stage_graph.reverse())
+    return {  # replicas hold disjoint micro-batches, each in its own order
+        s.index: [
+            step
+            for rank in s.devices
+            for step in _deferred_weights(
+                [a for a in base[s.index] if s.device_for(a[1]) == rank], before[s.index]
+            )
+        ]
+        for s in plan.stages
+    }
+
+
+def _deferred_weights(order: Order, defer: int) -> Order:
+    """`order` (F and I) with the W of the oldest pending micro-batch right after each I from
+    the (defer + 1)-th on, and the Ws still pending at its end."""
+    out: Order = []
+    pending: list[int] = []
+    inputs = 0  # I passes so far
+    for kind, j in order:
+        out.append((kind, j))
+        if kind == I:
+            pending.append(j)
+            inputs += 1
+            if inputs > defer:
+                out.append((W, pending.pop(0)))
+    return out + [(W, j) for j in pending]
 
 
 _BUILDERS = _builders()  # after every builder is defined; refuses a registry mismatch
