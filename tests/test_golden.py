@@ -30,6 +30,7 @@ def test_the_pins_cover_every_schedule_and_the_hard_shapes() -> None:
         "2bw",
         "forward",
         "interleaved",
+        "interleaved_zb",
         "zbv",
         "graph_interleaved",
     }

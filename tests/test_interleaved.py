@@ -38,9 +38,9 @@ FOLDED = {  # three stages on two ranks: a later stage joins an earlier one's ra
     # embed.weight read by stages 0 and 2, both on rank 0: one tensor there
     "tied": ({"embed": 0, "body": 1, "out": 2}, [0, 1, 0]),
 }
-CASES = [(name, s) for name in sorted(CHAINS) for s in ("interleaved", "zbv")]
+CASES = [(name, s) for name in sorted(CHAINS) for s in ("interleaved", "interleaved_zb", "zbv")]
 CASES += [(name, "graph_interleaved") for name in sorted(FOLDED)]
-PLACEMENT = {"interleaved": "loop", "zbv": "v"}
+PLACEMENT = {"interleaved": "loop", "interleaved_zb": "loop", "zbv": "v"}
 
 
 def _folded(name: str) -> Any:

@@ -145,14 +145,25 @@ def test_one_stage_per_rank_steps_equal_the_papers_formulas(name: str, p: int, m
         assert result.peak_in_flight == (2 * p - 1,) * p
 
 
+FOLDED_STEPS = {  # 2p equal stages, two per rank; per stage F = I = W = T
+    "interleaved": ("loop", lambda p, m: (2 * m + p - 1) * 3 * T),  # Megatron: bubble / v
+    "interleaved_zb": ("loop", lambda p, m: 6 * m * T + (p - 1) * T),  # no bubble past the ramp
+    "zbv": ("v", lambda p, m: 6 * m * T + (p - 1) * T),  # ZB-V: no bubble past the V's ramp
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOLDED_STEPS))
 @pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 12), (8, 8), (8, 16)])
-def test_zbv_step_equals_the_papers_formula_even_built_from_zero_times(p: int, m: int) -> None:
-    """ZB-V: 2M(F + I + W) + (p - 1)F on 2p equal stages (the V's ramp, no bubble after);
-    built from all-zero op times, the order is the paper's, not a greedy run over zeros."""
-    plan = _free_links(placed_plan(p, 2, m, "v"))
+def test_two_stages_per_rank_steps_equal_the_formulas_even_built_from_zero_times(
+    name: str, p: int, m: int
+) -> None:
+    """Built from all-zero op times (a FLOP profile of stand-ins), the order is the paper's,
+    not a greedy run over zeros: it steps as the formula says under the true times."""
+    placement, step = FOLDED_STEPS[name]
+    plan = _free_links(placed_plan(p, 2, m, placement))
     for built_from in (plan, _zero_times(plan)):
-        result = simulate(plan, make_schedule(built_from, "zbv"))
-        assert result.iteration_time == pytest.approx(6 * m * T + (p - 1) * T)
+        result = simulate(plan, make_schedule(built_from, name))
+        assert result.iteration_time == pytest.approx(step(p, m))
 
 
 def _same_stages(kind: str) -> Plan:

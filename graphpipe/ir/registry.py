@@ -99,6 +99,14 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             replicas=False,
         ),
         ScheduleSpec(
+            "interleaved_zb",
+            "interleaved zero bubble (ZB1P) on a chain folded 'loop' onto the devices",
+            split_backward=True,
+            placement="loop",
+            dag=False,
+            replicas=False,
+        ),
+        ScheduleSpec(
             "zbv",
             "ZB-V on a chain of 2N stages folded 'v' onto N devices",
             split_backward=True,

@@ -44,6 +44,12 @@ Generators:
             stages in rounds of N micro-batches, backwards through them in reverse; the
             warm-up on device d is 2(N-1-d) + (v-1)N forwards. Needs M a multiple of N.
             The bubble shrinks by v against 1F1B.
+    interleaved_zb
+            interleaved zero bubble (torch's ScheduleInterleavedZeroBubble, the ZB paper's
+            ZB-1P over a "loop" placement): interleaved 1F1B's rounds with the backward
+            split, a warm-up of (N-1-d) + (v-1)N forwards on device d, each I followed by the
+            W of the oldest pending I once the device has deferred d of them, the rest at the
+            end. A fixed order. Needs M a multiple of N.
     zbv     ZB-V (Qi et al., arXiv 2405.15362) on a chain of 2N stages folded "v" onto the
             devices (device d holds stages d and 2N-1-d): the backward split into I and W,
             built by a greedy run in which each device does a ready I first, then a ready F
@@ -204,6 +210,7 @@ def _builders() -> dict[str, Builder]:
         "2bw": _asynchronous("2bw"),
         "forward": _forward_only,
         "interleaved": _placed(_interleaved),
+        "interleaved_zb": _placed(_interleaved_zb),
         "zbv": _placed(zbv),
         "graph_interleaved": _placed(lambda p, mbs: graph_interleaved(p, mbs, warmups(p))),
     }
@@ -257,8 +264,8 @@ def _check_placed(plan: Plan, spec: ScheduleSpec, m: int) -> None:
             f"(PlanConfig(virtual_stages=..., placement={placement!r})); stages {wrong} are "
             "not placed so"
         )
-    if spec.name == "interleaved" and m % n:
-        raise ScheduleError(f"interleaved needs micro_batches a multiple of {n} devices, got {m}")
+    if spec.placement == "loop" and m % n:
+        raise ScheduleError(f"{spec.name} needs micro_batches a multiple of {n} devices, got {m}")
     if spec.name == "zbv" and len(plan.stages) != 2 * n:
         raise ScheduleError(f"zbv needs 2 stages per device, got {len(plan.stages)} on {n}")
 
@@ -358,27 +365,52 @@ def _device_lists(plan: Plan, orders: list[RankOrder]) -> list[list[Action]]:
     return lists
 
 
+def _loop_step(plan: Plan, rank: int, k: int, kind: ActionKind) -> Step:
+    """The k-th forward (or backward half) of `rank` on a "loop" placement, Megatron's
+    order: rounds of N micro-batches through the device's stages, backwards in reverse."""
+    n = plan.num_devices
+    v = len(plan.stages) // n
+    chunk = (k // n) % v
+    if kind != F:
+        chunk = v - 1 - chunk
+    return chunk * n + rank, kind, (k // (n * v)) * n + k % n
+
+
 def _interleaved(plan: Plan, mbs: list[int]) -> list[RankOrder]:
     """Megatron's interleaved 1F1B on a "loop" placement (see the module docstring)."""
     n = plan.num_devices
     v = len(plan.stages) // n
     total = len(mbs) * v
-
-    def nth(rank: int, k: int, kind: ActionKind) -> Step:
-        """The k-th forward (or backward) of `rank`: (stage, kind, micro-batch)."""
-        chunk = (k // n) % v
-        if kind == B:
-            chunk = v - 1 - chunk
-        return chunk * n + rank, kind, (k // (n * v)) * n + k % n
-
     orders = []
     for rank in range(n):
         warmup = min(2 * (n - 1 - rank) + (v - 1) * n, total)
-        order = [nth(rank, k, F) for k in range(warmup)]
+        order = [_loop_step(plan, rank, k, F) for k in range(warmup)]
         for k in range(total - warmup):
-            order += [nth(rank, warmup + k, F), nth(rank, k, B)]
-        order += [nth(rank, k, B) for k in range(total - warmup, total)]
+            order += [_loop_step(plan, rank, warmup + k, F), _loop_step(plan, rank, k, B)]
+        order += [_loop_step(plan, rank, k, B) for k in range(total - warmup, total)]
         orders.append(order)
+    return orders
+
+
+def _interleaved_zb(plan: Plan, mbs: list[int]) -> list[RankOrder]:
+    """Interleaved zero bubble (ZB1P) on a "loop" placement (see the module docstring)."""
+    n = plan.num_devices
+    v = len(plan.stages) // n
+    total = len(mbs) * v
+    orders = []
+    for rank in range(n):
+        warmup = min((n - 1 - rank) + (v - 1) * n, total)
+        order = [_loop_step(plan, rank, k, F) for k in range(warmup)]
+        pending: list[Step] = []
+        for k in range(total):
+            if warmup + k < total:
+                order.append(_loop_step(plan, rank, warmup + k, F))
+            order.append(_loop_step(plan, rank, k, I))
+            pending.append(order[-1])
+            if k >= rank:  # rank r defers its first r weight halves into the cool-down
+                stage, _, j = pending.pop(0)
+                order.append((stage, W, j))
+        orders.append(order + [(stage, W, j) for stage, _, j in pending])
     return orders
 
 
