@@ -13,7 +13,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks import convergence, emulated, fair, interleave, planner, real_models, runtime
+from benchmarks import (
+    convergence,
+    emulated,
+    fair,
+    interleave,
+    peers,
+    planner,
+    real_models,
+    runtime,
+)
 from benchmarks._common import log
 
 NOTES = "<!-- generated above; notes below, kept when the figures are regenerated -->"
@@ -57,6 +66,7 @@ def main() -> int:
         ("emulated devices", emulated.report),
         ("real-model planning", real_models.report),
         ("runtime", runtime.report),
+        ("peers", lambda: peers.report([4], 3)),
         ("graph interleaving", interleave.report),
         ("convergence", lambda: convergence.report(root / "benchmarks")),
     ):

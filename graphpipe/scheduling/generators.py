@@ -51,14 +51,17 @@ Generators:
             W of the oldest pending I once the device has deferred d of them, the rest at the
             end. A fixed order. Needs M a multiple of N.
     zbv     ZB-V (Qi et al., arXiv 2405.15362) on a chain of 2N stages folded "v" onto the
-            devices (device d holds stages d and 2N-1-d): the backward split into I and W,
-            built by a greedy run in which each device does a ready I first, then a ready F
-            (the deeper stage first) while it holds fewer than 2N activation units (and its
-            first stage's forwards are fewer than 2(N-d)-1 ahead of its second's), and W
-            passes whenever nothing else is ready. Two runs: one under the paper's
-            F = I = W, one under the plan's times; the one that replays faster over the
-            plan's times is kept, the paper's on a tie, so unknown (all-zero) times give the
-            paper's order. On equal stages the step is 2M(F + I + W) + (N - 1)F.
+            devices (device d holds stages d and 2N-1-d), the backward split into I and W.
+            Three candidates: the paper's order (`_paper_zbv`, its figure 4, as torch's
+            ScheduleZBVZeroBubble), and two greedy runs, under the paper's F = I = W and
+            under the plan's times, in which each device does a ready I first, then a ready
+            F (the deeper stage first) while it holds fewer than 2N activation units (and
+            its first stage's forwards are fewer than 2(N-d)-1 ahead of its second's), and
+            W passes whenever nothing else is ready. The one that replays fastest over the
+            plan's times is kept; ties go to the fastest under F = I = W, then to the
+            paper's, so unknown (all-zero) times never give a greedy order over zeros (the
+            greedy runs win where M < 2N - 1). On equal stages the step is
+            2M(F + I + W) + (N - 1)F.
     graph_interleaved
             1F1B on a stage DAG whose devices may hold several stages, in any placement
             (`graphpipe.planning.interleave`: a later stage on a device that holds an
@@ -102,11 +105,14 @@ from graphpipe.ir import (
 )
 from graphpipe.ir.registry import SCHEDULES
 from graphpipe.scheduling.greedy import (
+    PAPER,
     Order,
     RankOrder,
     Step,
+    faster,
     fastest,
     graph_interleaved,
+    plan_costs,
     weight_halves,
     zb_h2,
     zbv,
@@ -114,7 +120,7 @@ from graphpipe.scheduling.greedy import (
 
 __all__ = ["drain_schedule", "make_schedule", "warmups"]
 
-F, B, I, W, U = (ActionKind(k) for k in "FBIWU")  # noqa: E741 -- the kinds' own letters
+F, B, I, W, U = (ActionKind(k) for k in "FBIWU")  # noqa: E741  # noqa: E741 -- the kinds' own letters
 Builder = Callable[[Plan, int, int], list[list[Action]]]  # (plan, call, M) -> rank lists
 
 
@@ -211,7 +217,7 @@ def _builders() -> dict[str, Builder]:
         "forward": _forward_only,
         "interleaved": _placed(_interleaved),
         "interleaved_zb": _placed(_interleaved_zb),
-        "zbv": _placed(zbv),
+        "zbv": _placed(_zbv),
         "graph_interleaved": _placed(lambda p, mbs: graph_interleaved(p, mbs, warmups(p))),
     }
     if set(builders) != set(SCHEDULES):
@@ -412,6 +418,51 @@ def _interleaved_zb(plan: Plan, mbs: list[int]) -> list[RankOrder]:
                 order.append((stage, W, j))
         orders.append(order + [(stage, W, j) for stage, _, j in pending])
     return orders
+
+
+def _zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
+    """ZB-V (see the module docstring): the faster of the paper's order and two greedy runs."""
+    candidates = [_paper_zbv(plan, mbs), zbv(plan, mbs, PAPER), zbv(plan, mbs, plan_costs())]
+    return faster(plan, candidates)
+
+
+def _paper_zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
+    """ZB-V's order as the paper draws it (arXiv 2405.15362, figure 4), per device d of N
+    with stages a = d (down the V) and b = 2N-1-d (back up), counted over
+    max(M, 2N-1) micro-batches and then restricted to the M there are:
+
+        warm-up   2(N-d)-1 a-forwards; d times Fb Fa; N-d times Fb Ib Wb
+        steady    Fa Ia Wa Fb Ib Wb until every forward is done
+        cool-down d times Ia Ib; N-d times Ia Wa; the b weights left, then the a ones
+    """
+    n, m = plan.num_devices, len(mbs)
+    return [
+        [(s, k, mbs[j]) for s, k, j in _paper_zbv_device(n, d, max(m, 2 * n - 1)) if j < m]
+        for d in range(n)
+    ]
+
+
+def _paper_zbv_device(n: int, d: int, count: int) -> RankOrder:
+    """Device d's ZB-V order over `count` micro-batches 0..count-1 (see `_paper_zbv`)."""
+    a, b = d, 2 * n - 1 - d
+    done = dict.fromkeys([(s, k) for s in (a, b) for k in (F, I, W)], 0)
+    order: RankOrder = []
+
+    def run(*steps: tuple[int, ActionKind]) -> None:
+        for stage, kind in steps:
+            order.append((stage, kind, done[(stage, kind)]))
+            done[(stage, kind)] += 1
+
+    run(*[(a, F)] * (2 * (n - d) - 1))
+    run(*[(b, F), (a, F)] * d)
+    run(*[(b, F), (b, I), (b, W)] * (n - d))
+    while done[(b, F)] < done[(a, F)] or done[(a, F)] < count:
+        run(*[(a, F)] * (done[(a, F)] < count))
+        run((a, I), (a, W), (b, F), (b, I), (b, W))
+    run(*[(a, I), (b, I)] * d)
+    run(*[(a, I), (a, W)] * (n - d))
+    run(*[(b, W)] * (done[(b, I)] - done[(b, W)]), *[(a, W)] * (done[(a, I)] - done[(a, W)]))
+    return order
 
 
 def _zb_h1(plan: Plan, mbs: list[int]) -> dict[int, Order]:

@@ -8,9 +8,11 @@ messages it sends arrive (`graphpipe.ir.messages`). The ranks differ only in wha
 run next.
 
 A run reads its times from `Costs`: the plan's own (`plan_costs`), or the zero-bubble
-papers' assumption (`PAPER`: F = I = W, messages free). An order built from a plan whose op
-times are unknown (all zero, as a FLOP profile gives stand-ins that only sleep) is the
-paper's: every candidate then ties, and ties go to the paper's order (`_faster`).
+papers' assumption (`PAPER`: F = I = W, messages free). Where several candidate orders are
+built, `faster` keeps the one that replays fastest over the plan's costs, and among ties
+the one fastest under the papers' F = I = W: so a plan whose op times are unknown (all
+zero, as a FLOP profile gives stand-ins that only sleep) gets the paper's order, never a
+greedy order over zeros.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "Order",
     "RankOrder",
     "Step",
+    "faster",
     "fastest",
     "graph_interleaved",
     "plan_costs",
@@ -143,29 +146,27 @@ class _Needs:
         return max((arrivals.get(m, float("inf")) for m in needed), default=0.0)
 
 
-def zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
-    """ZB-V on a "v" placement: each device's compute order (see
-    `graphpipe.scheduling.generators`).
-
-    Two candidates: the greedy run under the paper's F = I = W, and under the plan's costs;
-    the plan's costs pick the faster, ties (unknown, all-zero times) going to the paper's.
-    """
-    candidates = [_zbv_run(plan, mbs, PAPER), _zbv_run(plan, mbs, plan_costs())]
-    return _faster(plan, candidates)
-
-
-def _zbv_run(plan: Plan, mbs: list[int], costs: Costs) -> list[RankOrder]:
+def zbv(plan: Plan, mbs: list[int], costs: Costs) -> list[RankOrder]:
+    """ZB-V on a "v" placement built by a greedy run over `costs`: each device's compute
+    order (see `graphpipe.scheduling.generators`)."""
     ranks = [_VRank(plan, r, mbs, cap=2 * plan.num_devices) for r in range(plan.num_devices)]
     _greedy(plan, ranks, "ZB-V", costs)
     return [r.done for r in ranks]
 
 
-def _faster(plan: Plan, candidates: list[list[RankOrder]]) -> list[RankOrder]:
-    """The candidate whose replay under the plan's costs ends first; the earliest listed of
-    those within a relative 1e-9 (so all-zero times keep the first, the paper's)."""
-    times = [replay(plan, c) for c in candidates]
-    best = min(times)
-    return next(c for c, t in zip(candidates, times, strict=True) if t <= best * (1 + 1e-9))
+def faster(plan: Plan, candidates: list[list[RankOrder]]) -> list[RankOrder]:
+    """The candidate whose replay over the plan's costs ends first; among those within a
+    relative 1e-9 of it, the one whose replay under the papers' F = I = W ends first; then
+    the earliest listed. So all-zero (unknown) times choose by the papers' assumption."""
+    keys = [(replay(plan, c), replay(plan, c, PAPER)) for c in candidates]
+    best = min(k[0] for k in keys)
+    near = [k[1] for k in keys if k[0] <= best * (1 + 1e-9)]
+    i = next(
+        i
+        for i, k in enumerate(keys)
+        if k[0] <= best * (1 + 1e-9) and k[1] <= min(near) * (1 + 1e-9)
+    )
+    return candidates[i]
 
 
 def replay(plan: Plan, orders: list[RankOrder], costs: Costs | None = None) -> float:
@@ -411,7 +412,7 @@ def fastest(plan: Plan, candidates: list[dict[int, Order]]) -> dict[int, Order]:
         return ranks
 
     rank_orders = [per_rank(c) for c in candidates]
-    return candidates[rank_orders.index(_faster(plan, rank_orders))]
+    return candidates[rank_orders.index(faster(plan, rank_orders))]
 
 
 def zb_h2(plan: Plan, mbs: list[int], w: dict[int, int]) -> dict[int, Order]:
