@@ -333,7 +333,8 @@ def report(ranks: Sequence[int], steps: int) -> str:
     table = [r for n in ranks for r in rows(n, steps)]
     return (
         "## Against torch.distributed.pipelining, emulated ranks\n\n"
-        f"{machine()}\n\nCommand: `python -m benchmarks.peers`. A chain of 2N layers, "
+        f"{machine()}\n\nCommand: `python -m benchmarks.peers --ranks "
+        f"{' '.join(map(str, ranks))} --steps {steps}`. A chain of 2N layers, "
         f"M = {M}, batch {BATCH}; costs per layer (F, I, W) in ms: "
         + ", ".join(f"{k} {tuple(round(t * 1e3) for t in v)}" for k, v in COSTS.items())
         + f"; measured: each rank's median of {steps} steps, the slowest rank.\n\n"
