@@ -52,7 +52,7 @@ Generators:
             end. A fixed order. Needs M a multiple of N.
     zbv     ZB-V (Qi et al., arXiv 2405.15362) on a chain of 2N stages folded "v" onto the
             devices (device d holds stages d and 2N-1-d), the backward split into I and W.
-            Three candidates: the paper's order (`_paper_zbv`, its figure 4, as torch's
+            Three candidates: the paper's order (`paper_zbv`, its figure 4, as torch's
             ScheduleZBVZeroBubble), and two greedy runs, under the paper's F = I = W and
             under the plan's times, in which each device does a ready I first, then a ready
             F (the deeper stage first) while it holds fewer than 2N activation units (and
@@ -108,7 +108,6 @@ from graphpipe.scheduling.greedy import (
     PAPER,
     Order,
     RankOrder,
-    Step,
     faster,
     fastest,
     graph_interleaved,
@@ -117,10 +116,17 @@ from graphpipe.scheduling.greedy import (
     zb_h2,
     zbv,
 )
+from graphpipe.scheduling.orders import (
+    interleaved,
+    interleaved_zb,
+    one_f_one_b,
+    paper_zb_h1,
+    paper_zbv,
+)
 
 __all__ = ["drain_schedule", "make_schedule", "warmups"]
 
-F, B, I, W, U = (ActionKind(k) for k in "FBIWU")  # noqa: E741  # noqa: E741 -- the kinds' own letters
+F, B, I, W, U = (ActionKind(k) for k in "FBIWU")  # noqa: E741 -- the kinds' own letters
 Builder = Callable[[Plan, int, int], list[list[Action]]]  # (plan, call, M) -> rank lists
 
 
@@ -129,21 +135,13 @@ def warmups(plan: Plan) -> dict[int, int]:
     return edges_to_sink(plan.stage_graph)
 
 
-def _one_f_one_b(mbs: list[int], warmup: int, backward: ActionKind = B) -> Order:
-    w = min(warmup, len(mbs))
-    order: Order = [(F, j) for j in mbs[:w]]
-    for i, j in enumerate(mbs[w:]):
-        order += [(F, j), (backward, mbs[i])]
-    return order + [(backward, j) for j in mbs[len(mbs) - w :]]
-
-
 def _gpipe(plan: Plan, mbs: list[int]) -> dict[int, Order]:
     return {s.index: [(F, j) for j in mbs] + [(B, j) for j in mbs] for s in plan.stages}
 
 
 def _flush_1f1b(plan: Plan, mbs: list[int]) -> dict[int, Order]:
     w = warmups(plan)
-    return {s.index: _one_f_one_b(mbs, w[s.index]) for s in plan.stages}
+    return {s.index: one_f_one_b(mbs, w[s.index]) for s in plan.stages}
 
 
 def _async_slice(plan: Plan, mbs: list[int], update_every: int) -> dict[int, Order]:
@@ -215,8 +213,8 @@ def _builders() -> dict[str, Builder]:
         "async": _asynchronous("async"),
         "2bw": _asynchronous("2bw"),
         "forward": _forward_only,
-        "interleaved": _placed(_interleaved),
-        "interleaved_zb": _placed(_interleaved_zb),
+        "interleaved": _placed(interleaved),
+        "interleaved_zb": _placed(interleaved_zb),
         "zbv": _placed(_zbv),
         "graph_interleaved": _placed(lambda p, mbs: graph_interleaved(p, mbs, warmups(p))),
     }
@@ -371,138 +369,18 @@ def _device_lists(plan: Plan, orders: list[RankOrder]) -> list[list[Action]]:
     return lists
 
 
-def _loop_step(plan: Plan, rank: int, k: int, kind: ActionKind) -> Step:
-    """The k-th forward (or backward half) of `rank` on a "loop" placement, Megatron's
-    order: rounds of N micro-batches through the device's stages, backwards in reverse."""
-    n = plan.num_devices
-    v = len(plan.stages) // n
-    chunk = (k // n) % v
-    if kind != F:
-        chunk = v - 1 - chunk
-    return chunk * n + rank, kind, (k // (n * v)) * n + k % n
-
-
-def _interleaved(plan: Plan, mbs: list[int]) -> list[RankOrder]:
-    """Megatron's interleaved 1F1B on a "loop" placement (see the module docstring)."""
-    n = plan.num_devices
-    v = len(plan.stages) // n
-    total = len(mbs) * v
-    orders = []
-    for rank in range(n):
-        warmup = min(2 * (n - 1 - rank) + (v - 1) * n, total)
-        order = [_loop_step(plan, rank, k, F) for k in range(warmup)]
-        for k in range(total - warmup):
-            order += [_loop_step(plan, rank, warmup + k, F), _loop_step(plan, rank, k, B)]
-        order += [_loop_step(plan, rank, k, B) for k in range(total - warmup, total)]
-        orders.append(order)
-    return orders
-
-
-def _interleaved_zb(plan: Plan, mbs: list[int]) -> list[RankOrder]:
-    """Interleaved zero bubble (ZB1P) on a "loop" placement (see the module docstring)."""
-    n = plan.num_devices
-    v = len(plan.stages) // n
-    total = len(mbs) * v
-    orders = []
-    for rank in range(n):
-        warmup = min((n - 1 - rank) + (v - 1) * n, total)
-        order = [_loop_step(plan, rank, k, F) for k in range(warmup)]
-        pending: list[Step] = []
-        for k in range(total):
-            if warmup + k < total:
-                order.append(_loop_step(plan, rank, warmup + k, F))
-            order.append(_loop_step(plan, rank, k, I))
-            pending.append(order[-1])
-            if k >= rank:  # rank r defers its first r weight halves into the cool-down
-                stage, _, j = pending.pop(0)
-                order.append((stage, W, j))
-        orders.append(order + [(stage, W, j) for stage, _, j in pending])
-    return orders
-
-
 def _zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
     """ZB-V (see the module docstring): the faster of the paper's order and two greedy runs."""
-    candidates = [_paper_zbv(plan, mbs), zbv(plan, mbs, PAPER), zbv(plan, mbs, plan_costs())]
+    candidates = [paper_zbv(plan, mbs), zbv(plan, mbs, PAPER), zbv(plan, mbs, plan_costs())]
     return faster(plan, candidates)
-
-
-def _paper_zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
-    """ZB-V's order as the paper draws it (arXiv 2405.15362, figure 4), per device d of N
-    with stages a = d (down the V) and b = 2N-1-d (back up), counted over
-    max(M, 2N-1) micro-batches and then restricted to the M there are:
-
-        warm-up   2(N-d)-1 a-forwards; d times Fb Fa; N-d times Fb Ib Wb
-        steady    Fa Ia Wa Fb Ib Wb until every forward is done
-        cool-down d times Ia Ib; N-d times Ia Wa; the b weights left, then the a ones
-    """
-    n, m = plan.num_devices, len(mbs)
-    return [
-        [(s, k, mbs[j]) for s, k, j in _paper_zbv_device(n, d, max(m, 2 * n - 1)) if j < m]
-        for d in range(n)
-    ]
-
-
-def _paper_zbv_device(n: int, d: int, count: int) -> RankOrder:
-    """Device d's ZB-V order over `count` micro-batches 0..count-1 (see `_paper_zbv`)."""
-    a, b = d, 2 * n - 1 - d
-    done = dict.fromkeys([(s, k) for s in (a, b) for k in (F, I, W)], 0)
-    order: RankOrder = []
-
-    def run(*steps: tuple[int, ActionKind]) -> None:
-        for stage, kind in steps:
-            order.append((stage, kind, done[(stage, kind)]))
-            done[(stage, kind)] += 1
-
-    run(*[(a, F)] * (2 * (n - d) - 1))
-    run(*[(b, F), (a, F)] * d)
-    run(*[(b, F), (b, I), (b, W)] * (n - d))
-    while done[(b, F)] < done[(a, F)] or done[(a, F)] < count:
-        run(*[(a, F)] * (done[(a, F)] < count))
-        run((a, I), (a, W), (b, F), (b, I), (b, W))
-    run(*[(a, I), (b, I)] * d)
-    run(*[(a, I), (a, W)] * (n - d))
-    run(*[(b, W)] * (done[(b, I)] - done[(b, W)]), *[(a, W)] * (done[(a, I)] - done[(a, W)]))
-    return order
 
 
 def _zb_h1(plan: Plan, mbs: list[int]) -> dict[int, Order]:
     """ZB-H1 per stage (see the module docstring): the paper's order, or the plan's costs'
     placement of the W passes where that replays faster."""
     w = warmups(plan)
-    base = {s.index: _one_f_one_b(mbs, w[s.index], backward=I) for s in plan.stages}
-    return fastest(plan, [_paper_zb_h1(plan, base), weight_halves(plan, base, w)])
-
-
-def _paper_zb_h1(plan: Plan, base: dict[int, Order]) -> dict[int, Order]:
-    """Each stage's 1F1B order `base` (F and I) with its W passes placed as the paper's
-    ZB-H1: right after each I once the stage has deferred as many as the stages before it."""
-    before = edges_to_sink(plan.stage_graph.reverse())
-    return {  # replicas hold disjoint micro-batches, each in its own order
-        s.index: [
-            step
-            for rank in s.devices
-            for step in _deferred_weights(
-                [a for a in base[s.index] if s.device_for(a[1]) == rank], before[s.index]
-            )
-        ]
-        for s in plan.stages
-    }
-
-
-def _deferred_weights(order: Order, defer: int) -> Order:
-    """`order` (F and I) with the W of the oldest pending micro-batch right after each I from
-    the (defer + 1)-th on, and the Ws still pending at its end."""
-    out: Order = []
-    pending: list[int] = []
-    inputs = 0  # I passes so far
-    for kind, j in order:
-        out.append((kind, j))
-        if kind == I:
-            pending.append(j)
-            inputs += 1
-            if inputs > defer:
-                out.append((W, pending.pop(0)))
-    return out + [(W, j) for j in pending]
+    base = {s.index: one_f_one_b(mbs, w[s.index], backward=I) for s in plan.stages}
+    return fastest(plan, [paper_zb_h1(plan, base), weight_halves(plan, base, w)])
 
 
 _BUILDERS = _builders()  # after every builder is defined; refuses a registry mismatch
