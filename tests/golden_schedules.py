@@ -25,7 +25,7 @@ from graphpipe.scheduling.program import lower
 from graphpipe.scheduling.simulate import simulate, steady_run
 
 PATH = Path(__file__).parent / "data" / "schedules.json.gz"
-NAMES = ("gpipe", "1f1b", "zb", "async", "2bw", "forward", "graph_interleaved")
+NAMES = ("gpipe", "1f1b", "zb", "zb2", "async", "2bw", "forward", "graph_interleaved")
 CALLS = 2  # step() calls of an asynchronous run, before its drain
 
 
@@ -47,7 +47,8 @@ def cases() -> list[dict[str, Any]]:
     """Every zoo plan (as JSON) with the outcome of every schedule that may run on it."""
     plans = [(label, p, NAMES) for label, p in _zoo_plans()]
     plans += [(label, p, ("zbv",)) for label, p in _placed_plans("zbv")]
-    plans += [(label, p, ("interleaved",)) for label, p in _placed_plans("interleaved")]
+    loop = ("interleaved", "interleaved_zb")
+    plans += [(label, p, loop) for label, p in _placed_plans("interleaved")]
     plans += [(label, p, ("graph_interleaved",)) for label, p in _folded_plans()]
     out = []
     for label, plan, names in plans:

@@ -25,10 +25,12 @@ def test_the_pins_cover_every_schedule_and_the_hard_shapes() -> None:
         "gpipe",
         "1f1b",
         "zb",
+        "zb2",
         "async",
         "2bw",
         "forward",
         "interleaved",
+        "interleaved_zb",
         "zbv",
         "graph_interleaved",
     }

@@ -125,6 +125,7 @@ def test_the_generators_follow_the_registry(monkeypatch: pytest.MonkeyPatch) -> 
         "gpipe",
         "1f1b",
         "zb",
+        "zb2",
     ]
     plan = next(p for p in map(random_plan, range(30)) if any(s.replicas > 1 for s in p.stages))
     make_schedule(plan, "1f1b")

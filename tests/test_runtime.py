@@ -41,7 +41,7 @@ PINS = {  # three stages each, chosen so each model shows its hard case
     "multi_output": {"trunk": 0, "left": 1, "right": 2},  # outputs made on S1 and S2
     "masked": {"embed": 0, "mix": 1, "head": 2},  # int64 and bool values cross stages
 }
-SCHEDULES = ("gpipe", "1f1b", "zb")
+SCHEDULES = ("gpipe", "1f1b", "zb", "zb2")
 TIMEOUT = 240  # seconds for a whole launch
 
 
@@ -176,7 +176,12 @@ def _nccl_form_worker(cases: list[tuple[str, str]]) -> dict[tuple[str, str], Any
 
 def test_the_program_made_for_nccl_trains_the_same_on_gloo() -> None:
     """Receives posted where NCCL's lowering puts them, not all first as gloo allows."""
-    cases = [("two_branch", "1f1b"), ("skip_across", "zb"), ("tied", "gpipe")]
+    cases = [
+        ("two_branch", "1f1b"),
+        ("skip_across", "zb"),
+        ("tied", "gpipe"),
+        ("late_input", "zb2"),
+    ]
     results = launch(_nccl_form_worker, 3, args=(cases,), timeout=TIMEOUT)[0]
     for (name, _), result in results.items():
         _assert_matches(result, name)

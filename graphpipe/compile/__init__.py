@@ -108,11 +108,11 @@ def compile(
         optimizer: Builds the optimizer from a list of parameters, e.g.
             `functools.partial(torch.optim.SGD, lr=0.1)`.
         micro_batches: M, micro-batches per mini-batch (default: the plan's, or 4).
-        schedule: "1f1b", "gpipe" or "zb" for flush, or "interleaved" / "zbv" with several
-            stages per rank (the plan is a chain of 2 stages per device, folded "loop" or
-            "v"; pin the stages, or pass virtual_stages and placement); "graph_interleaved"
-            for a stage DAG folded onto the devices (`interleave=True`; the default for
-            such a plan); "async" for stash
+        schedule: "1f1b", "gpipe", "zb" (ZB-H1) or "zb2" (ZB-H2) for flush, or
+            "interleaved", "interleaved_zb" / "zbv" with several stages per rank (the plan
+            is a chain of 2 stages per device, folded "loop" or "v"; pin the stages, or pass
+            virtual_stages and placement); "graph_interleaved" for a stage DAG folded onto
+            the devices (`interleave=True`; the default for such a plan); "async" for stash
             and pipemare; "2bw" for 2bw. Default: 1f1b, or the one the weight policy needs.
         weights: The weight policy: "flush", "stash", "2bw" or "pipemare" (see
             `graphpipe.runtime.weights`).

@@ -77,7 +77,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     for s in (
         ScheduleSpec("gpipe", "all forwards, then all backwards, one update (GPipe)"),
         ScheduleSpec("1f1b", "one forward, one backward, a flush (graph 1F1B on a stage DAG)"),
-        ScheduleSpec("zb", "1F1B with the backward split, W filling the bubbles (ZB-H1)", True),
+        ScheduleSpec("zb", "ZB-H1: 1F1B's peak memory, the backward split, W deferred", True),
+        ScheduleSpec("zb2", "ZB-H2: zero bubble with up to 2p-1 micro-batches in flight", True),
         ScheduleSpec(
             "async",
             "1F1B without a flush, an update after every backward (PipeDream)",
@@ -93,6 +94,14 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec(
             "interleaved",
             "Megatron's interleaved 1F1B on a chain folded 'loop' onto the devices",
+            placement="loop",
+            dag=False,
+            replicas=False,
+        ),
+        ScheduleSpec(
+            "interleaved_zb",
+            "interleaved zero bubble (ZB1P) on a chain folded 'loop' onto the devices",
+            split_backward=True,
             placement="loop",
             dag=False,
             replicas=False,
@@ -125,7 +134,7 @@ def schedule_names(**where: object) -> list[str]:
 
     Example:
         >>> schedule_names(training=True, asynchronous=False, placement=None)
-        ['gpipe', '1f1b', 'zb']
+        ['gpipe', '1f1b', 'zb', 'zb2']
     """
     return [n for n, s in SCHEDULES.items() if all(getattr(s, k) == v for k, v in where.items())]
 

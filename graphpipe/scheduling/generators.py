@@ -11,12 +11,27 @@ Generators:
             up with S-1-i forwards, the textbook order; on a stage DAG this is GraphPipe's
             graph 1F1B (parallel branches share a depth and so keep fewer micro-batches in
             flight). Alias: graph1f1b.
-    zb      zero bubble ZB-H1 (Qi et al., arXiv 2401.10241): 1F1B with the backward split into
-            I (input gradient, on the critical path) and W (weight gradient, deferrable). The
-            W passes fill bubbles: a greedy run of the plan's costs does W whenever the next
-            F or I waits for its input, and before a new F once a stage holds as much
-            activation as 1F1B would (an I frees all but the W share, see
-            `graphpipe.scheduling.simulate`). Same memory as 1F1B, a smaller bubble.
+    zb      zero bubble ZB-H1 (Qi et al., arXiv 2401.10241, section 3.1): 1F1B with the
+            backward split into I (input gradient, on the critical path) and W (weight
+            gradient, deferrable). The F and I passes keep 1F1B's order; a stage d stages
+            from a source (stage i of a chain) defers its first d W passes, then runs the
+            oldest pending W right after each I, and its deferred ones at the end, where
+            they fill the cool-down bubble (as torch's ScheduleInterleavedZeroBubble does
+            with one stage per rank). On a chain of p equal stages the step is
+            M(F + I + W) + (p - 1)(F + I - W), the paper's bubble; the peak memory is
+            1F1B's (the first stage's p micro-batches): stage i holds p - i full
+            micro-batches and i weight halves at most. A second candidate places the W
+            passes by a greedy run of the plan's costs (a W whenever the next F or I waits,
+            and before an F once the stage holds 1F1B's activation); the one that replays
+            faster over the plan's costs is kept, the paper's on a tie, so unknown
+            (all-zero) times give the paper's order.
+    zb2     zero bubble ZB-H2 (same paper): stage s warms up with up to 2 w(s) + 1 forwards
+            (w: its 1F1B warm-up, so 2p - 1 on a chain's first stage), runs a ready I
+            first, then F, and W passes in between, built by a greedy run under the paper's
+            F = I = W (`graphpipe.scheduling.greedy.zb_h2`). Each rank is busy from its
+            first F to its last W with no gap on equal stages: the step is
+            M(F + I + W) + (p - 1)F, the rest of the paper's zero bubble being the ramp of a
+            flushed step.
     async   1F1B without a flush (PipeDream): micro-batches keep flowing across step() calls,
             call c holding micro-batches cM..cM+M-1, and every backward is followed by an
             update (`sUj`). `drain` ends the run with the backwards still in flight.
@@ -29,12 +44,24 @@ Generators:
             stages in rounds of N micro-batches, backwards through them in reverse; the
             warm-up on device d is 2(N-1-d) + (v-1)N forwards. Needs M a multiple of N.
             The bubble shrinks by v against 1F1B.
-    zbv     ZB-V (Qi et al., arXiv 2401.10241) on a chain of 2N stages folded "v" onto the
-            devices (device d holds stages d and 2N-1-d): the backward split into I and W,
-            built by a greedy run of the plan's costs in which each device does a ready I
-            first, then a ready F (the deeper stage first) while it holds fewer than 2N
-            activation units (and its first stage's forwards are fewer than 2(N-d)-1 ahead
-            of its second's), and W passes whenever nothing else is ready.
+    interleaved_zb
+            interleaved zero bubble (torch's ScheduleInterleavedZeroBubble, the ZB paper's
+            ZB-1P over a "loop" placement): interleaved 1F1B's rounds with the backward
+            split, a warm-up of (N-1-d) + (v-1)N forwards on device d, each I followed by the
+            W of the oldest pending I once the device has deferred d of them, the rest at the
+            end. A fixed order. Needs M a multiple of N.
+    zbv     ZB-V (Qi et al., arXiv 2405.15362) on a chain of 2N stages folded "v" onto the
+            devices (device d holds stages d and 2N-1-d), the backward split into I and W.
+            Three candidates: the paper's order (`paper_zbv`, its figure 4, as torch's
+            ScheduleZBVZeroBubble), and two greedy runs, under the paper's F = I = W and
+            under the plan's times, in which each device does a ready I first, then a ready
+            F (the deeper stage first) while it holds fewer than 2N activation units (and
+            its first stage's forwards are fewer than 2(N-d)-1 ahead of its second's), and
+            W passes whenever nothing else is ready. The one that replays fastest over the
+            plan's times is kept; ties go to the fastest under F = I = W, then to the
+            paper's, so unknown (all-zero) times never give a greedy order over zeros (the
+            greedy runs win where M < 2N - 1). On equal stages the step is
+            2M(F + I + W) + (N - 1)F.
     graph_interleaved
             1F1B on a stage DAG whose devices may hold several stages, in any placement
             (`graphpipe.planning.interleave`: a later stage on a device that holds an
@@ -78,17 +105,28 @@ from graphpipe.ir import (
 )
 from graphpipe.ir.registry import SCHEDULES
 from graphpipe.scheduling.greedy import (
+    PAPER,
     Order,
     RankOrder,
-    Step,
+    faster,
+    fastest,
     graph_interleaved,
+    plan_costs,
     weight_halves,
+    zb_h2,
     zbv,
+)
+from graphpipe.scheduling.orders import (
+    interleaved,
+    interleaved_zb,
+    one_f_one_b,
+    paper_zb_h1,
+    paper_zbv,
 )
 
 __all__ = ["drain_schedule", "make_schedule", "warmups"]
 
-F, B, I, U = (ActionKind(k) for k in "FBIU")  # noqa: E741 -- the kinds' own letters
+F, B, I, W, U = (ActionKind(k) for k in "FBIWU")  # noqa: E741 -- the kinds' own letters
 Builder = Callable[[Plan, int, int], list[list[Action]]]  # (plan, call, M) -> rank lists
 
 
@@ -97,21 +135,13 @@ def warmups(plan: Plan) -> dict[int, int]:
     return edges_to_sink(plan.stage_graph)
 
 
-def _one_f_one_b(mbs: list[int], warmup: int, backward: ActionKind = B) -> Order:
-    w = min(warmup, len(mbs))
-    order: Order = [(F, j) for j in mbs[:w]]
-    for i, j in enumerate(mbs[w:]):
-        order += [(F, j), (backward, mbs[i])]
-    return order + [(backward, j) for j in mbs[len(mbs) - w :]]
-
-
 def _gpipe(plan: Plan, mbs: list[int]) -> dict[int, Order]:
     return {s.index: [(F, j) for j in mbs] + [(B, j) for j in mbs] for s in plan.stages}
 
 
 def _flush_1f1b(plan: Plan, mbs: list[int]) -> dict[int, Order]:
     w = warmups(plan)
-    return {s.index: _one_f_one_b(mbs, w[s.index]) for s in plan.stages}
+    return {s.index: one_f_one_b(mbs, w[s.index]) for s in plan.stages}
 
 
 def _async_slice(plan: Plan, mbs: list[int], update_every: int) -> dict[int, Order]:
@@ -178,12 +208,14 @@ def _builders() -> dict[str, Builder]:
     builders: dict[str, Builder] = {
         "gpipe": _flushed(_gpipe),
         "1f1b": _flushed(_flush_1f1b),
-        "zb": _flushed(_zero_bubble),
+        "zb": _flushed(_zb_h1),
+        "zb2": _flushed(lambda p, mbs: zb_h2(p, mbs, warmups(p))),
         "async": _asynchronous("async"),
         "2bw": _asynchronous("2bw"),
         "forward": _forward_only,
-        "interleaved": _placed(_interleaved),
-        "zbv": _placed(zbv),
+        "interleaved": _placed(interleaved),
+        "interleaved_zb": _placed(interleaved_zb),
+        "zbv": _placed(_zbv),
         "graph_interleaved": _placed(lambda p, mbs: graph_interleaved(p, mbs, warmups(p))),
     }
     if set(builders) != set(SCHEDULES):
@@ -236,8 +268,8 @@ def _check_placed(plan: Plan, spec: ScheduleSpec, m: int) -> None:
             f"(PlanConfig(virtual_stages=..., placement={placement!r})); stages {wrong} are "
             "not placed so"
         )
-    if spec.name == "interleaved" and m % n:
-        raise ScheduleError(f"interleaved needs micro_batches a multiple of {n} devices, got {m}")
+    if spec.placement == "loop" and m % n:
+        raise ScheduleError(f"{spec.name} needs micro_batches a multiple of {n} devices, got {m}")
     if spec.name == "zbv" and len(plan.stages) != 2 * n:
         raise ScheduleError(f"zbv needs 2 stages per device, got {len(plan.stages)} on {n}")
 
@@ -337,35 +369,18 @@ def _device_lists(plan: Plan, orders: list[RankOrder]) -> list[list[Action]]:
     return lists
 
 
-def _interleaved(plan: Plan, mbs: list[int]) -> list[RankOrder]:
-    """Megatron's interleaved 1F1B on a "loop" placement (see the module docstring)."""
-    n = plan.num_devices
-    v = len(plan.stages) // n
-    total = len(mbs) * v
-
-    def nth(rank: int, k: int, kind: ActionKind) -> Step:
-        """The k-th forward (or backward) of `rank`: (stage, kind, micro-batch)."""
-        chunk = (k // n) % v
-        if kind == B:
-            chunk = v - 1 - chunk
-        return chunk * n + rank, kind, (k // (n * v)) * n + k % n
-
-    orders = []
-    for rank in range(n):
-        warmup = min(2 * (n - 1 - rank) + (v - 1) * n, total)
-        order = [nth(rank, k, F) for k in range(warmup)]
-        for k in range(total - warmup):
-            order += [nth(rank, warmup + k, F), nth(rank, k, B)]
-        order += [nth(rank, k, B) for k in range(total - warmup, total)]
-        orders.append(order)
-    return orders
+def _zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
+    """ZB-V (see the module docstring): the faster of the paper's order and two greedy runs."""
+    candidates = [paper_zbv(plan, mbs), zbv(plan, mbs, PAPER), zbv(plan, mbs, plan_costs())]
+    return faster(plan, candidates)
 
 
-def _zero_bubble(plan: Plan, mbs: list[int]) -> dict[int, Order]:
-    """ZB-H1 per stage: the 1F1B order with I for B, and W placed by a greedy run of the costs."""
+def _zb_h1(plan: Plan, mbs: list[int]) -> dict[int, Order]:
+    """ZB-H1 per stage (see the module docstring): the paper's order, or the plan's costs'
+    placement of the W passes where that replays faster."""
     w = warmups(plan)
-    base = {s.index: _one_f_one_b(mbs, w[s.index], backward=I) for s in plan.stages}
-    return weight_halves(plan, base, w)
+    base = {s.index: one_f_one_b(mbs, w[s.index], backward=I) for s in plan.stages}
+    return fastest(plan, [paper_zb_h1(plan, base), weight_halves(plan, base, w)])
 
 
 _BUILDERS = _builders()  # after every builder is defined; refuses a registry mismatch

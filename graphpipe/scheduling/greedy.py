@@ -1,16 +1,24 @@
-"""Greedy runs of a plan's costs: the list scheduling that builds ZB-H1's weight passes, ZB-V
-and graph_interleaved (the orders are described in `graphpipe.scheduling.generators`).
+"""Greedy runs of a plan's costs: the list scheduling that builds ZB-H2, ZB-V and
+graph_interleaved (the orders are described in `graphpipe.scheduling.generators`).
 
 Every device (or replica) is a `_Rank`: it says when its next compute action can start,
 given when the messages sent so far arrive. `_greedy` runs, again and again, the action that
 can start first, advances that rank's clock by the action's time and records when the
 messages it sends arrive (`graphpipe.ir.messages`). The ranks differ only in what they may
 run next.
+
+A run reads its times from `Costs`: the plan's own (`plan_costs`), or the zero-bubble
+papers' assumption (`PAPER`: F = I = W, messages free). Where several candidate orders are
+built, `faster` keeps the one that replays fastest over the plan's costs, and among ties
+the one fastest under the papers' F = I = W: so a plan whose op times are unknown (all
+zero, as a FLOP profile gives stand-ins that only sleep) gets the paper's order, never a
+greedy order over zeros.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from graphpipe.errors import ScheduleError
@@ -25,15 +33,57 @@ from graphpipe.ir import (
     freed,
     message_time,
     sends,
+    weight_share,
 )
 
-__all__ = ["Order", "RankOrder", "Step", "graph_interleaved", "weight_halves", "zbv"]
+__all__ = [
+    "PAPER",
+    "Costs",
+    "Order",
+    "RankOrder",
+    "Step",
+    "faster",
+    "fastest",
+    "graph_interleaved",
+    "plan_costs",
+    "replay",
+    "weight_halves",
+    "zb_h2",
+    "zbv",
+]
 
 F, B, I, W = (ActionKind(k) for k in "FBIW")  # noqa: E741 -- the kinds' own letters
 Order = list[tuple[ActionKind, int]]  # a stage's compute actions: (kind, micro-batch)
 Step = tuple[int, ActionKind, int]  # (stage, kind, micro-batch)
 RankOrder = list[Step]  # a device's compute actions
 Arrivals = dict[Message, float]  # when each message sent so far arrives
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The times a greedy run reads.
+
+    Attributes:
+        compute: Seconds of one compute action of a stage.
+        transit: Seconds a message takes, given the plan.
+    """
+
+    compute: Callable[[Stage, ActionKind], float]
+    transit: Callable[[Plan, Message], float]
+
+
+def _paper_compute(stage: Stage, kind: ActionKind) -> float:
+    """F = I = W = 1 (B = 2); a stage without weights has an empty W and a double I."""
+    w = 1.0 if weight_share(stage) > 0 else 0.0
+    return {F: 1.0, B: 2.0, I: 2.0 - w, W: w}[kind]
+
+
+PAPER = Costs(_paper_compute, lambda plan, m: 0.0)  # the papers' F = I = W, free messages
+
+
+def plan_costs() -> Costs:
+    """The plan's own stage times and link model (`compute_time`, `message_time`)."""
+    return Costs(compute_time, message_time)
 
 
 class _Rank(Protocol):
@@ -54,12 +104,15 @@ class _Rank(Protocol):
         ...
 
 
-def _greedy(plan: Plan, ranks: Sequence[_Rank], what: str) -> None:
-    """Run the ranks' actions over the plan's costs, always the one that can start first.
+def _greedy(plan: Plan, ranks: Sequence[_Rank], what: str, costs: Costs) -> float:
+    """Run the ranks' actions over `costs`, always the one that can start first.
 
     List scheduling: the busy rank with the earliest next start runs its next action, its
     clock advances by the action's compute time and the messages it sends arrive after
     their transfer. O(A * R) `next_start` calls for A actions on R ranks.
+
+    Returns:
+        The run's makespan: the latest clock.
 
     Raises:
         ScheduleError: no rank can run (not seen for the generators' ranks).
@@ -71,9 +124,10 @@ def _greedy(plan: Plan, ranks: Sequence[_Rank], what: str) -> None:
         if start == float("inf"):
             raise ScheduleError(f"{what} construction stalled: no rank can run")
         stage, kind, j = rank.pop(arrivals)
-        rank.clock = start + compute_time(plan.stages[stage], kind)
+        rank.clock = start + costs.compute(plan.stages[stage], kind)
         for m in sends(plan, Action(stage, kind, j)):
-            arrivals[m] = rank.clock + message_time(plan, m)
+            arrivals[m] = rank.clock + costs.transit(plan, m)
+    return max((r.clock for r in ranks), default=0.0)
 
 
 class _Needs:
@@ -92,12 +146,50 @@ class _Needs:
         return max((arrivals.get(m, float("inf")) for m in needed), default=0.0)
 
 
-def zbv(plan: Plan, mbs: list[int]) -> list[RankOrder]:
-    """ZB-V on a "v" placement: each device's compute order (see
-    `graphpipe.scheduling.generators`)."""
+def zbv(plan: Plan, mbs: list[int], costs: Costs) -> list[RankOrder]:
+    """ZB-V on a "v" placement built by a greedy run over `costs`: each device's compute
+    order (see `graphpipe.scheduling.generators`)."""
     ranks = [_VRank(plan, r, mbs, cap=2 * plan.num_devices) for r in range(plan.num_devices)]
-    _greedy(plan, ranks, "ZB-V")
+    _greedy(plan, ranks, "ZB-V", costs)
     return [r.done for r in ranks]
+
+
+def faster(plan: Plan, candidates: list[list[RankOrder]]) -> list[RankOrder]:
+    """The candidate whose replay over the plan's costs ends first; among those within a
+    relative 1e-9 of it, the one whose replay under the papers' F = I = W ends first; then
+    the earliest listed. So all-zero (unknown) times choose by the papers' assumption."""
+    keys = [(replay(plan, c), replay(plan, c, PAPER)) for c in candidates]
+    best = min(k[0] for k in keys)
+    near = [k[1] for k in keys if k[0] <= best * (1 + 1e-9)]
+    i = next(
+        i
+        for i, k in enumerate(keys)
+        if k[0] <= best * (1 + 1e-9) and k[1] <= min(near) * (1 + 1e-9)
+    )
+    return candidates[i]
+
+
+def replay(plan: Plan, orders: list[RankOrder], costs: Costs | None = None) -> float:
+    """The makespan of fixed per-device orders run over `costs` (the plan's by default),
+    every device starting each action once it is free and its messages have arrived."""
+    ranks = [_FixedRank(plan, order) for order in orders]
+    return _greedy(plan, ranks, "replay", costs or plan_costs())
+
+
+class _FixedRank:
+    """A device whose compute order is given."""
+
+    def __init__(self, plan: Plan, order: RankOrder) -> None:
+        self.needs, self.todo, self.clock = _Needs(plan), list(order), 0.0
+
+    def busy(self) -> bool:
+        return bool(self.todo)
+
+    def next_start(self, arrivals: Arrivals) -> float:
+        return max(self.clock, self.needs.arrived(self.todo[0], arrivals))
+
+    def pop(self, arrivals: Arrivals) -> Step:
+        return self.todo.pop(0)
 
 
 class _VRank:
@@ -181,7 +273,7 @@ def graph_interleaved(plan: Plan, mbs: list[int], w: dict[int, int]) -> list[Ran
     micro-batches in flight: each device's compute order (see
     `graphpipe.scheduling.generators`)."""
     ranks = [_GraphRank(plan, r, mbs, w) for r in range(plan.num_devices)]
-    _greedy(plan, ranks, "graph_interleaved")
+    _greedy(plan, ranks, "graph_interleaved", plan_costs())
     return [r.done for r in ranks]
 
 
@@ -248,14 +340,15 @@ class _GraphRank:
 
 
 def weight_halves(plan: Plan, base: dict[int, Order], w: dict[int, int]) -> dict[int, Order]:
-    """ZB-H1: each stage's order `base` (F and I) with its W passes placed by a greedy run,
-    stage s holding at most w[s] + 1 activation units (1F1B's memory)."""
+    """Each stage's order `base` (F and I) with its W passes placed by a greedy run of the
+    plan's costs: a W whenever the next F or I waits for its input, and before a new F once
+    stage s holds w[s] + 1 activation units (1F1B's memory on every stage)."""
     ranks = [
         _ZbRank(plan, s, [a for a in base[s.index] if s.device_for(a[1]) == rank], w[s.index])
         for s in plan.stages
         for rank in s.devices
     ]
-    _greedy(plan, ranks, "zero-bubble")
+    _greedy(plan, ranks, "zero-bubble", plan_costs())
     orders: dict[int, Order] = {s.index: [] for s in plan.stages}
     for r in ranks:  # replicas hold disjoint micro-batches: concatenating keeps each one's order
         orders[r.stage] += r.done
@@ -305,3 +398,97 @@ class _ZbRank:
         self.held -= freed(self.info, action[0])
         self.done.append(action)
         return (self.stage, *action)
+
+
+def fastest(plan: Plan, candidates: list[dict[int, Order]]) -> dict[int, Order]:
+    """Of per-stage orders (one stage per device), the one that replays fastest over the
+    plan's costs; the earliest listed on a tie (see `zbv`)."""
+
+    def per_rank(orders: dict[int, Order]) -> list[RankOrder]:
+        ranks: list[RankOrder] = [[] for _ in range(plan.num_devices)]
+        for s in plan.stages:
+            for kind, j in orders[s.index]:
+                ranks[s.device_for(j)].append((s.index, kind, j))
+        return ranks
+
+    rank_orders = [per_rank(c) for c in candidates]
+    return candidates[rank_orders.index(faster(plan, rank_orders))]
+
+
+def zb_h2(plan: Plan, mbs: list[int], w: dict[int, int]) -> dict[int, Order]:
+    """ZB-H2 (Qi et al., arXiv 2401.10241, section 3.1): each stage's order, built by a
+    greedy run under the paper's F = I = W (whatever the plan's times, so unknown times
+    cannot bend it). A rank runs a ready I first, then a ready F while fewer than
+    2 w[s] + 1 micro-batches have their F done and their W not (2p - 1 on the first stage
+    of a chain: the paper's memory), then a pending W, the oldest first. On a chain with
+    F = I = W every rank is then busy without a gap from its first F to its last W (the
+    paper's parallelogram), and the step is M(F + I + W) + (p - 1)F.
+
+    Replicas of a stage are separate ranks over their own micro-batches. O(A * R).
+    """
+    memory = 2 * max(w.values(), default=0) + 1
+    ranks = [
+        _H2Rank(plan, s, [j for j in mbs if s.device_for(j) == rank], 2 * w[s.index] + 1, memory)
+        for s in plan.stages
+        for rank in s.devices
+    ]
+    _greedy(plan, ranks, "ZB-H2", PAPER)
+    orders: dict[int, Order] = {s.index: [] for s in plan.stages}
+    for r in ranks:  # replicas hold disjoint micro-batches: concatenating keeps each one's order
+        orders[r.stage] += r.done
+    return orders
+
+
+class _H2Rank:
+    """One rank of a stage while ZB-H2 is built: its forwards and input halves in
+    micro-batch order, its pending weight halves, its micro-batches with W still to run."""
+
+    def __init__(self, plan: Plan, stage: Stage, mbs: list[int], cap: int, memory: int) -> None:
+        self.stage, self.needs, self.cap, self.memory = stage.index, _Needs(plan), cap, memory
+        self.todo = {F: list(mbs), I: list(mbs)}
+        self.forwarded: set[int] = set()
+        self.pending_w: list[int] = []
+        self.weighted = 0  # W passes run
+        self.clock = 0.0
+        self.done: Order = []
+
+    def busy(self) -> bool:
+        return bool(self.pending_w or self.todo[F] or self.todo[I])
+
+    def _ready(self, kind: ActionKind, arrivals: Arrivals) -> float:
+        queue = self.todo[kind]
+        if not queue or (kind == I and queue[0] not in self.forwarded):
+            return float("inf")
+        if kind == F and (
+            len(self.forwarded) - len(self.pending_w) - self.weighted >= self.cap
+            or len(self.forwarded) - self.weighted >= self.memory
+        ):
+            return float("inf")
+        return max(self.clock, self.needs.arrived((self.stage, kind, queue[0]), arrivals))
+
+    def _choice(self, arrivals: Arrivals) -> tuple[float, ActionKind | None]:
+        """When the next action can start, and its kind: a ready I, a ready F, a W, else
+        whichever of I and F is ready first."""
+        ready = {k: self._ready(k, arrivals) for k in (I, F)}
+        for k in (I, F):
+            if ready[k] <= self.clock:
+                return self.clock, k
+        if self.pending_w:
+            return self.clock, W
+        k = min((I, F), key=lambda k: ready[k])
+        return (ready[k], k) if ready[k] < float("inf") else (ready[k], None)
+
+    def next_start(self, arrivals: Arrivals) -> float:
+        return self._choice(arrivals)[0]
+
+    def pop(self, arrivals: Arrivals) -> Step:
+        _, kind = self._choice(arrivals)
+        assert kind is not None
+        j = self.pending_w.pop(0) if kind == W else self.todo[kind].pop(0)
+        if kind == F:
+            self.forwarded.add(j)
+        if kind == I:
+            self.pending_w.append(j)
+        self.weighted += kind == W
+        self.done.append((kind, j))
+        return self.stage, kind, j

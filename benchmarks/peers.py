@@ -1,0 +1,356 @@
+"""graphpipe's schedules beside torch.distributed.pipelining's, on emulated ranks.
+
+    python -m benchmarks.peers                         # 4 ranks, about 5 minutes on 2 cores
+    python -m benchmarks.peers --ranks 4 8             # and 8 ranks, about 10 minutes
+
+A chain of 2N layers on N ranks, M = 8 micro-batches of a 32-row batch. Compute is replaced by
+sleeps on both sides, so N processes act as N devices on a 2-core machine:
+- graphpipe: the real runtime with `Emulate` (`graphpipe.runtime.emulate`): each stage sleeps
+  its plan's forward time, and the input and weight halves of its backward;
+- torch: each stage is one stand-in module (`Sleeper`) whose forward sleeps the stage's F,
+  whose input gradient sleeps its I and whose weight gradient its W, in torch's own schedule
+  runtime (its split backward runs them apart, as it runs real stages).
+Two layer costs: equal (F = I = W = 10 ms a layer) and unequal (F = 6, I = W = 12 ms: the
+cost model fixes I = W, `graphpipe.ir.plan.WEIGHT_SHARE`). Every torch schedule runs beside
+every graphpipe schedule: one stage per rank (GPipe, 1F1B, ZB-H1 as torch's interleaved zero
+bubble with one stage per rank; gpipe, 1f1b, zb, zb2), two per rank in a loop
+(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; interleaved, interleaved_zb) and in a V
+(ZBVZeroBubble, DualPipeV; zbv). A schedule that refuses the setting is listed with its error.
+The machine is shared and sleeps overshoot under load: read differences of a few percent
+between runs as noise.
+
+Columns: each order's ideal, its simulated step over the stages' true times (graphpipe's
+simulator for both sides: torch's `pipeline_order` is read back into a graphpipe Schedule),
+the measured step (each rank's median over `--steps` steps after a warm-up, each step started
+by a barrier; the slowest rank), and measured over ideal. The last lines give each side's best
+and their ratio (torch's best over graphpipe's: above 1 graphpipe is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch import nn
+
+from benchmarks._common import log, machine, ratio
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import GraphPipeError
+from graphpipe.ir import Action, ActionKind, Plan, Schedule, with_messages
+from graphpipe.planning.partition import plan as make_plan
+from graphpipe.runtime.emulate import Emulate
+from graphpipe.runtime.launch import launch
+from graphpipe.scheduling.simulate import simulate
+
+M, BATCH, WIDTH = 8, 32, 16
+COSTS = {"equal": (0.010, 0.010, 0.010), "unequal": (0.006, 0.012, 0.012)}  # F, I, W a layer
+GRAPHPIPE = {  # schedule -> placement (None: one stage per rank)
+    "gpipe": None,
+    "1f1b": None,
+    "zb": None,
+    "zb2": None,
+    "interleaved": "loop",
+    "interleaved_zb": "loop",
+    "zbv": "v",
+}
+TORCH = {  # label -> (torch schedule class, placement)
+    "GPipe": ("ScheduleGPipe", None),
+    "1F1B": ("Schedule1F1B", None),
+    "ZB1P (ZB-H1)": ("ScheduleInterleavedZeroBubble", None),  # one stage per rank
+    "Interleaved1F1B": ("ScheduleInterleaved1F1B", "loop"),
+    "LoopedBFS": ("ScheduleLoopedBFS", "loop"),
+    "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", "loop"),
+    "ZBVZeroBubble": ("ScheduleZBVZeroBubble", "v"),
+    "DualPipeV": ("ScheduleDualPipeV", "v"),
+}
+# torch's Schedule1F1B.pipeline_order is for display only (it names micro-batch M of M and
+# deadlocks when run); its runtime runs the textbook 1F1B, graphpipe's 1f1b on one chain
+TEXTBOOK = {"1F1B": "1f1b"}
+HEADERS = ["N", "costs", "side", "schedule", "stages", "ideal ms", "measured ms", "/ ideal"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run's setting."""
+
+    ranks: int  # N
+    costs: str  # a key of COSTS
+    steps: int  # timed steps after one warm-up
+
+    @property
+    def layers(self) -> int:
+        """2N layers: 2 per stage on one stage per rank, 1 on two per rank."""
+        return 2 * self.ranks
+
+
+def _stage_ids(rank: int, n: int, placement: str | None) -> list[int]:
+    if placement is None:
+        return [rank]
+    return [rank, rank + n] if placement == "loop" else [rank, 2 * n - 1 - rank]
+
+
+def _timed_steps(step: Any, steps: int) -> float:
+    """This rank's median step over `steps` steps after one warm-up, each after a barrier."""
+    step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# -- graphpipe ------------------------------------------------------------------------------------
+
+
+def _chain(layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+
+
+def timed_plan(case: Case, placement: str | None) -> Plan:
+    """The chain cut into N (or 2N, folded `placement`) stages with the case's true times."""
+    n, f, i, w = case.ranks, *COSTS[case.costs]
+    stages = n if placement is None else 2 * n
+    per = case.layers // stages
+    options: dict[str, Any] = {"virtual_stages": 2, "placement": placement} if placement else {}
+    pins = {str(k): k // per for k in range(case.layers)}
+    x = torch.randn(BATCH, WIDTH)
+    p = make_plan(_chain(case.layers), x, devices=n, micro_batches=M, pins=pins, **options)
+    timed = tuple(
+        replace(s, forward_time=per * f, backward_time=per * (i + w), time=per * (f + i + w))
+        for s in p.stages
+    )
+    return replace(p, stages=timed)
+
+
+def _graphpipe_worker(
+    cases: list[Case], plans: dict[str, dict[str | None, Plan]]
+) -> dict[str, dict[str, float]]:
+    """Each case's schedules: this rank's median step."""
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    out: dict[str, dict[str, float]] = {}
+    for case in cases:
+        out[case.costs] = {}
+        for name, placement in GRAPHPIPE.items():
+            pm = gp_compile(
+                _chain(case.layers),
+                x,
+                loss_fn=F.mse_loss,
+                optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
+                schedule=name,
+                plan=plans[case.costs][placement],
+                runtime=RuntimeConfig(timeout=120, emulate=Emulate()),
+            )
+            out[case.costs][name] = _timed_steps(lambda pm=pm: pm.step(x, target=y), case.steps)
+    return out
+
+
+# -- torch.distributed.pipelining ---------------------------------------------------------------
+
+
+def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+class _Input(torch.autograd.Function):
+    """The values pass through after F; their gradient after I."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, f: float, i: float) -> torch.Tensor:
+        ctx.i = i
+        _sleep(f)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        _sleep(ctx.i)
+        return grad * 1.0, None, None
+
+
+class _Weight(torch.autograd.Function):
+    """A zero that depends on the weight: its gradient sleeps W."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, w: float) -> torch.Tensor:
+        ctx.w = w
+        return weight.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        _sleep(ctx.w)
+        return grad.new_zeros(1), None
+
+
+class Sleeper(nn.Module):
+    """A stage stand-in for torch's pipelining: F, I and W seconds, one one-element weight."""
+
+    def __init__(self, f: float, i: float, w: float) -> None:
+        super().__init__()
+        self.f, self.i, self.w = f, i, w
+        self.weight = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Input.apply(x, self.f, self.i) + _Weight.apply(self.weight, self.w)
+
+
+def _torch_schedule(case: Case, label: str) -> tuple[Any, list[Sleeper], list[int]]:
+    from torch.distributed import pipelining
+
+    n, rank, (name, placement) = case.ranks, dist.get_rank(), TORCH[label]
+    stages = n if placement is None else 2 * n
+    per = case.layers // stages
+    f, i, w = (per * t for t in COSTS[case.costs])
+    ids = _stage_ids(rank, n, placement)
+    parts = [Sleeper(f, i, w) for _ in ids]
+    cpu = torch.device("cpu")
+    pipe = [pipelining.PipelineStage(p, s, stages, cpu) for p, s in zip(parts, ids, strict=True)]
+    cls = getattr(pipelining, name)
+    single = name in ("ScheduleGPipe", "Schedule1F1B")
+    schedule = cls(pipe[0] if single else pipe, n_microbatches=M, loss_fn=F.mse_loss)
+    return schedule, parts, ids
+
+
+def _torch_worker(cases: list[Case]) -> dict[str, dict[str, Any]]:
+    """Each case's schedules: this rank's median step and the schedule's compute order."""
+    return {case.costs: {name: _torch_run(case, name) for name in TORCH} for case in cases}
+
+
+def _torch_run(case: Case, name: str) -> dict[str, Any]:
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    try:
+        schedule, parts, ids = _torch_schedule(case, name)
+    except Exception as exc:  # a schedule refusing this setting is reported, not fatal
+        return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    stages = case.ranks if TORCH[name][1] is None else 2 * case.ranks
+    opt = torch.optim.SGD([p for m in parts for p in m.parameters()], lr=1e-3)
+    args = (x,) if 0 in ids else ()
+    kwargs = {"target": y} if stages - 1 in ids else {}
+
+    def step() -> None:
+        schedule.step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad()
+
+    order = schedule.pipeline_order or {}
+    return {
+        "step": _timed_steps(step, case.steps),
+        "order": {r: [str(a) for a in acts if a is not None] for r, acts in order.items()},
+    }
+
+
+def torch_order_schedule(plan: Plan, order: dict[int, list[str]]) -> Schedule:
+    """torch's compute order (its `pipeline_order`, as text: `2F0`, `(0F1;3B0)OVERLAP_F_B`)
+    as a graphpipe Schedule on `plan`: messages by graphpipe's rule, one update per rank."""
+    ranks = []
+    for rank in range(plan.num_devices):
+        actions: list[Action] = []
+        for text in order.get(rank, []):
+            parts = text[1:].split(")")[0].split(";") if text.startswith("(") else [text]
+            for part in parts:
+                try:
+                    a = Action.parse(part)
+                except GraphPipeError:  # not a compute action (REDUCE_GRAD, UNSHARD, ...)
+                    continue
+                if a.kind.is_compute:
+                    actions += with_messages(plan, a)
+        held = [s.index for s in plan.stages_on(rank)]
+        ranks.append((*actions, Action(min(held), ActionKind.U)))
+    return Schedule("torch", M, tuple(ranks), 1)
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def rows(n: int, steps: int) -> list[list[str]]:
+    """Both sides' rows on N ranks, every cost setting, each followed by the bests' ratio."""
+    cases = [Case(n, costs, steps) for costs in COSTS]
+    plans = {c.costs: {p: timed_plan(c, p) for p in (None, "loop", "v")} for c in cases}
+    log(f"N={n}: graphpipe")
+    ours = launch(_graphpipe_worker, n, args=(cases, plans), timeout=900)
+    log(f"N={n}: torch.distributed.pipelining")
+    theirs = launch(_torch_worker, n, args=(cases,), timeout=900)
+    table = []
+    for case in cases:
+        table += _case_rows(case, plans[case.costs], ours, theirs)
+    return table
+
+
+def _case_rows(
+    case: Case, plans: dict[str | None, Plan], ours: list[Any], theirs: list[Any]
+) -> list[list[str]]:
+    table: list[list[str]] = []
+    best: dict[str, float] = {}
+    for name, placement in GRAPHPIPE.items():
+        step = max(r[case.costs][name] for r in ours)
+        ideal = simulate(plans[placement], name).iteration_time
+        table.append(_row(case, "graphpipe", name, placement, ideal, step))
+        best["graphpipe"] = min(best.get("graphpipe", step), step)
+    for name, (_, placement) in TORCH.items():
+        got = theirs[0][case.costs][name]
+        if "error" in got:
+            table.append([str(case.ranks), case.costs, "torch", name, "-", "-", "-", got["error"]])
+            continue
+        step = max(r[case.costs][name]["step"] for r in theirs)
+        order = TEXTBOOK.get(name) or torch_order_schedule(plans[placement], got["order"])
+        ideal = simulate(plans[placement], order).iteration_time
+        table.append(_row(case, "torch", name, placement, ideal, step))
+        best["torch"] = min(best.get("torch", step), step)
+    mark = ratio(best["torch"], best["graphpipe"])
+    return [*table, [str(case.ranks), case.costs, "best", "torch / graphpipe", "", "", "", mark]]
+
+
+def _row(
+    case: Case, side: str, name: str, placement: str | None, ideal: float, step: float
+) -> list[str]:
+    stages = f"{case.ranks}" if placement is None else f"{2 * case.ranks} ({placement})"
+    return [
+        str(case.ranks),
+        case.costs,
+        side,
+        name,
+        stages,
+        f"{ideal * 1e3:.0f}",
+        f"{step * 1e3:.0f}",
+        f"{step / ideal:.2f}",
+    ]
+
+
+def report(ranks: Sequence[int], steps: int) -> str:
+    """The table as a markdown section."""
+    table = [r for n in ranks for r in rows(n, steps)]
+    return (
+        "## Against torch.distributed.pipelining, emulated ranks\n\n"
+        f"{machine()}\n\nCommand: `python -m benchmarks.peers --ranks "
+        f"{' '.join(map(str, ranks))} --steps {steps}`. A chain of 2N layers, "
+        f"M = {M}, batch {BATCH}; costs per layer (F, I, W) in ms: "
+        + ", ".join(f"{k} {tuple(round(t * 1e3) for t in v)}" for k, v in COSTS.items())
+        + f"; measured: each rank's median of {steps} steps, the slowest rank.\n\n"
+        + tabulate(table, headers=HEADERS, tablefmt="github")
+        + "\n"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[4])
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(report(args.ranks, args.steps))
+
+
+if __name__ == "__main__":
+    main()
