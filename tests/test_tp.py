@@ -10,10 +10,17 @@ gradient accumulation over the same micro-batches, at rtol 1e-5.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from test_mesh import PINS as CHAIN_PINS
+from test_mesh import STEPS as CHAIN_STEPS
+from test_mesh import _optimizer as chain_optimizer
+from test_mesh import batch as chain_batch
+from test_mesh import chain
+from test_mesh import reference as chain_reference
 from test_mesh_models import (
     PINS,
     STEPS,
@@ -29,6 +36,7 @@ from test_mesh_models import (
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
+from zoo import dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
@@ -45,30 +53,84 @@ ATOL = 2e-6
 SHAPES = {4: ((2, 2), ("pp", "tp")), 8: ((2, 2, 2), ("pp", "dp", "tp"))}
 
 
-def _train_worker(world: int) -> dict[str, Any]:
-    shape, names = SHAPES[world]
+def _llama(pins: dict[str, int], mesh: Any) -> Any:
+    """The tiny Llama pipelined under 1f1b by `pins`, over `mesh` (None: one rank a stage)."""
     ids, _ = batch(0)
-    pm = gp_compile(
+    return gp_compile(
         llama(),
         {"input_ids": ids, "use_cache": False},
         loss_fn=lm_loss,
         optimizer=_optimizer(),
         micro_batches=M,
         schedule="1f1b",
-        pins=PINS,
-        mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
+        pins=pins,
+        mesh=mesh,
         profile_config=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
     )
+
+
+def _train_worker(world: int, where: str) -> dict[str, Any]:
+    shape, names = SHAPES[world]
+    pm = _llama(PINS, init_device_mesh("cpu", shape, mesh_dim_names=names))
     losses = [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
     local = {n: p.to_local().numel() for n, p in pm.module.named_parameters()}
-    return {
+    out = {
         "losses": losses,
         "state": pm.state_dict(),
         "adam": _adam_state(pm),
         "local": local,
         "placements": {n: str(p.placements) for n, p in pm.module.named_parameters()},
     }
+    if world == 4:
+        out["resumed"] = _resume_at_tp1(pm, where)
+        out["chain"] = _chain_on_tp()
+    return out
+
+
+PINS4 = {"model.embed_tokens": 0, "model.layers.0": 1, "model.layers.1": 2, "lm_head": 3}
+
+
+def _resume_at_tp1(tp2: Any, where: str) -> dict[str, Any]:
+    """The pp 2 x tp 2 run's checkpoint loaded by a pp 4 pipeline without a mesh (tp 1):
+    its state right after the load, and both runs' next step."""
+    tp2.save(where)
+    pp4 = _llama(PINS4, None)
+    pp4.load(where)
+    loaded = pp4.state_dict()
+    ids, target = batch(STEPS)
+    return {
+        "loaded": loaded,
+        "losses": [pm.step(input_ids=ids, target=target) for pm in (tp2, pp4)],
+        "after": [tp2.state_dict(), pp4.state_dict()],
+    }
+
+
+CHAIN_TP = {"blocks.0.0": "colwise", "blocks.1.0": "rowwise", "blocks.2.0": "colwise",
+            "blocks.3.0": "rowwise", "head": "colwise"}  # fmt: skip
+
+
+def _chain_on_tp() -> dict[str, Any]:
+    """An fx-traced chain (Linear + Tanh blocks, called as modules) on pp 2 x tp 2 with a
+    tp_plan of its own; SGD with momentum, as tests/test_mesh.py's reference."""
+    model, inputs = chain()
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=chain_optimizer(),
+        micro_batches=M,
+        pins=CHAIN_PINS["chain"],
+        mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")),
+        tp_plan=CHAIN_TP,
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=120),
+    )
+    steps = range(CHAIN_STEPS)
+    losses = [
+        pm.step(*chain_batch("chain", s)[0], target=chain_batch("chain", s)[1]) for s in steps
+    ]
+    return {"losses": losses, "state": pm.state_dict()}
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +138,25 @@ def expected() -> dict[str, Any]:
     return reference()
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, Any]]]:
+    """Each world size's launch, run once and kept."""
+    done: dict[int, list[dict[str, Any]]] = {}
+
+    def run(world: int) -> list[dict[str, Any]]:
+        if world not in done:
+            where = str(tmp_path_factory.mktemp("tp") / "ckpt")
+            done[world] = launch(_train_worker, world, args=(world, where), timeout=TIMEOUT)
+        return done[world]
+
+    return run
+
+
 @pytest.fixture(scope="module", params=sorted(SHAPES))
-def runs(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
-    return request.param, launch(_train_worker, request.param, args=(request.param,),
-                                 timeout=TIMEOUT)  # fmt: skip
+def runs(
+    request: pytest.FixtureRequest, launched: Callable[[int], list[dict[str, Any]]]
+) -> tuple[int, list[dict[str, Any]]]:
+    return request.param, launched(request.param)
 
 
 def test_llama_with_tensor_parallel_stages_trains_as_one_process(
@@ -115,6 +192,35 @@ def test_each_rank_holds_its_tp_shard_of_the_planned_layers(
     assert rank0["local"]["model.layers.0.input_layernorm.weight"] == 32 // dp
     assert "Shard(dim=0)" in rank0["placements"]["model.layers.0.self_attn.q_proj.weight"]
     assert "Shard(dim=1)" in rank0["placements"]["model.layers.0.self_attn.o_proj.weight"]
+
+
+def test_an_fx_traced_chain_with_its_own_tp_plan_trains_as_one_process(
+    launched: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    """Modules called by an fx graph, their Linear weights sharded by the plan (pp 2 x tp 2)."""
+    results = launched(4)
+    ref_losses, ref_params, _ = chain_reference("chain")
+    for rank, result in enumerate(results):
+        got = result["chain"]
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        for n, value in ref_params.items():
+            torch.testing.assert_close(got["state"][n], value, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_tp2_checkpoint_loads_at_tp1_and_steps_the_same(
+    launched: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    """DCP reshards the tp shards (and Adam's) by name into a pp 4 pipeline without a mesh."""
+    results = launched(4)
+    for rank, result in enumerate(results):
+        got = result["resumed"]
+        for n, value in result["state"].items():  # the tp run's weights after its 3 steps
+            torch.testing.assert_close(got["loaded"][n], value, rtol=0, atol=0, msg=n)
+        tp2_loss, tp1_loss = got["losses"]
+        assert tp1_loss == pytest.approx(tp2_loss, rel=1e-5), f"rank {rank}"
+        tp2_after, tp1_after = got["after"]
+        for n, value in tp2_after.items():
+            torch.testing.assert_close(tp1_after[n], value, rtol=1e-5, atol=ATOL, msg=n)
 
 
 # -- the plan -------------------------------------------------------------------------------------
