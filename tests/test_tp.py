@@ -20,7 +20,6 @@ from test_mesh import STEPS as CHAIN_STEPS
 from test_mesh import _optimizer as chain_optimizer
 from test_mesh import batch as chain_batch
 from test_mesh import chain
-from test_mesh import reference as chain_reference
 from test_mesh_models import (
     PINS,
     STEPS,
@@ -33,6 +32,7 @@ from test_mesh_models import (
     lm_loss,
     reference,
 )
+from test_mesh_state import MAX_NORM, clipped_reference
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
@@ -112,7 +112,7 @@ CHAIN_TP = {"blocks.0.0": "colwise", "blocks.1.0": "rowwise", "blocks.2.0": "col
 
 def _chain_on_tp() -> dict[str, Any]:
     """An fx-traced chain (Linear + Tanh blocks, called as modules) on pp 2 x tp 2 with a
-    tp_plan of its own; SGD with momentum, as tests/test_mesh.py's reference."""
+    tp_plan of its own, clipped; SGD with momentum, as tests/test_mesh_state.py's reference."""
     model, inputs = chain()
     pm = gp_compile(
         model,
@@ -123,14 +123,15 @@ def _chain_on_tp() -> dict[str, Any]:
         pins=CHAIN_PINS["chain"],
         mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")),
         tp_plan=CHAIN_TP,
+        max_grad_norm=MAX_NORM,  # active every step: the norm over pp and tp's DTensors
         profile_config=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
     )
-    steps = range(CHAIN_STEPS)
-    losses = [
-        pm.step(*chain_batch("chain", s)[0], target=chain_batch("chain", s)[1]) for s in steps
-    ]
-    return {"losses": losses, "state": pm.state_dict()}
+    losses, norms = [], []
+    for step in range(CHAIN_STEPS):
+        losses.append(pm.step(*chain_batch("chain", step)[0], target=chain_batch("chain", step)[1]))
+        norms.append(pm.last_grad_norm)
+    return {"losses": losses, "norms": norms, "state": pm.state_dict()}
 
 
 @pytest.fixture(scope="module")
@@ -194,15 +195,19 @@ def test_each_rank_holds_its_tp_shard_of_the_planned_layers(
     assert "Shard(dim=1)" in rank0["placements"]["model.layers.0.self_attn.o_proj.weight"]
 
 
-def test_an_fx_traced_chain_with_its_own_tp_plan_trains_as_one_process(
+def test_an_fx_traced_chain_with_its_own_tp_plan_and_clipping_trains_as_one_process(
     launched: Callable[[int], list[dict[str, Any]]],
 ) -> None:
-    """Modules called by an fx graph, their Linear weights sharded by the plan (pp 2 x tp 2)."""
+    """Modules called by an fx graph, their Linear weights sharded by the plan (pp 2 x tp 2),
+    clipped by the whole model's norm: torch's norm of the DTensor gradients made whole over
+    tp, summed over pp; equal to clip_grad_norm_ on one process."""
     results = launched(4)
-    ref_losses, ref_params, _ = chain_reference("chain")
+    ref_losses, ref_norms, ref_params = clipped_reference("chain", 2.0)
     for rank, result in enumerate(results):
         got = result["chain"]
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {rank}"
+        assert all(n > MAX_NORM for n in ref_norms)  # clipped at every step
         for n, value in ref_params.items():
             torch.testing.assert_close(got["state"][n], value, rtol=1e-5, atol=1e-6, msg=n)
 
