@@ -1,6 +1,7 @@
 """Soak: a long run on 3 ranks under torchrun's restarts, with ranks killed at random moments.
 
     python -m benchmarks.soak --steps 300 --kills 4      # about 100 s on 2 cores
+    python -m benchmarks.soak --ranks 4 --dp 2 --steps 100 --kills 3   # pp 2 x dp 2 (FSDP2)
 
 `models.mmt` (tiny: two branch stages and the fan-in head, one rank each) trains twice with
 `graphpipe run --checkpoint-every N --resume auto` under `torchrun --standalone
@@ -9,7 +10,9 @@ happens on attempt i (TORCHELASTIC_RESTART_COUNT), on a random rank, a random de
 0.3 s: up to a few steps on, inside a step or a save) after that rank drew the batch of a
 random step; the steps are drawn in increasing order, so each attempt reaches its kill. Each
 kill is a SIGKILL of the rank's own process; torchrun's agent stops the others and restarts
-the group, which resumes from the latest complete checkpoint.
+the group, which resumes from the latest complete checkpoint. With `--ranks 4 --dp 2` the
+same runs on a (2, 2) ("pp", "dp") mesh (`graphpipe run --dp`): stages sharded by FSDP2,
+checkpoints of DTensor shards.
 
 The figures: the wall time of both runs, the kills that landed (each leaves a mark file
 first), the steps each attempt resumed from, and the checks: every tensor of the final
@@ -112,15 +115,15 @@ def _die(kill: Kill) -> None:
 
 
 def torchrun(
-    run_args: Sequence[str], restarts: int, env: dict[str, str], timeout: float
+    run_args: Sequence[str], restarts: int, env: dict[str, str], timeout: float, ranks: int = RANKS
 ) -> tuple[int, str]:
-    """`graphpipe run RUN_ARGS` on 3 ranks under torchrun; its exit status and output.
+    """`graphpipe run RUN_ARGS` on `ranks` ranks under torchrun; its exit status and output.
 
     The whole process session is killed when `timeout` passes (then TimeoutError).
     """
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-        *(f"--nproc-per-node={RANKS}", f"--max-restarts={restarts}", "--monitor-interval=0.1"),
+        *(f"--nproc-per-node={ranks}", f"--max-restarts={restarts}", "--monitor-interval=0.1"),
         *("-m", "graphpipe.tools.cli", "run", *run_args),
     ]
     proc = subprocess.Popen(
@@ -140,10 +143,13 @@ def torchrun(
     return proc.returncode, out
 
 
-def run_args(root: Path, steps: int, every: int, keep: int = 2) -> list[str]:
-    """`graphpipe run`'s arguments for one run writing under `root`."""
+def run_args(
+    root: Path, steps: int, every: int, keep: int = 2, ranks: int = RANKS, dp: int = 1
+) -> list[str]:
+    """`graphpipe run`'s arguments for one run writing under `root` (pp x dp = ranks)."""
     return [
-        *(MODEL, "--devices", str(RANKS), "--preset", "tiny", "--profile", "flops"),
+        *(MODEL, "--devices", str(ranks), "--dp", str(dp), "--preset", "tiny"),
+        "--profile=flops",
         *("--steps", str(steps), "--checkpoint-every", str(every), "--resume", "auto"),
         *("--keep-checkpoints", str(keep), "--checkpoint-dir", str(root / "ckpt")),
         *("--out", str(root / "out"), "--timeout", "30"),
@@ -195,24 +201,33 @@ def leftovers(root: Path) -> list[str]:
     return found
 
 
-def kill_plan(steps: int, kills: int, seed: int) -> list[Kill]:
+def kill_plan(steps: int, kills: int, seed: int, ranks: int = RANKS) -> list[Kill]:
     """`kills` kills at increasing random steps in [1, steps), one per attempt."""
     rng = random.Random(seed)
     at = sorted(rng.sample(range(1, steps), kills))
-    return [Kill(i, rng.randrange(RANKS), s, rng.uniform(0.0, 0.3)) for i, s in enumerate(at)]
+    return [Kill(i, rng.randrange(ranks), s, rng.uniform(0.0, 0.3)) for i, s in enumerate(at)]
 
 
-def reference(root: Path, steps: int, every: int, timeout: float) -> float:
+def reference(
+    root: Path, steps: int, every: int, timeout: float, ranks: int = RANKS, dp: int = 1
+) -> float:
     """The untouched run under root/reference; its wall time in seconds."""
     began = time.monotonic()
-    code, out = torchrun(run_args(root / "reference", steps, every), 0, {}, timeout)
+    args = run_args(root / "reference", steps, every, ranks=ranks, dp=dp)
+    code, out = torchrun(args, 0, {}, timeout, ranks)
     if code:
         raise RuntimeError(f"the reference run failed ({code}):\n{out[-4000:]}")
     return time.monotonic() - began
 
 
 def killed(
-    root: Path, steps: int, every: int, kills: Sequence[Kill], timeout: float
+    root: Path,
+    steps: int,
+    every: int,
+    kills: Sequence[Kill],
+    timeout: float,
+    ranks: int = RANKS,
+    dp: int = 1,
 ) -> dict[str, Any]:
     """The run under root/killed with `kills`, next to root/reference: the figures and the
     checks (see the module docstring)."""
@@ -221,7 +236,8 @@ def killed(
     marks.mkdir(parents=True)
     env = {KILLS_ENV: ";".join(map(str, kills)), MARKS_ENV: str(marks)}
     began = time.monotonic()
-    code, out = torchrun(run_args(run, steps, every), len(kills), env, timeout)
+    args = run_args(run, steps, every, ranks=ranks, dp=dp)
+    code, out = torchrun(args, len(kills), env, timeout, ranks)
     seconds = time.monotonic() - began
     (run / "torchrun.log").write_text(out)
     if code:
@@ -245,12 +261,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill plan")
     parser.add_argument("--dir", type=Path, default=Path("runs/soak"))
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--ranks", type=int, default=RANKS, help="processes: pp x dp")
+    parser.add_argument("--dp", type=int, default=1, help="a (ranks / dp, dp) mesh: FSDP2")
     args = parser.parse_args(argv)
-    kills = kill_plan(args.steps, args.kills, args.seed)
+    layout = {"ranks": args.ranks, "dp": args.dp}
+    kills = kill_plan(args.steps, args.kills, args.seed, args.ranks)
     print(f"kill plan (attempt:rank:step:delay): {' '.join(map(str, kills))}", flush=True)
     root = args.dir.resolve() / time.strftime("%Y%m%d-%H%M%S")
-    print(f"reference: {reference(root, args.steps, args.every, args.timeout):.1f} s")
-    result = killed(root, args.steps, args.every, kills, args.timeout)
+    print(f"reference: {reference(root, args.steps, args.every, args.timeout, **layout):.1f} s")
+    result = killed(root, args.steps, args.every, kills, args.timeout, **layout)
     for key, value in result.items():
         print(f"{key}: {value}")
     ok = not result["differences"] and not result["leftovers"]
