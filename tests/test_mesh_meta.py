@@ -281,13 +281,15 @@ def _peak_worker() -> dict[str, dict[str, int]]:
 
 def test_a_meta_stage_is_never_whole_on_its_rank() -> None:
     """reset_parameters(): the peak is the rank's shards (1/dp of the stage) plus one
-    module's tensors, under 3/4 of the stage's whole bytes; an init callback runs on whole
-    tensors, so its peak reaches the whole stage (documented), which shows the measure sees
-    a whole stage where there is one."""
+    module's tensors (4 MiB), below the stage's whole bytes; an init callback runs on whole
+    tensors, so its peak reaches the whole stage (documented; measured about 1.5 stages: the
+    stage and the shards), which shows the measure sees a whole stage where there is one.
+    The bound is the whole stage, not the 36 MiB expected: the allocator's arenas add to
+    the resident size (measured 42 to 50 MiB of 64 MiB stages)."""
     for rank, result in enumerate(launch(_peak_worker, 4, timeout=TIMEOUT)):
         reset, init = result["reset_parameters"], result["init"]
         stage = reset["stage"]
         assert stage == 64 * 2**20 + BLOCKS // 2 * BIG * 4, f"rank {rank}"
         assert reset["local"] * 2 == stage, f"rank {rank}: half the stage"
-        assert reset["local"] * 0.9 <= reset["peak"] < 0.75 * stage, (rank, reset)
+        assert reset["local"] * 0.9 <= reset["peak"] < stage, (rank, reset)
         assert init["peak"] >= stage, (rank, init)
