@@ -20,7 +20,7 @@ this thread too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,18 +33,9 @@ from graphpipe.runtime.failures import guarded
 __all__ = ["GuardedAllGather", "GuardedReduceScatter", "guard_collectives"]
 
 
-class _Allocated:
-    """FSDP2's `Comm.allocate`: a fresh buffer per call (its default's behaviour)."""
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """An empty tensor of `size`."""
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class GuardedAllGather(_Allocated):
-    """FSDP2's parameter all-gather, under the watch.
+class _Guarded:
+    """What FSDP2's all-gather and reduce-scatter protocols share: a fresh buffer per call
+    (`Comm.allocate`, its default's behaviour), and the collective run under the watch.
 
     Args:
         what: The collective, as an error names it.
@@ -52,6 +43,20 @@ class GuardedAllGather(_Allocated):
 
     def __init__(self, what: str) -> None:
         self.what = what
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An empty tensor of `size`."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _run(self, collective: Callable[[], Any], group: dist.ProcessGroup) -> None:
+        """`collective` over `group`'s ranks under the watch, waited for."""
+        guarded(self.what, collective, dist.get_process_group_ranks(group))
+
+
+class GuardedAllGather(_Guarded):
+    """FSDP2's parameter all-gather, under the watch."""
 
     def __call__(
         self,
@@ -61,22 +66,11 @@ class GuardedAllGather(_Allocated):
         async_op: bool = False,
     ) -> None:
         """Gather `input_tensor` of every rank of `group` into `output_tensor`, waited for."""
-        guarded(
-            self.what,
-            lambda: dist.all_gather_single(output_tensor, input_tensor, group=group),
-            dist.get_process_group_ranks(group),
-        )
+        self._run(lambda: dist.all_gather_single(output_tensor, input_tensor, group=group), group)
 
 
-class GuardedReduceScatter(_Allocated):
-    """FSDP2's gradient reduce-scatter, under the watch.
-
-    Args:
-        what: The collective, as an error names it.
-    """
-
-    def __init__(self, what: str) -> None:
-        self.what = what
+class GuardedReduceScatter(_Guarded):
+    """FSDP2's gradient reduce-scatter, under the watch."""
 
     def __call__(
         self,
@@ -87,12 +81,11 @@ class GuardedReduceScatter(_Allocated):
         async_op: bool = False,
     ) -> None:
         """Reduce `input_tensor` over `group` with `op`, this rank's part in `output_tensor`."""
-        guarded(
-            self.what,
+        self._run(
             lambda: dist.reduce_scatter_single(
                 output=output_tensor, input=input_tensor, group=group, op=op
             ),
-            dist.get_process_group_ranks(group),
+            group,
         )
 
 

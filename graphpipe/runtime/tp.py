@@ -206,31 +206,27 @@ def _for_dtensor(stage: fx.GraphModule) -> None:
 
 
 def _replace_attention(graph: fx.Graph, node: fx.Node) -> None:
-    """Call `attention` where `node` calls torch's scaled dot-product attention (the
-    composite op export records, or CPU's fused kernel, whose readers may take only its
-    output, item 0: the log-sum-exp serves the fused backward alone)."""
-    if node.target is _SDPA:
-        q, k, v, *rest = node.args
-        names = ("attn_mask", "dropout_p", "is_causal")
-        kwargs = {**dict(zip(names, rest, strict=False)), **node.kwargs}
-        with graph.inserting_before(node):
-            plain = graph.call_function(attention, (q, k, v), kwargs)
-        node.replace_all_uses_with(plain)
-        graph.erase_node(node)
-        return
-    users = list(node.users)
-    if not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
-        raise ConfigError(
-            f"{node.name} ({_CPU_ATTENTION}) has a reader of its log-sum-exp; graphpipe can "
-            "run its output only under tensor parallelism"
-        )
+    """Call `attention` where `node` calls torch's scaled dot-product attention: the
+    composite op export records (its output read as is), or CPU's fused kernel (whose
+    readers may take only its output, item 0: the log-sum-exp serves the fused backward)."""
     q, k, v, *rest = node.args
-    kwargs = {**dict(zip(("dropout_p", "is_causal"), rest, strict=False)), **node.kwargs}
+    positional: tuple[str, ...]
+    if node.target is _SDPA:
+        positional, readers = ("attn_mask", "dropout_p", "is_causal"), [node]
+    else:
+        positional, readers = ("dropout_p", "is_causal"), list(node.users)
+        if not all(u.target is operator.getitem and u.args[1] == 0 for u in readers):
+            raise ConfigError(
+                f"{node.name} ({_CPU_ATTENTION}) has a reader of its log-sum-exp; graphpipe "
+                "can run its output only under tensor parallelism"
+            )
+    kwargs = {**dict(zip(positional, rest, strict=False)), **node.kwargs}
     with graph.inserting_before(node):
         plain = graph.call_function(attention, (q, k, v), kwargs)
-    for u in users:
-        u.replace_all_uses_with(plain)
-        graph.erase_node(u)
+    for reader in readers:
+        reader.replace_all_uses_with(plain)
+        if reader is not node:
+            graph.erase_node(reader)
     graph.erase_node(node)
 
 
