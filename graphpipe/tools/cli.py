@@ -71,6 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphpipe", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    _plan_parser(commands)
+    _run_parser(commands)
+    _export_parser(commands)
+    return parser
+
+
+def _plan_parser(commands: Any) -> None:
+    """`graphpipe plan`: its arguments."""
     plan = commands.add_parser(
         "plan",
         help="plan a model and print its stages",
@@ -147,6 +155,10 @@ def _parser() -> argparse.ArgumentParser:
         help="write the simulated timeline as a Chrome/Perfetto trace",
     )
     plan.set_defaults(func=_plan_command)
+
+
+def _run_parser(commands: Any) -> None:
+    """`graphpipe run`: its arguments."""
     run = commands.add_parser(
         "run",
         help="train a model pipelined across local processes",
@@ -210,6 +222,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     _checkpoint_arguments(run)
     run.set_defaults(func=_run_command)
+
+
+def _export_parser(commands: Any) -> None:
+    """`graphpipe export`: its arguments."""
     export = commands.add_parser(
         "export",
         help="a checkpoint directory (pm.save) as a plain state_dict file",
@@ -219,7 +235,6 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", type=Path, help="the directory pm.save wrote")
     export.add_argument("out", type=Path, help="the state dict file to write")
     export.set_defaults(func=_export_command)
-    return parser
 
 
 def _checkpoint_arguments(run: argparse.ArgumentParser) -> None:
