@@ -272,3 +272,96 @@ def test_the_fair_protocol_plans_both_strategies_on_the_mesh() -> None:
         assert not c.replication
     with pytest.raises(ConfigError, match="dp=2 does not divide devices=3"):
         choose(gm, tuple(w.example_inputs), 3, "graph", rules)
+
+
+# -- the tp dimension -----------------------------------------------------------------------------
+
+D, B, BLOCKS = 32, 4, 4  # the MLP's width, micro-batch rows, blocks
+MLP_PLAN = {"*.0": "colwise", "*.2": "rowwise"}  # every block's fc1 and fc2, as Megatron's MLP
+MLP_PINS = {"0": 0, "1": 0, "2": 1, "3": 1}
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor]:
+    """Blocks of fc1 (D -> 4D), ReLU, fc2 (4D -> D): every op a planned layer or between
+    two (ReLU), so one tp rank computes exactly half."""
+    blocks = [nn.Sequential(nn.Linear(D, 4 * D), nn.ReLU(), nn.Linear(4 * D, D)) for _ in range(4)]
+    return nn.Sequential(*blocks), torch.randn(2 * B, D)
+
+
+def _ring_allreduce(nbytes: float, t: int) -> float:
+    return 2 * (t - 1) / t * nbytes / LINK.bandwidth + 2 * (t - 1) * LINK.latency
+
+
+def _mlp_plans(**options: Any) -> tuple[Plan, Plan]:
+    model, x = _mlp()
+    kw = {
+        "micro_batches": 2,
+        "pins": MLP_PINS,
+        "link": LINK,
+        "profile": ProfileConfig(mode="flops"),
+    }
+    kw.update(options)
+    tp1 = plan(model, x, devices=2, **kw)
+    tp2 = plan(model, x, devices=4, tp=2, tp_plan=MLP_PLAN, **kw)
+    return tp1, tp2
+
+
+def test_tp_halves_the_planned_layers_bytes_and_time_and_adds_megatron_s_all_reduces() -> None:
+    """Per stage (two blocks): fc1's weight and bias and fc2's weight split in two, fc2's
+    bias whole; the compute halved; one all-reduce of the block's output (B x D floats) per
+    fc2 in the forward, and per fc1 whose input is an activation (not the model's input) in
+    the backward: 2 + 1 on stage 0, 2 + 2 on stage 1."""
+    tp1, tp2 = _mlp_plans()
+    fc1, fc2 = (D * 4 * D + 4 * D) * 4, (4 * D * D + D) * 4
+    assert [s.param_bytes for s in tp1.stages] == [2 * (fc1 + fc2)] * 2
+    split = 2 * (fc1 / 2 + (fc2 - D * 4) / 2 + D * 4)
+    assert [s.param_bytes for s in tp2.stages] == [split] * 2
+    assert split / (2 * (fc1 + fc2)) == pytest.approx(0.5, abs=0.01)
+    reduce = _ring_allreduce(B * D * 4, 2)
+    for s1, s2, backward_reduces in zip(tp1.stages, tp2.stages, (1, 2), strict=True):
+        assert s2.time == pytest.approx(s1.time / 2 + (2 + backward_reduces) * reduce, rel=1e-9)
+        assert s2.forward_time == pytest.approx(s1.forward_time / 2 + 2 * reduce, rel=1e-9)
+        # fc1's and ReLU's outputs (4D wide) are split, fc2's (D) whole
+        assert s2.activation_bytes == s1.activation_bytes - 2 * 2 * (4 * D * B * 4) / 2
+    assert [e.bytes for e in tp2.edges] == [e.bytes for e in tp1.edges] == [B * D * 4]
+    assert tp2.cost_model.tp.degree == 2 and tp2.info["mesh"]["tp"] == 2
+    assert "tp 2" in str(tp2).splitlines()[0]
+
+
+def test_the_tp_link_is_its_own_when_given() -> None:
+    slow = LinkModel(bandwidth=LINK.bandwidth / 10, latency=LINK.latency)
+    (_, fast), (_, slowed) = _mlp_plans(), _mlp_plans(tp_link=slow)
+    extra = 3 * (B * D * 4 / slow.bandwidth - B * D * 4 / LINK.bandwidth)  # the ring's 2(t-1)/t = 1
+    assert slowed.stages[0].time - fast.stages[0].time == pytest.approx(extra, rel=1e-9)
+
+
+def test_a_column_wise_layer_read_by_no_row_wise_one_gathers_its_output_whole() -> None:
+    """An LM head: its output all-gathered in the forward, whole, no all-reduce after it."""
+    model, x = nn.Sequential(nn.Linear(D, 4 * D)), torch.randn(2 * B, D)
+    kw: dict[str, Any] = {"micro_batches": 2, "link": LINK, "profile": ProfileConfig(mode="flops")}
+    (s1,) = plan(model, x, devices=1, **kw).stages
+    (s2,) = plan(model, x, devices=2, tp=2, tp_plan={"0": "colwise"}, **kw).stages
+    gather = (B * 4 * D * 4) / 2 / LINK.bandwidth + LINK.latency  # (t-1)/t bytes, t-1 steps
+    assert s2.forward_time == pytest.approx(s1.forward_time / 2 + gather, rel=1e-9)
+    assert s2.backward_time == pytest.approx(s1.backward_time / 2, rel=1e-9)
+    assert s2.activation_bytes == s1.activation_bytes
+
+
+def test_a_plan_with_tp_round_trips_through_json_and_a_tp_1_plan_is_unchanged() -> None:
+    tp1, tp2 = _mlp_plans()
+    assert Plan.from_json(tp2.to_json()) == tp2
+    assert '"tp"' not in tp1.to_json()
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"tp": 3}, "tp=3 does not divide devices=4"),
+        ({"tp": 2}, "tp=2 needs tp_plan"),
+        ({"tp": 2, "tp_plan": {"0": "sideways"}}, "sideways"),
+        ({"tp": 2, "tp_plan": MLP_PLAN, "dp": 4}, "dp=4 does not divide devices=2"),
+    ],
+)
+def test_tp_must_divide_the_devices_and_needs_a_plan(options: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        PlanConfig(devices=4, **options)

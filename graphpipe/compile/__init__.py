@@ -29,7 +29,9 @@ broadcast (or check a given plan), schedule and dry-run, and build the `Pipeline
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -52,6 +54,7 @@ from graphpipe.runtime.failures import install_watch, posted
 from graphpipe.runtime.materialize import InitFn
 from graphpipe.runtime.pipeline import PipelinedModel
 from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig, schedule_for
+from graphpipe.runtime.tp import resolve_tp_plan
 from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.runtime.wiring import runtime_device
 from graphpipe.tracing.annotate import is_meta
@@ -207,6 +210,8 @@ def compile(
         **plan_options,
     )
     spec = _join(spec)
+    if spec.tensor_parallel > 1:  # the model's own plan when none is given, checked
+        spec = replace(spec, tp_plan=MappingProxyType(resolve_tp_plan(model, spec.tp_plan)))
     gm, inputs = _trace(model, example_inputs, spec)
     if spec.tensor_parallel > 1 and is_meta(gm) and spec.runtime.emulate is None:
         raise ConfigError(

@@ -212,26 +212,30 @@ def _profile_config(gm: fx.GraphModule, config: ProfileConfig | None) -> Profile
 
 def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:
     """Rank 0's plan: over the world's devices, with a mesh over pp = world / (dp x tp) of
-    them (the planner sees a tensor-parallel stage as one device: it does not cost tp).
+    them.
 
     Under a mesh the model is traced at one dp rank's slice (b rows of a micro-batch of b * dp),
     so the op graph is already one dp rank's: the planner is told the whole micro-batch's rows
     and handed that graph as the slice (`partition_mesh(graph_at=...)`), and costs the dp
-    dimension (sharded bytes, all-gathers, the reduce-scatter) with the run's FSDP options.
+    dimension (sharded bytes, all-gathers, the reduce-scatter) with the run's FSDP options,
+    and the tp dimension by the run's tp plan (`spec.tp_plan`, resolved by compile: the
+    planned layers' bytes and times split, their all-reduces in the stage times).
     """
-    dp, b = spec.data_parallel, trace_info(gm).micro_batch_size
+    dp, tp, b = spec.data_parallel, spec.tensor_parallel, trace_info(gm).micro_batch_size
     prof = profile(gm, inputs, b, _profile_config(gm, spec.profile_config))
-    if dp == 1:
+    if dp == 1 and tp == 1:
         config = PlanConfig.build(
             pipeline_devices(spec), micro_batches=spec.micro_batches, **spec.plan_options
         )
         return partition(gm, prof, config)
+    tp_options = {} if tp == 1 else {"tp": tp, "tp_plan": spec.tp_plan}
     config = PlanConfig.build(
-        dist.get_world_size() // spec.tensor_parallel,  # pp x dp: tp lies inside a device
+        dist.get_world_size(),  # pp x dp x tp
         micro_batches=spec.micro_batches,
         dp=dp,
         shard=spec.dp_shard,
         reshard_after_forward=spec.reshard_after_forward,
+        **tp_options,
         **spec.plan_options,
     )
     g = op_graph(gm, prof, config.precision)

@@ -38,6 +38,14 @@ it does not divide by k; the reduce-scatter is paid in the update (U). `gather_s
 share of the stage's parameters unsharded at once: 1 when the stage is one `fully_shard`
 unit, about 2/L when each of L blocks is one (the current block and the prefetched next).
 Without reshard_after_forward the whole stage stays unsharded (share 1).
+
+Tensor parallelism (`TensorParallel`, DTensor over a "tp" mesh dimension of degree t): each
+stage runs on t ranks that split the layers of a tp plan (Megatron's column- and row-wise
+Linears). The planner plans one tp rank (`planning.mesh.tp_rank_graph`): the planned layers'
+parameter bytes and times, and the activations between a column-wise layer and the next
+row-wise one, are 1/t; each row-wise layer's forward and each column-wise layer input's
+backward carry a ring all-reduce of that activation over t on the tp link. So c, p and a
+above are one tp rank's, with its collectives in c.
 """
 
 from __future__ import annotations
@@ -51,7 +59,14 @@ import numpy as np
 from graphpipe.errors import ConfigError
 from graphpipe.ir.registry import policy_spec
 
-__all__ = ["CostModel", "DataParallel", "LinkModel", "MemoryModel", "weight_copies"]
+__all__ = [
+    "CostModel",
+    "DataParallel",
+    "LinkModel",
+    "MemoryModel",
+    "TensorParallel",
+    "weight_copies",
+]
 
 
 def weight_copies(policy: str, warmup: int, correction: bool = True) -> int:
@@ -163,6 +178,19 @@ class DataParallel:
 
 
 @dataclass(frozen=True)
+class TensorParallel:
+    """The mesh's tensor-parallel dimension: every stage's planned layers split over `degree`
+    ranks of the "tp" dim (the module docstring gives the costs)."""
+
+    degree: int = 1  # t: ranks per stage on the "tp" mesh dim
+    link: LinkModel | None = None  # the tp link; None: the same as the pp link
+
+    def __post_init__(self) -> None:
+        if self.degree < 1:
+            raise ConfigError(f"tp degree must be >= 1, got {self.degree}")
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Everything planning assumes besides the per-op times, recorded in every Plan."""
 
@@ -173,6 +201,7 @@ class CostModel:
     profile: str = "flops"  # where op times came from: "flops" (estimate) or "measure"
     device: str = "cpu"  # the device the op times are for
     dp: DataParallel = field(default_factory=DataParallel)  # the mesh's dp dimension
+    tp: TensorParallel = field(default_factory=TensorParallel)  # the mesh's tp dimension
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.micro_batches < 1:
@@ -216,6 +245,16 @@ class CostModel:
         return self.weights(param_bytes) + activation_bytes * held
 
     # -- the dp dimension (module docstring) ------------------------------------------------
+
+    def describe_mesh(self) -> str:
+        """The dp and tp dimensions in words, e.g. "dp 2 (sharded), tp 2"."""
+        tp = self.tp.degree
+        return self.dp.describe() + (f", tp {tp}" if tp > 1 else "")
+
+    @property
+    def tp_link(self) -> LinkModel:
+        """The link of the tp dimension: its own, or the pp link."""
+        return self.tp.link or self.link
 
     @property
     def dp_link(self) -> LinkModel:
@@ -279,10 +318,12 @@ class CostModel:
         return max(compute, self.gather_time(param_bytes)) + self.dp_sync_time(param_bytes) / m
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for JSON (without `dp` when it is the default, as before it existed)."""
+        """Plain data for JSON (without `dp` or `tp` when the default, as before they existed)."""
         data = asdict(self)
         if self.dp == DataParallel():
             del data["dp"]
+        if self.tp == TensorParallel():
+            del data["tp"]
         return data
 
     @classmethod
@@ -295,4 +336,8 @@ class CostModel:
         if dp.get("link") is not None:
             dp["link"] = LinkModel(**dp["link"])
         fields["dp"] = DataParallel(**dp)
+        tp = dict(fields.get("tp", {}))
+        if tp.get("link") is not None:
+            tp["link"] = LinkModel(**tp["link"])
+        fields["tp"] = TensorParallel(**tp)
         return cls(**fields)

@@ -134,8 +134,8 @@ class Plan:
 
     @property
     def mesh(self) -> str:
-        """The data-parallel dimension in words ("dp 1" without one)."""
-        return self.cost_model.dp.describe()
+        """The data- and tensor-parallel dimensions in words ("dp 1" without either)."""
+        return self.cost_model.describe_mesh()
 
     @property
     def throughput(self) -> float:
@@ -224,7 +224,7 @@ class Plan:
             f"{self.num_devices} devices, depth {self.depth}, bottleneck "
             f"{format_time(self.bottleneck)}/micro-batch)"
         ]
-        if self.cost_model.dp.degree > 1:
+        if self.cost_model.dp.degree > 1 or self.cost_model.tp.degree > 1:
             lines[0] = lines[0][:-1] + f", mesh pp {self.num_devices} x {self.mesh})"
         lines += [
             f"  S{s.index} dev{list(s.devices)} {len(s.nodes)} ops "

@@ -24,6 +24,7 @@ import networkx as nx
 from graphpipe.errors import PlanError
 from graphpipe.ir import Plan, Stage, StageEdge, edges_to_sink
 from graphpipe.ir.cost import CostModel
+from graphpipe.planning.opgraph import wire_bytes
 
 __all__ = ["assemble", "bottleneck"]
 
@@ -125,9 +126,9 @@ def _stage_edges(
                 src=s,
                 dst=t,
                 tensors=tensors,
-                bytes=int(sum(g.nodes[n]["act"] for n in tensors)),
+                bytes=int(sum(wire_bytes(g, n) for n in tensors)),
                 grads=grads,
-                grad_bytes=int(sum(g.nodes[n]["act"] for n in grads)),
+                grad_bytes=int(sum(wire_bytes(g, n) for n in grads)),
             )
         )
     return edges

@@ -1,7 +1,9 @@
-"""Mesh: plan over a ("pp", "dp") device mesh, with a given or a chosen dp degree.
+"""Mesh: plan over a ("pp", "dp", "tp") device mesh, with a given or a chosen dp degree.
 
     plan(model, inputs, devices=16, dp=2)       # a plan over pp = 8, each stage on 2 dp ranks
     plan(model, inputs, devices=16, dp="auto")  # every k dividing 16 and the micro-batch rows
+    plan(model, inputs, devices=16, dp=2, tp=2, tp_plan={"blocks.*.fc1": "colwise",
+                                                        "blocks.*.fc2": "rowwise"})  # pp = 4
 
 Every stage of the plan runs on one pp coordinate and is sharded (FSDP2's `fully_shard`) over
 its dp sub-mesh of k ranks; each dp rank takes 1/k of the rows of every micro-batch. The plan
@@ -31,12 +33,35 @@ shortest step wins, then the smaller k. `Plan.info["mesh"]` says what bound each
     bottleneck  its slowest stage or link is slower
 
 Cost: one partition and one simulation per divisor k (6 at N = 32).
+
+Tensor parallelism (`tp=t` with a `tp_plan`, module path -> style as
+`graphpipe.runtime.tp` applies it): N = pp x dp x t and the planner plans one tp rank of one
+dp rank (`tp_rank_graph`), as Megatron-LM splits a transformer:
+
+    column-wise layer  its weight and bias split by output features: parameter bytes, time
+                       and output / t; in the backward, an all-reduce of its input's
+                       gradient (once per input: q, k and v reading one tensor share it)
+    row-wise layer     its weight split by input features (its bias whole): parameter bytes
+                       and time / t; in the forward, an all-reduce of its output
+    between them       the ops on a path from a column-wise layer to a row-wise one without
+                       another planned layer (attention by heads, an MLP's activation): time
+                       and activation / t
+    a column-wise layer whose output reaches no row-wise layer (an LM head): an all-gather
+                       of its output in the forward, which stays whole
+    every other op     whole on every tp rank (norms, residuals, embeddings kept whole)
+
+Each all-reduce is a ring over t ranks on the tp link (`CostModel.tp_link`) and is added to
+its op's forward or backward time, so stage times, the bottleneck and the simulator pay it.
+A value crossing a stage boundary is whole on the wire (the runtime makes it whole), so an
+op's `wire` bytes stay whole where its `act` is divided. Times are divided linearly, as dp's
+are (a roofline profile's weight reads shrink too; its launches would not).
 """
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -44,9 +69,32 @@ import networkx as nx
 
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import DEFAULT_SCHEDULE, Plan
+from graphpipe.ir.cost import LinkModel
 from graphpipe.scheduling.simulate import simulate
 
-__all__ = ["check_dp", "choose_mesh", "dp_degrees", "mesh_info", "per_rank_graph"]
+__all__ = [
+    "TP_LAYOUTS",
+    "check_dp",
+    "choose_mesh",
+    "dp_degrees",
+    "mesh_info",
+    "path_matches",
+    "per_rank_graph",
+    "tp_layout",
+    "tp_rank_graph",
+    "tp_shards",
+]
+
+# a tp plan's style -> the layer's layout: "colwise" (split by output features), "rowwise"
+# (by input features) or None (kept whole); Hugging Face's names (graphpipe.runtime.tp)
+TP_LAYOUTS: dict[str, str | None] = {
+    "colwise": "colwise",
+    "colwise_rep": "colwise",
+    "colwise_gather_output": "colwise",
+    "rowwise": "rowwise",
+    "rowwise_rep": "rowwise",
+    "embedding_rowwise": None,
+}
 
 
 def per_rank_graph(g: nx.DiGraph, k: int) -> nx.DiGraph:
@@ -92,17 +140,41 @@ def dp_degrees(devices: int, rows: int) -> list[int]:
     return [k for k in range(1, devices + 1) if devices % k == 0 and rows % k == 0]
 
 
-def mesh_info(devices: int, dp: int, replication: bool) -> dict[str, Any]:
-    """The facts `Plan.info["mesh"]` records for a plan with dp > 1."""
+def check_tp(devices: int, tp: int, tp_plan: Mapping[str, str] | None) -> None:
+    """Refuse a tp degree that does not divide the devices, or tp > 1 without a plan, or a
+    plan style the planner does not know.
+
+    Raises:
+        ConfigError: naming the degree, or the entries.
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp must be an int >= 1, got {tp!r}")
+    if devices % tp:
+        raise ConfigError(f"tp={tp} does not divide devices={devices} into pp x dp x tp")
+    if tp > 1 and not tp_plan:
+        raise ConfigError(
+            f"tp={tp} needs tp_plan={{module path: style}}: the layers tensor parallelism "
+            "splits (graphpipe.runtime.tp.model_tp_plan reads a Hugging Face model's own)"
+        )
+    unknown = {k: v for k, v in (tp_plan or {}).items() if v not in TP_LAYOUTS}
+    if unknown:
+        raise ConfigError(f"tp_plan entries {unknown}: the styles are {sorted(TP_LAYOUTS)}")
+
+
+def mesh_info(devices: int, dp: int, replication: bool, tp: int = 1) -> dict[str, Any]:
+    """The facts `Plan.info["mesh"]` records for a plan with dp > 1 or tp > 1 (`devices`:
+    pp x dp)."""
     info: dict[str, Any] = {
         "dp": dp,
         "pp": devices // dp,
         "uniform": "every stage has the same dp degree (one (pp, dp) DeviceMesh)",
     }
+    if tp > 1:
+        info["tp"] = tp
+        info["uniform"] = "every stage has the same dp and tp degrees (one DeviceMesh)"
     if replication:
-        info["replication"] = (
-            "off: dp > 1 replaces data-parallel replication inside the pp dimension"
-        )
+        why = "dp > 1" if dp > 1 else "tp > 1"
+        info["replication"] = f"off: {why} replaces data-parallel replication inside pp"
     return info
 
 
@@ -185,3 +257,137 @@ def _why_not(c: Candidate, best: Plan, budget: float | None) -> str:
     if p.bottleneck > best.bottleneck:
         return f"bottleneck: {p.bottleneck:.4g} s per micro-batch vs {best.bottleneck:.4g}"
     return f"depth: {p.depth} stages deep vs {best.depth}, step {step:.4g} s"
+
+
+# -- the tp dimension (module docstring) ----------------------------------------------------------
+
+
+def path_matches(pattern: str, path: str) -> bool:
+    """`path` is the module `pattern` names (`*`: any one path component).
+
+    Example:
+        >>> path_matches("layers.*.fc", "layers.3.fc"), path_matches("layers.*.fc", "layers.fc")
+        (True, False)
+    """
+    regex = "\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
+    return re.fullmatch(regex, path) is not None
+
+
+def tp_layout(param: str, plan: Mapping[str, str]) -> str | None:
+    """The layout ("colwise", "rowwise") of the layer owning parameter `param` by `plan`, or
+    None (kept whole: no entry, or a style that keeps it whole)."""
+    module = param.rpartition(".")[0]
+    style = next((s for pattern, s in plan.items() if path_matches(pattern, module)), None)
+    return None if style is None else TP_LAYOUTS.get(style)
+
+
+def tp_shards(param: str, layout: str | None) -> bool:
+    """Whether a parameter of a layer of `layout` is split over tp: a column-wise layer's
+    weight and bias, a row-wise layer's weight (its bias is added after the all-reduce)."""
+    return layout == "colwise" or (layout == "rowwise" and not param.endswith(".bias"))
+
+
+def tp_rank_graph(g: nx.DiGraph, t: int, plan: Mapping[str, str], link: LinkModel) -> nx.DiGraph:
+    """The op graph one of t tp ranks runs under `plan` (the module docstring's costs).
+
+    Args:
+        g: The op graph (of one dp rank under a dp dimension).
+        t: The tp degree.
+        plan: The tp plan: module path ("*" for one component) -> style.
+        link: The tp link, for the all-reduces and all-gathers.
+
+    Returns:
+        `g` itself for t = 1, else a copy with the planned layers' parameter bytes, times and
+        sharded activations / t, every op's `wire` bytes (its whole output), and the
+        collectives added to the ops' forward and backward times.
+    """
+    if t == 1:
+        return g
+    out = g.copy()
+    sizes = dict(g.graph["param_bytes"])
+    layouts = {p: tp_layout(p, plan) for p in sizes}
+    for p, layout in layouts.items():
+        if tp_shards(p, layout):
+            sizes[p] = sizes[p] / t
+    out.graph["param_bytes"] = sizes
+    layers = _layers(g, layouts)
+    region = _sharded_region(g, layers)
+    for n, data in out.nodes(data=True):
+        data["wire"] = g.nodes[n]["act"]
+        if n in layers or n in region:
+            data["forward"] /= t
+            data["backward"] /= t
+        if n in region or (layers.get(n) == "colwise" and _feeds(g, n, region, layers)):
+            data["act"] /= t
+    _add_collectives(g, out, layers, region, t, link)
+    return out
+
+
+def _layers(g: nx.DiGraph, layouts: Mapping[str, str | None]) -> dict[str, str]:
+    """The ops computing with a split weight, by layout: those reading it, or reading a
+    constant op that reads it (export's transposed weight, itself split work)."""
+    layers: dict[str, str] = {}
+    for n in nx.topological_sort(g):
+        data = g.nodes[n]
+        found = sorted({str(layouts[p]) for p in data["params"] if layouts.get(p)})
+        if not found:
+            found = sorted(
+                {layers[u] for u in g.predecessors(n) if g.nodes[u]["constant"] and u in layers}
+            )
+        if found:
+            layers[n] = found[-1]  # "rowwise" where an op somehow reads both
+    return layers
+
+
+def _sharded_region(g: nx.DiGraph, layers: Mapping[str, str]) -> set[str]:
+    """The ops between a column-wise layer and a row-wise one: reached forward from a
+    column-wise layer and backward from a row-wise one, through no other planned layer."""
+    col = [n for n, kind in layers.items() if kind == "colwise" and not g.nodes[n]["constant"]]
+    row = [n for n, kind in layers.items() if kind == "rowwise" and not g.nodes[n]["constant"]]
+    ahead = _reach(col, g.successors, layers)
+    behind = _reach(row, g.predecessors, layers)
+    return ahead & behind
+
+
+def _reach(starts: Iterable[str], step: Callable[[str], Iterable[str]], stop: Any) -> set[str]:
+    """Ops reached from `starts` by `step`, not through (nor including) an op in `stop`."""
+    seen: set[str] = set()
+    todo = [m for n in starts for m in step(n)]
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stop or n == "output":
+            continue
+        seen.add(n)
+        todo.extend(step(n))
+    return seen
+
+
+def _feeds(g: nx.DiGraph, n: str, region: set[str], layers: Mapping[str, str]) -> bool:
+    """Whether column-wise layer `n`'s split output reaches a row-wise layer."""
+    return any(m in region or layers.get(m) == "rowwise" for m in g.successors(n))
+
+
+def _add_collectives(
+    g: nx.DiGraph,
+    out: nx.DiGraph,
+    layers: Mapping[str, str],
+    region: set[str],
+    t: int,
+    link: LinkModel,
+) -> None:
+    """Add tp's all-reduces and all-gathers to the ops' times in `out` (module docstring)."""
+    inputs: dict[str, str] = {}  # a column-wise layer's input -> its first such layer
+    for n in sorted(layers, key=lambda n: g.nodes[n]["order"]):
+        if g.nodes[n]["constant"]:
+            continue
+        data = out.nodes[n]
+        if layers[n] == "rowwise":
+            data["forward"] += link.allreduce(g.nodes[n]["act"], t)
+            continue
+        if not _feeds(g, n, region, layers):
+            data["forward"] += link.all_gather(g.nodes[n]["act"], t)
+        for u in g.predecessors(n):
+            if g.nodes[u]["float"] and not g.nodes[u]["constant"]:
+                inputs.setdefault(u, n)
+    for u, n in inputs.items():
+        out.nodes[n]["backward"] += link.allreduce(g.nodes[u]["act"], t)

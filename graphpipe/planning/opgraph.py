@@ -8,6 +8,9 @@ parameters it uses.
 Node attributes:
     forward, backward  seconds for one micro-batch (from a `Profile`)
     act                bytes of the node's outputs for one micro-batch (0 for the output node)
+                       kept on this device (1/t of it where tensor parallelism splits it)
+    wire               bytes of the node's outputs sent to another stage, when not `act`
+                       (`wire_bytes`; set by `mesh.tp_rank_graph`: boundaries carry them whole)
     params             frozenset of canonical parameter/buffer names the node uses
     order              position in the fx graph (a topological order)
     module             module path, for labels
@@ -38,7 +41,14 @@ from torch import fx
 from graphpipe.planning.profile import NodeTime, Profile
 from graphpipe.tracing.annotate import TensorSpec, has_float_output, trace_info
 
-__all__ = ["graph_hash", "input_shapes", "op_graph", "target_name", "value_kind"]
+__all__ = [
+    "graph_hash",
+    "input_shapes",
+    "op_graph",
+    "target_name",
+    "value_kind",
+    "wire_bytes",
+]
 
 _COMPARISONS = (operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge)
 _INT_METHODS = ("dim", "numel", "nelement", "ndimension")
@@ -89,6 +99,12 @@ def op_graph(gm: fx.GraphModule, prof: Profile, precision: str | None = None) ->
             if src.name in g:
                 g.add_edge(src.name, node.name, bytes=g.nodes[src.name]["act"])
     return g
+
+
+def wire_bytes(g: nx.DiGraph, n: str) -> float:
+    """Bytes op `n`'s outputs take on the wire to another stage: its `wire`, else its `act`."""
+    data = g.nodes[n]
+    return data.get("wire", data["act"])
 
 
 def value_kind(node: fx.Node) -> str:

@@ -37,13 +37,21 @@ from torch import fx, nn
 
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan
-from graphpipe.ir.cost import CostModel, DataParallel, LinkModel, MemoryModel
+from graphpipe.ir.cost import CostModel, DataParallel, LinkModel, MemoryModel, TensorParallel
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.fold import folded_groups
 from graphpipe.planning.interleave import interleavings
 from graphpipe.planning.manual import groups_from_pins
-from graphpipe.planning.mesh import check_dp, choose_mesh, dp_degrees, mesh_info, per_rank_graph
-from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
+from graphpipe.planning.mesh import (
+    check_dp,
+    check_tp,
+    choose_mesh,
+    dp_degrees,
+    mesh_info,
+    per_rank_graph,
+    tp_rank_graph,
+)
+from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph, wire_bytes
 from graphpipe.planning.place import PLACEMENTS, place_stages
 from graphpipe.planning.profile import Profile, ProfileConfig, profile
 from graphpipe.planning.search import search
@@ -92,14 +100,19 @@ class PlanConfig:
     shard: bool = True  # dp shards parameters, gradients, optimizer state (False: replicas)
     reshard_after_forward: bool = True  # FSDP2's option: parameters gathered again for B
     dp_link: LinkModel | None = None  # the dp dimension's link; None: the same as `link`
+    # tensor parallelism (planning.mesh): devices = pp x dp x tp; tp_plan's layers split
+    tp: int = 1  # t: ranks per stage on the "tp" dim, splitting the layers of `tp_plan`
+    tp_plan: Mapping[str, str] | None = None  # module path ("*": one component) -> style
+    tp_link: LinkModel | None = None  # the tp dimension's link; None: the same as `link`
 
     def __post_init__(self) -> None:
         if self.devices < 1:
             raise ConfigError(f"devices must be >= 1, got {self.devices}")
+        check_tp(self.devices, self.tp, self.tp_plan)
         if self.dp != "auto":
             if not isinstance(self.dp, int):
                 raise ConfigError(f"dp must be an int or 'auto', got {self.dp!r}")
-            check_dp(self.devices, self.dp)
+            check_dp(self.devices // self.tp, self.dp)
         if self.micro_batches < 1:
             raise ConfigError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.partitioner not in PARTITIONERS:
@@ -158,21 +171,25 @@ def plan(
         example_inputs: One mini-batch (a tensor, a tuple, or a dict of keyword inputs);
             dim 0 is the batch and must split into `micro_batches` equal micro-batches. The
             model is traced at the micro-batch size.
-        devices: N, the number of devices: pp x dp with `dp=k` (see `graphpipe.planning.mesh`).
+        devices: N, the number of devices: pp x dp x tp with `dp=k` and `tp=t` (see
+            `graphpipe.planning.mesh`).
         **options: Any `PlanConfig` field (micro_batches, partitioner, memory_budget, ...).
             `dp=k` plans the stages over N / k pp coordinates, each stage sharded over k dp
             ranks that take 1/k of every micro-batch's rows; `dp="auto"` tries every k
             dividing N and the rows and keeps the fastest simulated step under the memory
             budget, recording what bound the others in `plan.info["mesh"]`. dp is uniform
             over the stages; with dp > 1 replication inside the pp dimension is turned off
-            (said in `plan.info["mesh"]`).
+            (said in `plan.info["mesh"]`). `tp=t` with `tp_plan={module path: style}`
+            splits the plan's layers over t ranks of every stage, costed as Megatron-LM's
+            (its all-reduces in the stage times).
 
     Returns:
         A validated `Plan`.
 
     Raises:
-        ConfigError: an unknown option, a batch that does not split into micro-batches, or a
-            dp that does not divide N or the micro-batch's rows.
+        ConfigError: an unknown option, a batch that does not split into micro-batches, a
+            dp that does not divide N or the micro-batch's rows, a tp that does not divide
+            N, or tp > 1 without a tp_plan.
         TraceError: the model cannot be traced.
         PlanError: no plan meets the constraints, or pins split a value that is not a single
             tensor from its users.
@@ -239,12 +256,13 @@ def partition_mesh(
     graph_at: Callable[[int], nx.DiGraph] | None = None,
 ) -> Plan:
     """`partition_op_graph` over the mesh `config` names: its dp degree, or each one that
-    divides the devices and the rows when `config.dp` is "auto" (`planning.mesh`).
+    divides the devices and the rows when `config.dp` is "auto", and its tp degree and plan
+    (`planning.mesh`).
 
     Args:
         g: The op graph of a whole micro-batch.
         micro_batch_size: b, the rows of a micro-batch (all dp ranks together).
-        config: What to plan for; `config.devices` is N = pp x dp.
+        config: What to plan for; `config.devices` is N = pp x dp x tp.
         digest: The traced graph's hash, recorded in the plan.
         profile: Where the op times came from, recorded in the cost model.
         device: The device the op times are for.
@@ -252,30 +270,35 @@ def partition_mesh(
             `per_rank_graph(g, k)` (times and bytes linear in the rows).
 
     Returns:
-        The plan over N / k pp coordinates, validated against the per-rank op graph.
+        The plan over N / (k t) pp coordinates, validated against the per-rank op graph.
 
     Raises:
         ConfigError: a dp that does not divide the micro-batch's rows.
         PlanError: as `partition_op_graph`; with "auto", when no k has a plan.
     """
 
+    t, n = config.tp, config.devices // config.tp  # n: pp x dp
+
     def plan_at(k: int) -> Plan:
-        check_dp(config.devices, k, micro_batch_size)
+        check_dp(n, k, micro_batch_size)
         cost = cost_model(config, micro_batch_size, profile, device, dp=k)
-        if k == 1:
+        sliced = g if k == 1 else graph_at(k) if graph_at is not None else per_rank_graph(g, k)
+        if t > 1:
+            assert config.tp_plan is not None  # checked by PlanConfig
+            sliced = tp_rank_graph(sliced, t, config.tp_plan, cost.tp_link)
+        if k == 1 and t == 1:
             return partition_op_graph(g, cost, replace(config, dp=1), digest)
-        pp = replace(config, devices=config.devices // k, dp=1, replication=False)
-        sliced = graph_at(k) if graph_at is not None else per_rank_graph(g, k)
+        pp = replace(config, devices=n // k, dp=1, tp=1, replication=False)
         made = partition_op_graph(sliced, cost, pp, digest)
-        note = mesh_info(config.devices, k, config.replication)
+        note = mesh_info(n, k, config.replication, t)
         return replace(made, info={**made.info, "mesh": note})
 
     if config.dp != "auto":
         assert isinstance(config.dp, int)  # checked by PlanConfig
         return plan_at(config.dp)
-    ops = sum(1 for n in g if n != "output")
-    degrees = dp_degrees(config.devices, micro_batch_size)
-    return choose_mesh(plan_at, config.devices, degrees, config.memory_budget, ops)
+    ops = sum(1 for op in g if op != "output")
+    degrees = dp_degrees(n, micro_batch_size)
+    return choose_mesh(plan_at, n, degrees, config.memory_budget, ops)
 
 
 def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str) -> Plan:
@@ -374,6 +397,7 @@ def cost_model(
     degree `dp` (by default `config.dp`, 1 when it is "auto")."""
     k = dp if dp is not None else (config.dp if isinstance(config.dp, int) else 1)
     mesh = DataParallel(k, config.shard, config.reshard_after_forward, link=config.dp_link)
+    tp = TensorParallel(config.tp, config.tp_link)
     return CostModel(
         micro_batch_size=micro_batch_size,
         micro_batches=config.micro_batches,
@@ -382,6 +406,7 @@ def cost_model(
         profile=profile,
         device=device,
         dp=mesh,
+        tp=tp,
     )
 
 
@@ -391,7 +416,7 @@ def _searched(g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, dig
     units = coarsen(g, total / (2 * config.devices), folded_groups(g))
     tree = decompose(units) if kind == "graph" else linearise(units)
     units, tree = condense(g, units, tree, max(config.max_units, 4 * config.devices))
-    units.graph["tensor_bytes"] = {n: g.nodes[n]["act"] for n in g}
+    units.graph["tensor_bytes"] = {n: wire_bytes(g, n) for n in g}
     limit = config.devices if config.replication else 1
     result = search(
         units,

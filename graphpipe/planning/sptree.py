@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from graphpipe.planning.opgraph import wire_bytes
+
 __all__ = [
     "Leaf",
     "Parallel",
@@ -139,9 +141,7 @@ def _quotient(g: nx.DiGraph, units: Iterable[Unit]) -> nx.DiGraph:
         if ua != ub:
             crossing.setdefault((ua, ub), set()).add(a)
     for (ua, ub), tensors in crossing.items():
-        q.add_edge(
-            ua, ub, tensors=frozenset(tensors), bytes=sum(g.nodes[t]["act"] for t in tensors)
-        )
+        q.add_edge(ua, ub, tensors=frozenset(tensors), bytes=sum(wire_bytes(g, t) for t in tensors))
     return q
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -55,6 +54,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_map
 
 from graphpipe.errors import ConfigError
+from graphpipe.planning.mesh import TP_LAYOUTS, path_matches
 
 __all__ = [
     "STYLES",
@@ -66,17 +66,20 @@ __all__ = [
     "whole_tensor",
 ]
 
-# style -> (weight placement, bias placement); Hugging Face's names for the same layouts
-STYLES: dict[str, tuple[Placement, Placement]] = {
+# a layout (`graphpipe.planning.mesh.TP_LAYOUTS`, which the planner costs) -> its (weight,
+# bias) placements. "colwise_rep" and "colwise_gather_output" are "colwise": their output is
+# made whole where it is read whole (the boundary does that anyway). "embedding_rowwise"
+# (an Embedding's vocabulary rows) is kept whole: DTensor's vocabulary-sharded lookup gives
+# a masked partial sum whose backward meets a plain partial one and stops ("Redistribution
+# from P(sum) to MaskP(sum) is unsupported", torch 2.13, measured on Llama's embedding)
+_PLACED: dict[str | None, tuple[Placement, Placement]] = {
     "colwise": (Shard(0), Shard(0)),
-    "colwise_rep": (Shard(0), Shard(0)),  # output made whole: the boundary does that anyway
-    "colwise_gather_output": (Shard(0), Shard(0)),
     "rowwise": (Shard(1), Replicate()),
-    "rowwise_rep": (Shard(1), Replicate()),
-    # an Embedding's vocabulary rows: kept whole. DTensor's vocabulary-sharded lookup gives
-    # a masked partial sum whose backward meets a plain partial one and stops ("Redistribution
-    # from P(sum) to MaskP(sum) is unsupported", torch 2.13, measured on Llama's embedding)
-    "embedding_rowwise": (Replicate(), Replicate()),
+    None: (Replicate(), Replicate()),
+}
+# style -> (weight placement, bias placement); Hugging Face's names for the layouts
+STYLES: dict[str, tuple[Placement, Placement]] = {
+    style: _PLACED[layout] for style, layout in TP_LAYOUTS.items()
 }
 
 _ASSERT = "aten._assert_tensor_metadata"
@@ -119,7 +122,7 @@ def resolve_tp_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> dict
             "drop or change these entries"
         )
     modules = [name for name, _ in model.named_modules()]
-    idle = [k for k in plan if not any(_matches(k, m) for m in modules)]
+    idle = [k for k in plan if not any(path_matches(k, m) for m in modules)]
     if idle:
         raise ConfigError(f"tp_plan entries {idle} match no module of {type(model).__name__}")
     _refuse_tied(model, plan)
@@ -141,16 +144,10 @@ def _refuse_tied(model: nn.Module, plan: Mapping[str, str]) -> None:
             )
 
 
-def _matches(pattern: str, path: str) -> bool:
-    """`path` is the module `pattern` names (`*`: any one path component)."""
-    regex = "\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
-    return re.fullmatch(regex, path) is not None
-
-
 def _style(param: str, plan: Mapping[str, str]) -> str | None:
     """The style of the module that owns parameter `param`, or None (replicated)."""
     module = param.rpartition(".")[0]
-    return next((style for pattern, style in plan.items() if _matches(pattern, module)), None)
+    return next((style for pattern, style in plan.items() if path_matches(pattern, module)), None)
 
 
 def placements(param: str, plan: Mapping[str, str]) -> list[Placement]:
