@@ -281,11 +281,13 @@ MLP_PLAN = {"*.0": "colwise", "*.2": "rowwise"}  # every block's fc1 and fc2, as
 MLP_PINS = {"0": 0, "1": 0, "2": 1, "3": 1}
 
 
-def _mlp() -> tuple[nn.Module, torch.Tensor]:
+def _mlp(blocks: int = BLOCKS) -> tuple[nn.Module, torch.Tensor]:
     """Blocks of fc1 (D -> 4D), ReLU, fc2 (4D -> D): every op a planned layer or between
     two (ReLU), so one tp rank computes exactly half."""
-    blocks = [nn.Sequential(nn.Linear(D, 4 * D), nn.ReLU(), nn.Linear(4 * D, D)) for _ in range(4)]
-    return nn.Sequential(*blocks), torch.randn(2 * B, D)
+    mlp = [
+        nn.Sequential(nn.Linear(D, 4 * D), nn.ReLU(), nn.Linear(4 * D, D)) for _ in range(blocks)
+    ]
+    return nn.Sequential(*mlp), torch.randn(2 * B, D)
 
 
 def _ring_allreduce(nbytes: float, t: int) -> float:
@@ -365,3 +367,17 @@ def test_a_plan_with_tp_round_trips_through_json_and_a_tp_1_plan_is_unchanged() 
 def test_tp_must_divide_the_devices_and_needs_a_plan(options: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         PlanConfig(devices=4, **options)
+
+
+@pytest.mark.parametrize(("blocks", "devices"), [(3, 4), (4, 8)])
+def test_the_search_never_cuts_between_a_column_wise_layer_and_its_row_wise_one(
+    blocks: int, devices: int
+) -> None:
+    """3 blocks on pp 2 (balanced at 1.5 blocks), 4 on pp 4: every value crossing stages is
+    a block's output (fc2's, whole)."""
+    model, x = _mlp(blocks)
+    kw: dict[str, Any] = {"micro_batches": 2, "link": LINK, "profile": ProfileConfig(mode="flops")}
+    made = plan(model, x, devices=devices, tp=2, tp_plan=MLP_PLAN, **kw)
+    assert len(made.stages) == devices // 2
+    crossing = [t for e in made.edges for t in e.tensors]
+    assert crossing and all(t.endswith("_2") for t in crossing), crossing

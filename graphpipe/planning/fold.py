@@ -11,6 +11,12 @@ exactly that.)
 
 Folds (`folded_groups`) serve the search, for the graph and sequential partitioners:
 
+- An op whose output tensor parallelism splits (`tp_split`, marked by
+  `mesh.tp_rank_graph`: a column-wise layer's output and the ops up to the row-wise layer
+  that reads it) joins its users, as Megatron-LM never cuts inside an attention block or an
+  MLP: a cut there would gather the split value whole on both sides, and the ops after it
+  would run whole. Pins (`manual`) may still cut there; the runtime runs it, correctly.
+
 - A dead end, a group that nothing uses (an assert or a check: `torch._assert`,
   `aten._assert_scalar`, `aten._assert_tensor_metadata`, an unused `getitem`,
   `torch._C._log_api_usage_once`), joins its latest producer; the producer may become a dead
@@ -91,7 +97,7 @@ def folded_groups(g: nx.DiGraph) -> list[Unit]:
         >>> folded_groups(g)
         [('a', 'check'), ('b',), ('output',)]
     """
-    groups = bound_groups(g)
+    groups = _tp_bound(g, bound_groups(g))
     if len(groups) == 1:
         return groups
     folding = _Folding(_group_graph(g, groups))
@@ -104,6 +110,18 @@ def folded_groups(g: nx.DiGraph) -> list[Unit]:
     for i in range(len(groups)):
         members.setdefault(folding.find(i), []).extend(groups[i])
     return _units(g, members.values())
+
+
+def _tp_bound(g: nx.DiGraph, groups: list[Unit]) -> list[Unit]:
+    """`groups` with every `tp_split` op joined to its users' groups, convex."""
+    split = [n for n, data in g.nodes(data=True) if data.get("tp_split")]
+    if not split:
+        return groups
+    parent = {n: unit[0] for unit in groups for n in unit}
+    for n in split:
+        for user in g.successors(n):
+            _union(parent, n, user)
+    return _convex(g, _groups(g, parent))
 
 
 def in_topological_order(g: nx.DiGraph, groups: list[Unit]) -> list[Unit]:

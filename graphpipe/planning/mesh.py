@@ -52,9 +52,11 @@ dp rank (`tp_rank_graph`), as Megatron-LM splits a transformer:
 
 Each all-reduce is a ring over t ranks on the tp link (`CostModel.tp_link`) and is added to
 its op's forward or backward time, so stage times, the bottleneck and the simulator pay it.
-A value crossing a stage boundary is whole on the wire (the runtime makes it whole), so an
-op's `wire` bytes stay whole where its `act` is divided. Times are divided linearly, as dp's
-are (a roofline profile's weight reads shrink too; its launches would not).
+The graph and sequential partitioners never cut between a column-wise layer and its row-wise
+one (`fold.folded_groups`); pins may, and such a cut's gathers are not costed (the value is
+made whole on the wire: an op's `wire` bytes stay whole where its `act` is divided). Times
+are divided linearly, as dp's are (a roofline profile's weight reads shrink too; its
+launches would not).
 """
 
 from __future__ import annotations
@@ -319,6 +321,7 @@ def tp_rank_graph(g: nx.DiGraph, t: int, plan: Mapping[str, str], link: LinkMode
             data["backward"] /= t
         if n in region or (layers.get(n) == "colwise" and _feeds(g, n, region, layers)):
             data["act"] /= t
+            data["tp_split"] = True  # kept with its users by the search (`fold`)
     _add_collectives(g, out, layers, region, t, link)
     return out
 

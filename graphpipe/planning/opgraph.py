@@ -11,6 +11,8 @@ Node attributes:
                        kept on this device (1/t of it where tensor parallelism splits it)
     wire               bytes of the node's outputs sent to another stage, when not `act`
                        (`wire_bytes`; set by `mesh.tp_rank_graph`: boundaries carry them whole)
+    tp_split           (tp only) the output is split by tensor parallelism: kept with its
+                       users by the search (`fold.folded_groups`)
     params             frozenset of canonical parameter/buffer names the node uses
     order              position in the fx graph (a topological order)
     module             module path, for labels
