@@ -5,7 +5,10 @@ A tiny Hugging Face Llama (tests/test_mesh_models.py) with its own `base_model_t
 stages, on pp 2 x tp 2 (4 gloo processes) and pp 2 x dp 2 x tp 2 (8), trained 3 steps under
 1f1b with Adam: the losses, every parameter (`pm.state_dict()`, gathered whole over tp and
 dp) and Adam's moments must equal one process training on the whole mini-batch with
-gradient accumulation over the same micro-batches, at rtol 1e-5.
+gradient accumulation over the same micro-batches, at rtol 1e-5. Checkpoints reshard between
+tp degrees both ways (pp 2 x tp 2 -> pp 4 without a mesh -> pp 2 x tp 2). A chain built on the
+meta device materialises only each rank's tp (x dp) shards on both meshes and trains as the
+same chain made whole on one process.
 """
 
 from __future__ import annotations
@@ -20,6 +23,14 @@ from test_mesh import STEPS as CHAIN_STEPS
 from test_mesh import _optimizer as chain_optimizer
 from test_mesh import batch as chain_batch
 from test_mesh import chain
+from test_mesh_meta import PINS as META_PINS
+from test_mesh_meta import STEPS as META_STEPS
+from test_mesh_meta import M as META_M
+from test_mesh_meta import _meta_chain as meta_chain
+from test_mesh_meta import _optimizer as meta_optimizer
+from test_mesh_meta import data as meta_data
+from test_mesh_meta import one_process
+from test_mesh_meta import reference as meta_reference
 from test_mesh_models import (
     PINS,
     STEPS,
@@ -85,6 +96,7 @@ def _train_worker(world: int, where: str) -> dict[str, Any]:
     if world == 4:
         out["resumed"] = _resume_at_tp1(pm, where)
         out["chain"] = _chain_on_tp()
+    out["meta"] = _meta_chain_on_tp(shape, names)
     return out
 
 
@@ -93,17 +105,26 @@ PINS4 = {"model.embed_tokens": 0, "model.layers.0": 1, "model.layers.1": 2, "lm_
 
 def _resume_at_tp1(tp2: Any, where: str) -> dict[str, Any]:
     """The pp 2 x tp 2 run's checkpoint loaded by a pp 4 pipeline without a mesh (tp 1):
-    its state right after the load, and both runs' next step."""
+    its state right after the load, and both runs' next step; then the reverse: the pp 4
+    run's checkpoint loaded by a new pp 2 x tp 2 pipeline, and both runs' next step."""
     tp2.save(where)
     pp4 = _llama(PINS4, None)
     pp4.load(where)
     loaded = pp4.state_dict()
     ids, target = batch(STEPS)
-    return {
+    out = {
         "loaded": loaded,
         "losses": [pm.step(input_ids=ids, target=target) for pm in (tp2, pp4)],
         "after": [tp2.state_dict(), pp4.state_dict()],
     }
+    pp4.save(f"{where}-tp1")
+    back = _llama(PINS, init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")))
+    back.load(f"{where}-tp1")
+    out["back"] = {"loaded": back.state_dict(), "saved": out["after"][1]}
+    ids, target = batch(STEPS + 1)
+    out["back"]["losses"] = [pm.step(input_ids=ids, target=target) for pm in (pp4, back)]
+    out["back"]["after"] = [pp4.state_dict(), back.state_dict()]
+    return out
 
 
 CHAIN_TP = {"blocks.0.0": "colwise", "blocks.1.0": "rowwise", "blocks.2.0": "colwise",
@@ -132,6 +153,30 @@ def _chain_on_tp() -> dict[str, Any]:
         losses.append(pm.step(*chain_batch("chain", step)[0], target=chain_batch("chain", step)[1]))
         norms.append(pm.last_grad_norm)
     return {"losses": losses, "norms": norms, "state": pm.state_dict()}
+
+
+META_TP = {"0.0": "colwise", "1.0": "rowwise", "2.0": "colwise", "3.0": "rowwise"}
+
+
+def _meta_chain_on_tp(shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
+    """tests/test_mesh_meta.py's chain built on meta, on this launch's mesh (pp 2 x tp 2, or
+    pp 2 x dp 2 x tp 2): each rank materialises only its tp (x dp) shards, by
+    reset_parameters seeded by path (`graphpipe.runtime.materialize.materialize_sharded`)."""
+    pm = gp_compile(
+        meta_chain(),
+        meta_data(0)[0],
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=meta_optimizer(),
+        micro_batches=META_M,
+        pins=META_PINS,
+        mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
+        tp_plan=META_TP,
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=120),
+    )
+    losses = [pm.step(meta_data(s)[0], target=meta_data(s)[1]) for s in range(META_STEPS)]
+    local = sum(p.to_local().numel() * p.element_size() for p in pm.module.parameters())
+    return {"losses": losses, "state": pm.state_dict(), "local": local}
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +271,45 @@ def test_a_tp2_checkpoint_loads_at_tp1_and_steps_the_same(
         tp2_after, tp1_after = got["after"]
         for n, value in tp2_after.items():
             torch.testing.assert_close(tp1_after[n], value, rtol=1e-5, atol=ATOL, msg=n)
+
+
+def test_a_tp1_checkpoint_loads_at_tp2_and_steps_the_same(
+    launched: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    """The reverse: the pp 4 run's checkpoint (no mesh) loaded into a new pp 2 x tp 2
+    pipeline, each tensor split into its tp shards (and Adam's moments), steps as the pp 4
+    run goes on."""
+    for rank, result in enumerate(launched(4)):
+        got = result["resumed"]["back"]
+        for n, value in got["saved"].items():
+            torch.testing.assert_close(got["loaded"][n], value, rtol=0, atol=0, msg=n)
+        tp1_loss, tp2_loss = got["losses"]
+        assert tp2_loss == pytest.approx(tp1_loss, rel=1e-5), f"rank {rank}"
+        tp1_after, tp2_after = got["after"]
+        for n, value in tp1_after.items():
+            torch.testing.assert_close(tp2_after[n], value, rtol=1e-5, atol=ATOL, msg=n)
+            assert not torch.equal(value, got["saved"][n]), f"{n} never moved"
+
+
+def test_a_meta_model_materialises_only_its_tp_shards_and_trains_as_one_process(
+    runs: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """The chain on meta, 4 Linear blocks split colwise / rowwise over tp (and sharded by
+    FSDP2 over dp): values by the single-process rules, and each rank's local parameters
+    1/pp of the model's, split in two by tp (a rowwise layer's bias whole) and by dp."""
+    world, results = runs
+    dp = 2 if world == 8 else 1
+    losses, params = meta_reference(one_process("reset_parameters"))
+    weights = sum(v.numel() * 4 for k, v in params.items() if k.endswith("weight"))
+    biases = {k: v.numel() * 4 for k, v in params.items() if k.endswith("bias")}
+    whole = sum(b for k, b in biases.items() if k.startswith(("1.", "3.")))  # rowwise biases
+    for rank, result in enumerate(results):
+        got = result["meta"]
+        assert got["losses"] == pytest.approx(losses, rel=1e-5), f"rank {rank}"
+        for name, value in params.items():
+            torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        split = (weights + sum(biases.values()) - whole) / 2 + whole  # tp's share, all stages
+        assert got["local"] == split / 2 / dp, f"rank {rank}: 1/pp of tp's share, / dp"
 
 
 # -- the plan -------------------------------------------------------------------------------------

@@ -46,7 +46,6 @@ from graphpipe.compile.steps import (
     plan_on_rank_0,
     schedule_plan,
 )
-from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
@@ -57,7 +56,6 @@ from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig, sch
 from graphpipe.runtime.tp import resolve_tp_plan
 from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.runtime.wiring import runtime_device
-from graphpipe.tracing.annotate import is_meta
 from graphpipe.tracing.bind import check_output, flat_inputs, normalise
 from graphpipe.tracing.tracer import LeafSpec, trace
 
@@ -213,11 +211,6 @@ def compile(
     if spec.tensor_parallel > 1:  # the model's own plan when none is given, checked
         spec = replace(spec, tp_plan=MappingProxyType(resolve_tp_plan(model, spec.tp_plan)))
     gm, inputs = _trace(model, example_inputs, spec)
-    if spec.tensor_parallel > 1 and is_meta(gm) and spec.runtime.emulate is None:
-        raise ConfigError(
-            "a model on the meta device is not yet supported with a 'tp' mesh dimension "
-            "(planned: materialise only the tp x dp shard); build the model on the CPU"
-        )
     the_plan = _plan(gm, inputs, spec)
     check_world(spec, the_plan)
     sched = schedule_plan(the_plan, spec)

@@ -24,10 +24,13 @@ values in this order:
 Anything that would stay uninitialised is refused with a `ConfigError` that names it.
 Afterwards the stage module reads the new tensors: `rebind` points its attributes at them.
 
-Under a mesh (`materialize_sharded`), as torchtitan does: FSDP2 shards the stage while it
-is still on meta, `to_empty` gives storage to the local shards only, and each tensor's
-value is made whole, by the same rules, and only this rank's shard of it is kept, one tensor
-(for `reset_parameters`, one module's tensors) at a time:
+Under a mesh (`materialize_sharded`), as torchtitan does: the stage is split while it is
+still on meta, its parameters made DTensors by the tp plan (`graphpipe.runtime.tp.apply_tp`,
+a "tp" dimension) and sharded again by FSDP2 over dp (a "dp" dimension), `to_empty` gives
+storage to the local shards only (1/(tp x dp) of a split layer), and each tensor's value is
+made whole, by the same rules, and only this rank's shard of it is kept (sliced by the
+DTensor's placements over the whole mesh, no collective), one tensor (for
+`reset_parameters`, one module's tensors) at a time:
 
 - `reset_parameters()`: on a copy of the owning module's own tensors, seeded by its path;
   peak beyond the shards: the largest module's own tensors.
@@ -119,8 +122,8 @@ def materialize_sharded(
     init: InitFn | None = None,
     checkpoint: str | Path | None = None,
 ) -> list[str]:
-    """Shard `stage` on meta with `shard()`, then give storage and values to this rank's
-    shards only (the module docstring says the peak of each way).
+    """Split and shard `stage` on meta with `shard()`, then give storage and values to this
+    rank's shards only (the module docstring says the peak of each way).
 
     The values equal `materialize`'s: each tensor is made whole by the same rules (init,
     else reset_parameters seeded by its module's path; a checkpoint's entries override), and
@@ -130,7 +133,9 @@ def materialize_sharded(
         model: The whole model, on the meta device.
         stage: This rank's stage module; its tensor names are names in `model`.
         device: Where the stage runs.
-        shard: Wraps `stage` with FSDP2 (`graphpipe.runtime.mesh.shard_stage`).
+        shard: Makes `stage`'s parameters DTensors: by the tp plan
+            (`graphpipe.runtime.tp.apply_tp`), then FSDP2 over dp
+            (`graphpipe.runtime.mesh.shard_stage`), or either alone.
         init: `init(model)`, initialising the real tensors.
         checkpoint: A state_dict file, safetensors file(s) or a DCP directory.
 

@@ -185,7 +185,9 @@ def apply_tp(
         *path, leaf = name.split(".")
         owner = stage.get_submodule(".".join(path))
         where = placements(canon.get(name, name), plan)
-        sharded = distribute_tensor(p.detach(), mesh, where)
+        # a meta tensor (a meta model, `materialize_sharded`) is split without a collective
+        source = None if p.is_meta else 0
+        sharded = distribute_tensor(p.detach(), mesh, where, src_data_rank=source)
         setattr(owner, leaf, nn.Parameter(sharded, requires_grad=p.requires_grad))
     _for_dtensor(stage)
     stage.register_forward_hook(_whole_outputs)

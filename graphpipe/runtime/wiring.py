@@ -375,29 +375,26 @@ def _wire_stages(
 
 def _place(c: _Context, index: int, module: fx.GraphModule, precision: Precision) -> None:
     """Put stage `index`'s module on the device, compiled if asked, and under a mesh
-    sharded by FSDP2 (its collectives under the watch) before the optimizer is made (it
-    steps the sharded parameters). A stage still on meta (a meta model under a mesh) is
-    sharded first and only its shards materialised."""
+    split by the tp plan and sharded by FSDP2 (its collectives under the watch) before the
+    optimizer is made (it steps the sharded parameters). A stage still on meta (a meta model
+    under a mesh) is split and sharded first and only its shards materialised."""
     spec = c.spec
-    if c.fsdp_mesh is not None:
-        mesh = c.fsdp_mesh
 
-        def shard() -> None:
-            shard_stage(module, c.model, mesh, spec.reshard_after_forward, precision)
+    def shard() -> None:
+        if c.tp_plan is not None:  # DTensors over tp first: FSDP2 shards them over dp (2D)
+            apply_tp(module, c.canon, cast(DeviceMesh, c.layout.tp_mesh), c.tp_plan)
+        if c.fsdp_mesh is not None:
+            shard_stage(module, c.model, c.fsdp_mesh, spec.reshard_after_forward, precision)
             guard_collectives(module, index)
 
-        if spec.runtime.emulate is None and is_meta(module):
-            materialize_sharded(
-                c.model, module, c.device, shard, spec.init_weights, spec.checkpoint
-            )
-            return
+    meshed = c.fsdp_mesh is not None or c.tp_plan is not None
+    if meshed and spec.runtime.emulate is None and is_meta(module):
+        materialize_sharded(c.model, module, c.device, shard, spec.init_weights, spec.checkpoint)
+        return
     module.to(c.device)
     if spec.compile_stages:  # in place: the module and its state dict keys stay
         module.compile()
-    if c.tp_plan is not None:  # DTensors over tp first: FSDP2 shards them over dp (2D)
-        apply_tp(module, c.canon, cast(DeviceMesh, c.layout.tp_mesh), c.tp_plan)
-    if c.fsdp_mesh is not None:
-        shard()
+    shard()
 
 
 def _scaler(group: dist.ProcessGroup | None) -> LossScaler:
