@@ -489,7 +489,7 @@ def test_the_planners_mesh_fields_are_refused_by_compile(field: str) -> None:
         _spec(**{field: 2})
 
 
-def test_a_given_plan_is_checked_against_the_runs_dp() -> None:
+def test_a_given_plan_is_checked_against_the_runs_dp_and_tp() -> None:
     model, inputs = chain()
     gm = trace(model, inputs, micro_batch_size=2)  # one dp rank's slice: 8 rows, M=2, dp=2
     for_dp1 = plan(model, inputs, devices=2, micro_batches=2, pins=PINS["chain"])
@@ -497,6 +497,8 @@ def test_a_given_plan_is_checked_against_the_runs_dp() -> None:
         checked_plan(for_dp1, gm, 2)
     for_dp2 = plan(model, inputs, devices=4, dp=2, micro_batches=2, pins=PINS["chain"])
     assert checked_plan(for_dp2, gm, 2) is for_dp2
+    with pytest.raises(ConfigError, match="made for tp=1, this run has tp=2"):
+        checked_plan(for_dp2, gm, 2, tp=2)
 
 
 def test_the_one_time_loss_check_sees_this_ranks_slice_of_the_target() -> None:

@@ -248,7 +248,7 @@ def _trace(
 def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:
     """The given plan checked against the trace, or rank 0's, with its recomputation."""
     if spec.plan is not None:
-        made = checked_plan(spec.plan, gm, spec.data_parallel)
+        made = checked_plan(spec.plan, gm, spec.data_parallel, spec.tensor_parallel)
     else:
         made = plan_on_rank_0(gm, inputs, spec)
     return choose_recompute(made, spec.recompute)

@@ -161,19 +161,23 @@ def _agent_store(timeout: datetime.timedelta) -> dist.TCPStore:
     return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
 
 
-def checked_plan(plan: Plan, gm: fx.GraphModule, dp: int = 1) -> Plan:
+def checked_plan(plan: Plan, gm: fx.GraphModule, dp: int = 1, tp: int = 1) -> Plan:
     """A given plan, checked against this model's trace (at one dp rank's slice of `dp`).
 
     Raises:
         PlanError: the plan was made for another graph, or is invalid for this one.
-        ConfigError: the plan was made for another micro-batch size, input shapes or dp.
+        ConfigError: the plan was made for another micro-batch size, input shapes, dp or tp.
     """
     b = trace_info(gm).micro_batch_size * dp
-    if plan.cost_model.dp.degree != dp:
-        raise ConfigError(
-            f"the plan was made for dp={plan.cost_model.dp.degree}, this run has dp={dp}; "
-            "plan with graphpipe.plan(..., dp=...) for the run's mesh"
-        )
+    for dim, planned, run in (
+        ("dp", plan.cost_model.dp.degree, dp),
+        ("tp", plan.cost_model.tp.degree, tp),
+    ):
+        if planned != run:
+            raise ConfigError(
+                f"the plan was made for {dim}={planned}, this run has {dim}={run}; "
+                f"plan with graphpipe.plan(..., {dim}=...) for the run's mesh"
+            )
     if plan.micro_batch_size != b:
         raise ConfigError(
             f"the plan was made for micro-batches of {plan.micro_batch_size} samples, but "
