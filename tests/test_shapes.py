@@ -20,12 +20,13 @@ Each world size is one launch running every case, to pay the process start-up on
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from real_models import CASES, V, optimizer
+from real_models import CASES, Case, V, optimizer
 from torch import nn
 
 from graphpipe.compile import RuntimeConfig
@@ -35,6 +36,7 @@ from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.shapes import Shapes, signature_of
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, model_output
+from graphpipe.scheduling.generators import warmups
 from graphpipe.tracing.tracer import trace, trace_info
 
 M = 4
@@ -90,9 +92,29 @@ def _image_batches(rows: tuple[int, ...], sides: tuple[int, ...]) -> Batches:
     return out
 
 
+def _untied_gpt2() -> nn.Module:
+    """Tiny GPT-2 with an output projection of its own: the asynchronous policies refuse a
+    weight tied across ranks, as GPT-2's embedding and head are."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = GPT2Config(
+            vocab_size=V, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        return GPT2LMHeadModel(config)
+
+
+MODELS: dict[str, Case] = {**CASES, "gpt2_untied": replace(CASES["gpt2"], build=_untied_gpt2)}
+POLICIES = ("2bw", "stash")  # a "schedule" of a run that names a weight policy: its default
+
 # name -> (model case, the batches of its steps; the first is the compiled example, 12 rows)
 RUNS: dict[str, tuple[str, Callable[[], Batches]]] = {
     "gpt2": ("gpt2", lambda: _lm_batches(ROWS, (32, *LENGTHS))),
+    # the asynchronous policies on an exported model: 8 rows at lengths 16, 24 and 16
+    "gpt2_untied": ("gpt2_untied", lambda: _lm_batches((12, 8, 8, 8), (32, 16, 24, 16))),
     "llama": ("llama", lambda: _packed_batches(ROWS, (32, *LENGTHS))),
     # at its maximum length 32 BERT's export slices none of its position ids: another graph
     "bert": ("bert", lambda: _masked_batches(ROWS, (30, 16, 24, 30, 20))),
@@ -101,22 +123,24 @@ RUNS: dict[str, tuple[str, Callable[[], Batches]]] = {
 
 
 def _compiled(run: str, schedule: str) -> Any:
-    """The run's model compiled at its first batch (schedule "2bw": the 2bw policy)."""
+    """The run's model compiled at its first batch (a schedule in POLICIES: that weight
+    policy, with the schedule it runs by default)."""
     case_name, batches = RUNS[run]
-    case = CASES[case_name]
+    case = MODELS[case_name]
     example, _ = batches()[0]
     options: dict[str, Any] = {"replication": False}
     if schedule == "graph_interleaved":  # stages of a DAG folded onto the ranks
         options["interleave"] = True
-    if schedule == "2bw":
-        options["weights"] = "2bw"
+    if schedule in POLICIES:
+        options["weights"] = schedule
+    else:
+        options["schedule"] = schedule
     return gp_compile(
         case.build(),
         {**example, **case.constants},
         loss_fn=case.loss,
         optimizer=optimizer,
         micro_batches=M,
-        schedule=schedule,
         runtime=RuntimeConfig(timeout=120),
         **options,
     )
@@ -151,6 +175,7 @@ def _pipelined(run: str, schedule: str) -> dict[str, Any]:
     if (run, schedule) == ("gpt2", "1f1b"):  # forward only at a shape not trained at
         inputs, target = _lm_batches((10,), (12,))[0]
         evaluated = (pm.eval_step(**inputs, target=target), pm(**inputs).logits)
+    executor = pm._executor
     return {
         "losses": losses,
         "state": state if pm.rank == 0 else None,
@@ -158,6 +183,10 @@ def _pipelined(run: str, schedule: str) -> dict[str, Any]:
         "stages": len(pm.plan.stages),
         "refused": refused,
         "evaluated": evaluated,
+        "warmups": warmups(pm.plan),
+        "where": {  # parameter -> the stage holding it, this rank's
+            n: i for i in pm._stage_indices for n, _ in executor.stages[i].module.named_parameters()
+        },
     }
 
 
@@ -191,48 +220,106 @@ def _value_shaped() -> str:
     return ""
 
 
+def _micro_batches(
+    batch: tuple[dict[str, torch.Tensor], torch.Tensor],
+) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, float]]:
+    """The batch's M micro-batches as torch.tensor_split cuts them: inputs, target, and the
+    share of the batch's rows."""
+    inputs, target = batch
+    return [
+        (
+            {k: v.tensor_split(M)[j] for k, v in inputs.items()},
+            target.tensor_split(M)[j],
+            target.tensor_split(M)[j].shape[0] / target.shape[0],
+        )
+        for j in range(M)
+    ]
+
+
+def _loss_grads(
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    case: Case,
+    inputs: dict[str, Any],
+    target: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one micro-batch at `weights`, and its gradient (zero where unused)."""
+    leaves = {n: w.clone().requires_grad_() for n, w in weights.items()}
+    out = torch.func.functional_call(model, leaves, (), {**inputs, **case.constants})
+    loss = case.loss(out, target)
+    found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    zeros = {n: torch.zeros_like(w) for n, w in weights.items()}  # BERT's pooler: unused
+    return loss.detach(), {
+        n: zeros[n] if g is None else g for n, g in zip(leaves, found, strict=True)
+    }
+
+
 def _grads_at(
     model: nn.Module,
     weights: dict[str, torch.Tensor],
-    case: Any,
+    case: Case,
     batch: tuple[dict[str, torch.Tensor], torch.Tensor],
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """The batch's loss and gradient at `weights`, accumulated over its micro-batches (each
     loss weighted by its rows' share)."""
-    inputs, target = batch
-    leaves = {n: w.clone().requires_grad_() for n, w in weights.items()}
     total, grads = 0.0, {n: torch.zeros_like(w) for n, w in weights.items()}
-    for j in range(M):
-        part = {k: v.tensor_split(M)[j] for k, v in inputs.items()}
-        piece = target.tensor_split(M)[j]
-        out = torch.func.functional_call(model, leaves, (), {**part, **case.constants})
-        loss = case.loss(out, piece) * (piece.shape[0] / target.shape[0])
-        found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-        for n, g in zip(leaves, found, strict=True):
-            if g is not None:  # BERT's pooler does not reach this loss
-                grads[n] += g
-        total += loss.item()
+    for inputs, target, share in _micro_batches(batch):
+        loss, found = _loss_grads(model, weights, case, inputs, target)
+        for n, g in found.items():
+            grads[n] += g * share
+        total += loss.item() * share
     return total, grads
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, grads: dict[str, torch.Tensor]) -> None:
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
+    opt.step()
+    opt.zero_grad()
 
 
 def _reference(run: str, delay: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, each step's gradient at the weights of `delay` updates before: 0 is
     gradient accumulation; 1 is PipeDream-2BW's W(t+1) = W(t) - step(grad f(W(t-1)))."""
     case_name, batches = RUNS[run]
-    case = CASES[case_name]
+    case = MODELS[case_name]
     model = case.build()
     opt = optimizer(model.parameters())
-    params = dict(model.named_parameters())
-    history = [{n: p.detach().clone() for n, p in params.items()}]
-    losses = []
+    history, losses = [_snapshot(model)], []
     for batch in batches()[1:]:
         loss, grads = _grads_at(model, history[max(0, len(history) - 1 - delay)], case, batch)
-        for n, p in params.items():
-            p.grad = grads[n]
-        opt.step()
-        opt.zero_grad()
-        history.append({n: p.detach().clone() for n, p in params.items()})
+        _step(model, opt, grads)
+        history.append(_snapshot(model))
         losses.append(loss)
+    return losses, model.state_dict()
+
+
+def _stash_reference(
+    run: str, where: dict[str, int], warm: dict[int, int]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, PipeDream's rule: micro-batch j (counted over the steps) reads each
+    parameter at the weights after max(0, j - w_i) updates of its stage i, and is an update
+    of its own (its loss unscaled); a step's loss weights its micro-batches by their rows.
+    One SGD over every stage: it updates each parameter by itself."""
+    case_name, batches = RUNS[run]
+    case = MODELS[case_name]
+    model = case.build()
+    opt = optimizer(model.parameters())
+    history, losses = [_snapshot(model)], []
+    for batch in batches()[1:]:
+        total = 0.0
+        for inputs, target, share in _micro_batches(batch):
+            j = len(history) - 1
+            weights = {n: history[max(0, j - warm[where[n]])][n] for n in history[0]}
+            loss, grads = _loss_grads(model, weights, case, inputs, target)
+            _step(model, opt, grads)
+            history.append(_snapshot(model))
+            total += loss.item() * share
+        losses.append(total)
     return losses, model.state_dict()
 
 
@@ -240,6 +327,8 @@ CASES_2 = [
     *[(run, s) for run in ("gpt2", "cnn") for s in ("1f1b", "zb", "graph_interleaved")],
     ("llama", "1f1b"),
     ("cnn", "2bw"),
+    ("gpt2_untied", "2bw"),
+    ("gpt2_untied", "stash"),
 ]
 CASES_3 = [("bert", "1f1b"), ("cnn", "1f1b")]
 
@@ -263,7 +352,11 @@ def three_ranks() -> list[dict[Any, Any]]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[tuple[str, int], tuple[list[float], dict[str, torch.Tensor]]]:
-    return {(run, 0): _reference(run) for run in RUNS} | {("cnn", 1): _reference("cnn", 1)}
+    flushed = {run for run, s in CASES_2 + CASES_3 if s not in POLICIES}
+    delayed = {run for run, s in CASES_2 if s == "2bw"}
+    return {(run, 0): _reference(run) for run in flushed} | {
+        (run, 1): _reference(run, 1) for run in delayed
+    }
 
 
 def _assert_equal(result: dict[str, Any], reference: tuple[list[float], Any]) -> None:
@@ -274,7 +367,10 @@ def _assert_equal(result: dict[str, Any], reference: tuple[list[float], Any]) ->
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize(("run", "schedule"), CASES_2, ids=[f"{r}-{s}" for r, s in CASES_2])
+FLUSHED_2 = [c for c in CASES_2 if c[1] != "stash"]
+
+
+@pytest.mark.parametrize(("run", "schedule"), FLUSHED_2, ids=[f"{r}-{s}" for r, s in FLUSHED_2])
 def test_new_shapes_train_as_one_process_at_2_ranks(
     two_ranks: list[dict[Any, Any]],
     references: dict[tuple[str, int], Any],
@@ -283,6 +379,16 @@ def test_new_shapes_train_as_one_process_at_2_ranks(
 ) -> None:
     delay = 1 if schedule == "2bw" else 0
     _assert_equal(two_ranks[0][(run, schedule)], references[(run, delay)])
+
+
+def test_stash_at_new_shapes_follows_pipedreams_rule(two_ranks: list[dict[Any, Any]]) -> None:
+    """An exported model under stash: each micro-batch's forward and backward on the
+    version of its stage's weights PipeDream's rule gives, micro-batches in flight across
+    steps of other shapes."""
+    runs = [rank[("gpt2_untied", "stash")] for rank in two_ranks]
+    where = {n: i for run in runs for n, i in run["where"].items()}
+    reference = _stash_reference("gpt2_untied", where, runs[0]["warmups"])
+    _assert_equal(runs[0], reference)
 
 
 @pytest.mark.parametrize(("run", "schedule"), CASES_3, ids=[f"{r}-{s}" for r, s in CASES_3])
