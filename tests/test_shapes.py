@@ -9,10 +9,11 @@ torch.fx) at images of 6 and 8 pixels, also with 10 rows once. Under
 1f1b, zb and graph_interleaved (stages of a DAG folded, several per rank) at 2 ranks, and
 1f1b at 3, the losses and every parameter equal single-process gradient accumulation over
 the same micro-batches, each micro-batch's loss weighted by its share of the rows; under 2bw
-(the CNN) they equal 2BW's recurrence. The plan is never remade: the stage cut stays as
-compiled. A shape seen before reuses its stages; a model whose shapes depend on values is
-refused at compile, naming the op; a batch beyond the compiled example is refused before
-any communication.
+(the CNN, and an exported GPT-2 with a head of its own) they equal 2BW's recurrence, under
+stash (that GPT-2) PipeDream's. The plan is never remade: the stage cut stays as compiled.
+A shape seen before reuses its stages; a model whose shapes depend on values is refused at
+compile, naming the op; a batch beyond the compiled example, or beyond `max_shapes` (at
+which the plan's memory is then planned), is refused before any communication.
 
 Each world size is one launch running every case, to pay the process start-up once.
 """
@@ -34,7 +35,8 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, GraphPipeError
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
-from graphpipe.runtime.shapes import Shapes, signature_of
+from graphpipe.runtime.shapes import Shapes, check_max_shapes, signature_of
+from graphpipe.runtime.spec import RunSpec
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, model_output
 from graphpipe.scheduling.generators import warmups
 from graphpipe.tracing.tracer import trace, trace_info
@@ -181,6 +183,7 @@ def _pipelined(run: str, schedule: str) -> dict[str, Any]:
         "state": state if pm.rank == 0 else None,
         "signatures": signatures,
         "stages": len(pm.plan.stages),
+        "activations": sum(s.activation_bytes for s in pm.plan.stages),
         "refused": refused,
         "evaluated": evaluated,
         "warmups": warmups(pm.plan),
@@ -333,9 +336,33 @@ CASES_2 = [
 CASES_3 = [("bert", "1f1b"), ("cnn", "1f1b")]
 
 
+LARGEST = (12, 3, 12, 12)  # the CNN's max_shapes: images of 12 pixels, the example's are 8
+
+
+def _bounded() -> dict[str, Any]:
+    """The CNN compiled at its example with max_shapes: its plan's activation bytes, a first
+    step at images of 10 pixels (beyond the example, within the bound), one refused at 14."""
+    case = CASES["inception"]
+    (example, _), (inputs, target) = _image_batches((12, 8), (8, 10))
+    pm = gp_compile(
+        case.build(), example["image"], loss_fn=case.loss, optimizer=optimizer,
+        micro_batches=M, schedule="1f1b", replication=False,
+        runtime=RuntimeConfig(timeout=120), max_shapes={"image": LARGEST},
+    )  # fmt: skip
+    loss = pm.step(inputs["image"], target=target)
+    try:
+        pm.step(torch.randn(8, 3, 14, 10), target=target)
+        refused = ""
+    except ConfigError as err:
+        refused = str(err)
+    activations = sum(s.activation_bytes for s in pm.plan.stages)
+    return {"activations": activations, "loss": loss, "refused": refused}
+
+
 def _worker(cases: list[tuple[str, str]], refusal: bool) -> dict[Any, Any]:
     out: dict[Any, Any] = {(run, schedule): _pipelined(run, schedule) for run, schedule in cases}
     if refusal:  # last: the refused compile leaves a failure posted
+        out["bounded"] = _bounded()
         out["value_shaped"] = _value_shaped()
     return out
 
@@ -424,6 +451,30 @@ def test_steps_beyond_the_example_or_below_m_rows_are_refused_by_name(
         assert "input image is torch.float64[8, 3, 8, 8]" in dtype
 
 
+def test_max_shapes_plans_memory_at_them_and_bounds_the_steps(
+    two_ranks: list[dict[Any, Any]],
+) -> None:
+    """The plan's activations are those of 12-pixel images (2.25 times the example's
+    8-pixel ones, but for the few pooled values); a 10-pixel step trains as one process's
+    first step; a 14-pixel one is refused on every rank, naming the input and the bound."""
+    at_example = two_ranks[0][("cnn", "1f1b")]["activations"]
+    case = CASES["inception"]
+    model = case.build()
+    _, (inputs, target) = _image_batches((12, 8), (8, 10))
+    expected = sum(
+        case.loss(model(part["image"]), piece).item() * share
+        for part, piece, share in _micro_batches((inputs, target))
+    )
+    for rank in two_ranks:
+        bounded = rank["bounded"]
+        assert bounded["activations"] > 2 * at_example
+        assert bounded["loss"] == pytest.approx(expected, rel=1e-5)
+        assert (
+            "input image is [8, 3, 14, 10]: dim 2 is beyond max_shapes' [12, 3, 12, 12]"
+            in (bounded["refused"])
+        )
+
+
 def test_a_shape_that_depends_on_values_is_refused_at_compile(
     two_ranks: list[dict[Any, Any]],
 ) -> None:
@@ -494,3 +545,23 @@ def test_an_exported_stage_runs_at_a_new_shape_on_the_live_parameters() -> None:
     assert all(p is live[n] for n, p in lowered.modules[1].named_parameters())
     with pytest.raises(ConfigError, match="torch.export traces another graph"):
         shapes.lowered(signature_of((x[:, :1], scale[:, :1]), 2))  # length 1: no roll
+
+
+def test_max_shapes_must_name_inputs_at_least_as_large_as_the_example() -> None:
+    """Checked at compile, every problem at once: the form before the trace, the names,
+    dimensions and sizes after it."""
+    with pytest.raises(ConfigError, match=r"max_shapes must be a dict of input name -> shape"):
+        RunSpec.build(
+            torch.randn(8, 4), loss_fn=F.mse_loss, optimizer=optimizer, max_shapes={"x": (8, -1)}
+        )
+    inputs = (torch.randn(8, 6, 4), torch.rand(8, 6, 1))
+    gm = trace(Windowed(), inputs, micro_batch_size=2)
+    check_max_shapes(gm, inputs, {"x": (8, 9, 4)})  # larger: fine
+    with pytest.raises(ConfigError) as refused:
+        check_max_shapes(gm, inputs, {"mask": (8, 6), "scale": (8, 4, 1)})
+    assert "max_shapes names 'mask', which is not an input (the inputs: ['x', 'scale'])" in str(
+        refused.value
+    )
+    assert "max_shapes['scale'] is [8, 4, 1], the example's scale is [8, 6, 1]" in str(
+        refused.value
+    )
