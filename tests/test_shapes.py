@@ -5,8 +5,9 @@ sequences each, by position_ids) are compiled at 12 rows of length 32 and steppe
 16, 24, 32 and 20, with 8 rows (fewer than compiled) and once 10 rows (3, 3, 2, 2 per
 micro-batch, as torch.tensor_split cuts them); BERT likewise (up to length 30), with a
 padding mask of each batch's length; an Inception-style CNN with BatchNorm (traced by
-torch.fx) at images of 6 and 8 pixels, also with 10 rows once. Under
-1f1b, zb and graph_interleaved (stages of a DAG folded, several per rank) at 2 ranks, and
+torch.fx) at images of 6 and 8 pixels, also with 10 rows once; a chain of four exported
+blocks at GPT-2's lengths. Under 1f1b, zb and graph_interleaved (stages of a DAG folded,
+several per rank) at 2 ranks, Megatron's interleaved (the chain, two stages per rank), and
 1f1b at 3, the losses and every parameter equal single-process gradient accumulation over
 the same micro-batches, each micro-batch's loss weighted by its share of the rows; under 2bw
 (the CNN, and an exported GPT-2 with a head of its own) they equal 2BW's recurrence, under
@@ -109,7 +110,54 @@ def _untied_gpt2() -> nn.Module:
         return GPT2LMHeadModel(config)
 
 
-MODELS: dict[str, Case] = {**CASES, "gpt2_untied": replace(CASES["gpt2"], build=_untied_gpt2)}
+class _Mix(nn.Module):
+    """Mixes neighbouring positions when there are several (control flow on a shape, which
+    torch.fx cannot trace: torch.export does, writing the reshapes' sizes as literals)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[1] > 1:
+            h = h + h.roll(1, dims=1)
+        return torch.tanh(self.mix(h.reshape(-1, 8))).reshape(h.shape[0], h.shape[1], 8)
+
+
+class Blocks(nn.Module):
+    """A chain of four modules over a sequence (B, L, 4) -> (B, 3), exported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList([_Mix(), _Mix()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h).mean(1)
+
+
+def _blocks() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Blocks()
+
+
+def _sequence_batches(rows: tuple[int, ...], lengths: tuple[int, ...]) -> Batches:
+    out = []
+    for step, (b, n) in enumerate(zip(rows, lengths, strict=True)):
+        gen = torch.Generator().manual_seed(500 + step)
+        out.append(({"x": torch.randn(b, n, 4, generator=gen)}, torch.randn(b, 3, generator=gen)))
+    return out
+
+
+MODELS: dict[str, Case] = {
+    **CASES,
+    "gpt2_untied": replace(CASES["gpt2"], build=_untied_gpt2),
+    "blocks": replace(CASES["gpt2"], build=_blocks, loss=F.mse_loss, constants={}),
+}
 POLICIES = ("2bw", "stash")  # a "schedule" of a run that names a weight policy: its default
 
 # name -> (model case, the batches of its steps; the first is the compiled example, 12 rows)
@@ -121,7 +169,11 @@ RUNS: dict[str, tuple[str, Callable[[], Batches]]] = {
     # at its maximum length 32 BERT's export slices none of its position ids: another graph
     "bert": ("bert", lambda: _masked_batches(ROWS, (30, 16, 24, 30, 20))),
     "cnn": ("inception", lambda: _image_batches((12, 8, 10, 8, 8), (8, *SIDES))),
+    "blocks": ("blocks", lambda: _sequence_batches(ROWS, (32, *LENGTHS))),
 }
+
+
+CHAIN_PINS = {"embed": 0, "blocks.0": 1, "blocks.1": 2, "out": 3}  # 4 stages, for interleaved
 
 
 def _compiled(run: str, schedule: str) -> Any:
@@ -133,6 +185,8 @@ def _compiled(run: str, schedule: str) -> Any:
     options: dict[str, Any] = {"replication": False}
     if schedule == "graph_interleaved":  # stages of a DAG folded onto the ranks
         options["interleave"] = True
+    if schedule == "interleaved":  # Megatron's: a chain of 4 stages, 2 per rank, looped
+        options.update(virtual_stages=2, placement="loop", pins=CHAIN_PINS)
     if schedule in POLICIES:
         options["weights"] = schedule
     else:
@@ -183,6 +237,7 @@ def _pipelined(run: str, schedule: str) -> dict[str, Any]:
         "state": state if pm.rank == 0 else None,
         "signatures": signatures,
         "stages": len(pm.plan.stages),
+        "method": trace_info(pm._stepper.inputs.gm).method,
         "activations": sum(s.activation_bytes for s in pm.plan.stages),
         "refused": refused,
         "evaluated": evaluated,
@@ -329,6 +384,7 @@ def _stash_reference(
 CASES_2 = [
     *[(run, s) for run in ("gpt2", "cnn") for s in ("1f1b", "zb", "graph_interleaved")],
     ("llama", "1f1b"),
+    ("blocks", "interleaved"),
     ("cnn", "2bw"),
     ("gpt2_untied", "2bw"),
     ("gpt2_untied", "stash"),
@@ -439,6 +495,8 @@ def test_each_shape_is_made_once_and_the_cut_is_kept(two_ranks: list[dict[Any, A
         if isinstance(key, tuple):  # every rank made the same ones
             assert two_ranks[1][key]["signatures"] == run["signatures"], key
     assert runs[("gpt2", "graph_interleaved")]["stages"] > 2  # several stages per rank
+    blocks = runs[("blocks", "interleaved")]  # Megatron's: 2 stages per rank, exported
+    assert (blocks["stages"], blocks["method"]) == (4, "export")
 
 
 def test_steps_beyond_the_example_or_below_m_rows_are_refused_by_name(
