@@ -33,12 +33,14 @@ from torch import nn
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
-from graphpipe.errors import ConfigError, GraphPipeError
+from graphpipe.errors import ConfigError, GraphPipeError, ScheduleError
+from graphpipe.ir import Schedule, parse_ranks
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.shapes import Shapes, check_max_shapes, signature_of
 from graphpipe.runtime.spec import RunSpec
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, model_output
+from graphpipe.scheduling.dryrun import check_run, check_shapes
 from graphpipe.scheduling.generators import warmups
 from graphpipe.tracing.tracer import trace, trace_info
 
@@ -623,3 +625,24 @@ def test_max_shapes_must_name_inputs_at_least_as_large_as_the_example() -> None:
     assert "max_shapes['scale'] is [8, 4, 1], the example's scale is [8, 6, 1]" in str(
         refused.value
     )
+
+
+def test_the_dry_run_covers_a_step_at_other_shapes() -> None:
+    """check_run runs each schedule over calls at shapes differing call to call; a schedule
+    whose rank first meets an older call's micro-batch in a later call is refused: it could
+    size that message only from the new call's shapes, its peer from the old ones."""
+    the_plan = plan(Blocks(), (torch.randn(8, 6, 4),), devices=3, micro_batches=M, pins={
+        "embed": 0, "blocks.0": 1, "blocks.1": 2, "out": 2,
+    })  # fmt: skip
+    for name in ("1f1b", "zb", "async", "2bw"):
+        check_run(the_plan, name, calls=3)
+    calls = [  # two ranks, 2 micro-batches a call: rank 1 first acts on micro-batch 1 in call 1
+        ["0F0 0SF0>1 0F1 0SF1>1", "1RF0<0 1F0"],
+        ["0F2 0SF2>1 0F3 0SF3>1", "1RF1<0 1F1 1RF2<0 1F2 1RF3<0 1F3"],
+    ]
+    parts = [Schedule("async", 2, parse_ranks(ranks)) for ranks in calls]
+    with pytest.raises(ScheduleError) as refused:
+        check_shapes(parts, [range(0, 2), range(2, 4)])
+    text = str(refused.value)
+    assert "rank 1 runs 1RF1<0 in call 1 without the shapes of micro-batch 1" in text
+    assert "1RF2<0" not in text  # brought by call 1: known
