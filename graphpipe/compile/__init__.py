@@ -175,8 +175,8 @@ def compile(
             example's. The planner plans memory at these shapes (each rank traces the
             model once more at them: the plan's activation and message bytes are theirs, its op
             times the example's), and a step beyond them is refused by name on every rank,
-            before any communication (`graphpipe.runtime.shapes`). None: the example is
-            the largest batch.
+            before any communication (`graphpipe.runtime.shapes`); a given `plan` is used
+            as it is, the bound still applies. None: the example is the largest batch.
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...);
             devices, if given, must equal the world size (one device per rank), or with a
             mesh its pp size.
