@@ -5,14 +5,16 @@ sequences each, by position_ids) are compiled at 12 rows of length 32 and steppe
 16, 24, 32 and 20, with 8 rows (fewer than compiled) and once 10 rows (3, 3, 2, 2 per
 micro-batch, as torch.tensor_split cuts them); BERT likewise (up to length 30), with a
 padding mask of each batch's length; an Inception-style CNN with BatchNorm (traced by
-torch.fx) at images of 6 and 8 pixels, also with 10 rows once. Under
-1f1b, zb and graph_interleaved (stages of a DAG folded, several per rank) at 2 ranks, and
+torch.fx) at images of 6 and 8 pixels, also with 10 rows once; a chain of four exported
+blocks at GPT-2's lengths. Under 1f1b, zb and graph_interleaved (stages of a DAG folded,
+several per rank) at 2 ranks, Megatron's interleaved (the chain, two stages per rank), and
 1f1b at 3, the losses and every parameter equal single-process gradient accumulation over
 the same micro-batches, each micro-batch's loss weighted by its share of the rows; under 2bw
-(the CNN) they equal 2BW's recurrence. The plan is never remade: the stage cut stays as
-compiled. A shape seen before reuses its stages; a model whose shapes depend on values is
-refused at compile, naming the op; a batch beyond the compiled example is refused before
-any communication.
+(the CNN, and an exported GPT-2 with a head of its own) they equal 2BW's recurrence, under
+stash (that GPT-2) PipeDream's. The plan is never remade: the stage cut stays as compiled.
+A shape seen before reuses its stages; a model whose shapes depend on values is refused at
+compile, naming the op; a batch beyond the compiled example, or beyond `max_shapes` (at
+which the plan's memory is then planned), is refused before any communication.
 
 Each world size is one launch running every case, to pay the process start-up once.
 """
@@ -20,21 +22,26 @@ Each world size is one launch running every case, to pay the process start-up on
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from real_models import CASES, V, optimizer
+from real_models import CASES, Case, V, optimizer
 from torch import nn
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
-from graphpipe.errors import ConfigError, GraphPipeError
+from graphpipe.errors import ConfigError, GraphPipeError, ScheduleError
+from graphpipe.ir import Schedule, parse_ranks
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
-from graphpipe.runtime.shapes import Shapes, signature_of
+from graphpipe.runtime.shapes import Shapes, check_max_shapes, signature_of
+from graphpipe.runtime.spec import RunSpec
 from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, model_output
+from graphpipe.scheduling.dryrun import check_run, check_shapes
+from graphpipe.scheduling.generators import warmups
 from graphpipe.tracing.tracer import trace, trace_info
 
 M = 4
@@ -90,33 +97,108 @@ def _image_batches(rows: tuple[int, ...], sides: tuple[int, ...]) -> Batches:
     return out
 
 
+def _untied_gpt2() -> nn.Module:
+    """Tiny GPT-2 with an output projection of its own: the asynchronous policies refuse a
+    weight tied across ranks, as GPT-2's embedding and head are."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = GPT2Config(
+            vocab_size=V, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        return GPT2LMHeadModel(config)
+
+
+class _Mix(nn.Module):
+    """Mixes neighbouring positions when there are several (control flow on a shape, which
+    torch.fx cannot trace: torch.export does, writing the reshapes' sizes as literals)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[1] > 1:
+            h = h + h.roll(1, dims=1)
+        return torch.tanh(self.mix(h.reshape(-1, 8))).reshape(h.shape[0], h.shape[1], 8)
+
+
+class Blocks(nn.Module):
+    """A chain of four modules over a sequence (B, L, 4) -> (B, 3), exported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList([_Mix(), _Mix()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h).mean(1)
+
+
+def _blocks() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Blocks()
+
+
+def _sequence_batches(rows: tuple[int, ...], lengths: tuple[int, ...]) -> Batches:
+    out = []
+    for step, (b, n) in enumerate(zip(rows, lengths, strict=True)):
+        gen = torch.Generator().manual_seed(500 + step)
+        out.append(({"x": torch.randn(b, n, 4, generator=gen)}, torch.randn(b, 3, generator=gen)))
+    return out
+
+
+MODELS: dict[str, Case] = {
+    **CASES,
+    "gpt2_untied": replace(CASES["gpt2"], build=_untied_gpt2),
+    "blocks": replace(CASES["gpt2"], build=_blocks, loss=F.mse_loss, constants={}),
+}
+POLICIES = ("2bw", "stash")  # a "schedule" of a run that names a weight policy: its default
+
 # name -> (model case, the batches of its steps; the first is the compiled example, 12 rows)
 RUNS: dict[str, tuple[str, Callable[[], Batches]]] = {
     "gpt2": ("gpt2", lambda: _lm_batches(ROWS, (32, *LENGTHS))),
+    # the asynchronous policies on an exported model: 8 rows at lengths 16, then 24
+    "gpt2_untied": ("gpt2_untied", lambda: _lm_batches((12, 8, 8), (32, 16, 24))),
     "llama": ("llama", lambda: _packed_batches(ROWS, (32, *LENGTHS))),
     # at its maximum length 32 BERT's export slices none of its position ids: another graph
     "bert": ("bert", lambda: _masked_batches(ROWS, (30, 16, 24, 30, 20))),
     "cnn": ("inception", lambda: _image_batches((12, 8, 10, 8, 8), (8, *SIDES))),
+    "blocks": ("blocks", lambda: _sequence_batches(ROWS, (32, *LENGTHS))),
 }
 
 
+CHAIN_PINS = {"embed": 0, "blocks.0": 1, "blocks.1": 2, "out": 3}  # 4 stages, for interleaved
+
+
 def _compiled(run: str, schedule: str) -> Any:
-    """The run's model compiled at its first batch (schedule "2bw": the 2bw policy)."""
+    """The run's model compiled at its first batch (a schedule in POLICIES: that weight
+    policy, with the schedule it runs by default)."""
     case_name, batches = RUNS[run]
-    case = CASES[case_name]
+    case = MODELS[case_name]
     example, _ = batches()[0]
     options: dict[str, Any] = {"replication": False}
     if schedule == "graph_interleaved":  # stages of a DAG folded onto the ranks
         options["interleave"] = True
-    if schedule == "2bw":
-        options["weights"] = "2bw"
+    if schedule == "interleaved":  # Megatron's: a chain of 4 stages, 2 per rank, looped
+        options.update(virtual_stages=2, placement="loop", pins=CHAIN_PINS)
+    if schedule in POLICIES:
+        options["weights"] = schedule
+    else:
+        options["schedule"] = schedule
     return gp_compile(
         case.build(),
         {**example, **case.constants},
         loss_fn=case.loss,
         optimizer=optimizer,
         micro_batches=M,
-        schedule=schedule,
         runtime=RuntimeConfig(timeout=120),
         **options,
     )
@@ -151,13 +233,20 @@ def _pipelined(run: str, schedule: str) -> dict[str, Any]:
     if (run, schedule) == ("gpt2", "1f1b"):  # forward only at a shape not trained at
         inputs, target = _lm_batches((10,), (12,))[0]
         evaluated = (pm.eval_step(**inputs, target=target), pm(**inputs).logits)
+    executor = pm._executor
     return {
         "losses": losses,
         "state": state if pm.rank == 0 else None,
         "signatures": signatures,
         "stages": len(pm.plan.stages),
+        "method": trace_info(pm._stepper.inputs.gm).method,
+        "activations": sum(s.activation_bytes for s in pm.plan.stages),
         "refused": refused,
         "evaluated": evaluated,
+        "warmups": warmups(pm.plan),
+        "where": {  # parameter -> the stage holding it, this rank's
+            n: i for i in pm._stage_indices for n, _ in executor.stages[i].module.named_parameters()
+        },
     }
 
 
@@ -191,62 +280,147 @@ def _value_shaped() -> str:
     return ""
 
 
+def _micro_batches(
+    batch: tuple[dict[str, torch.Tensor], torch.Tensor],
+) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, float]]:
+    """The batch's M micro-batches as torch.tensor_split cuts them: inputs, target, and the
+    share of the batch's rows."""
+    inputs, target = batch
+    return [
+        (
+            {k: v.tensor_split(M)[j] for k, v in inputs.items()},
+            target.tensor_split(M)[j],
+            target.tensor_split(M)[j].shape[0] / target.shape[0],
+        )
+        for j in range(M)
+    ]
+
+
+def _loss_grads(
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    case: Case,
+    inputs: dict[str, Any],
+    target: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one micro-batch at `weights`, and its gradient (zero where unused)."""
+    leaves = {n: w.clone().requires_grad_() for n, w in weights.items()}
+    out = torch.func.functional_call(model, leaves, (), {**inputs, **case.constants})
+    loss = case.loss(out, target)
+    found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    zeros = {n: torch.zeros_like(w) for n, w in weights.items()}  # BERT's pooler: unused
+    return loss.detach(), {
+        n: zeros[n] if g is None else g for n, g in zip(leaves, found, strict=True)
+    }
+
+
 def _grads_at(
     model: nn.Module,
     weights: dict[str, torch.Tensor],
-    case: Any,
+    case: Case,
     batch: tuple[dict[str, torch.Tensor], torch.Tensor],
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """The batch's loss and gradient at `weights`, accumulated over its micro-batches (each
     loss weighted by its rows' share)."""
-    inputs, target = batch
-    leaves = {n: w.clone().requires_grad_() for n, w in weights.items()}
     total, grads = 0.0, {n: torch.zeros_like(w) for n, w in weights.items()}
-    for j in range(M):
-        part = {k: v.tensor_split(M)[j] for k, v in inputs.items()}
-        piece = target.tensor_split(M)[j]
-        out = torch.func.functional_call(model, leaves, (), {**part, **case.constants})
-        loss = case.loss(out, piece) * (piece.shape[0] / target.shape[0])
-        found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-        for n, g in zip(leaves, found, strict=True):
-            if g is not None:  # BERT's pooler does not reach this loss
-                grads[n] += g
-        total += loss.item()
+    for inputs, target, share in _micro_batches(batch):
+        loss, found = _loss_grads(model, weights, case, inputs, target)
+        for n, g in found.items():
+            grads[n] += g * share
+        total += loss.item() * share
     return total, grads
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, grads: dict[str, torch.Tensor]) -> None:
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
+    opt.step()
+    opt.zero_grad()
 
 
 def _reference(run: str, delay: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, each step's gradient at the weights of `delay` updates before: 0 is
     gradient accumulation; 1 is PipeDream-2BW's W(t+1) = W(t) - step(grad f(W(t-1)))."""
     case_name, batches = RUNS[run]
-    case = CASES[case_name]
+    case = MODELS[case_name]
     model = case.build()
     opt = optimizer(model.parameters())
-    params = dict(model.named_parameters())
-    history = [{n: p.detach().clone() for n, p in params.items()}]
-    losses = []
+    history, losses = [_snapshot(model)], []
     for batch in batches()[1:]:
         loss, grads = _grads_at(model, history[max(0, len(history) - 1 - delay)], case, batch)
-        for n, p in params.items():
-            p.grad = grads[n]
-        opt.step()
-        opt.zero_grad()
-        history.append({n: p.detach().clone() for n, p in params.items()})
+        _step(model, opt, grads)
+        history.append(_snapshot(model))
         losses.append(loss)
+    return losses, model.state_dict()
+
+
+def _stash_reference(
+    run: str, where: dict[str, int], warm: dict[int, int]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, PipeDream's rule: micro-batch j (counted over the steps) reads each
+    parameter at the weights after max(0, j - w_i) updates of its stage i, and is an update
+    of its own (its loss unscaled); a step's loss weights its micro-batches by their rows.
+    One SGD over every stage: it updates each parameter by itself."""
+    case_name, batches = RUNS[run]
+    case = MODELS[case_name]
+    model = case.build()
+    opt = optimizer(model.parameters())
+    history, losses = [_snapshot(model)], []
+    for batch in batches()[1:]:
+        total = 0.0
+        for inputs, target, share in _micro_batches(batch):
+            j = len(history) - 1
+            weights = {n: history[max(0, j - warm[where[n]])][n] for n in history[0]}
+            loss, grads = _loss_grads(model, weights, case, inputs, target)
+            _step(model, opt, grads)
+            history.append(_snapshot(model))
+            total += loss.item() * share
+        losses.append(total)
     return losses, model.state_dict()
 
 
 CASES_2 = [
     *[(run, s) for run in ("gpt2", "cnn") for s in ("1f1b", "zb", "graph_interleaved")],
     ("llama", "1f1b"),
+    ("blocks", "interleaved"),
     ("cnn", "2bw"),
+    ("gpt2_untied", "2bw"),
+    ("gpt2_untied", "stash"),
 ]
 CASES_3 = [("bert", "1f1b"), ("cnn", "1f1b")]
+
+
+LARGEST = (12, 3, 12, 12)  # the CNN's max_shapes: images of 12 pixels, the example's are 8
+
+
+def _bounded() -> dict[str, Any]:
+    """The CNN compiled at its example with max_shapes: its plan's activation bytes, a first
+    step at images of 10 pixels (beyond the example, within the bound), one refused at 14."""
+    case = CASES["inception"]
+    (example, _), (inputs, target) = _image_batches((12, 8), (8, 10))
+    pm = gp_compile(
+        case.build(), example["image"], loss_fn=case.loss, optimizer=optimizer,
+        micro_batches=M, schedule="1f1b", replication=False,
+        runtime=RuntimeConfig(timeout=120), max_shapes={"image": LARGEST},
+    )  # fmt: skip
+    loss = pm.step(inputs["image"], target=target)
+    try:
+        pm.step(torch.randn(8, 3, 14, 10), target=target)
+        refused = ""
+    except ConfigError as err:
+        refused = str(err)
+    activations = sum(s.activation_bytes for s in pm.plan.stages)
+    return {"activations": activations, "loss": loss, "refused": refused}
 
 
 def _worker(cases: list[tuple[str, str]], refusal: bool) -> dict[Any, Any]:
     out: dict[Any, Any] = {(run, schedule): _pipelined(run, schedule) for run, schedule in cases}
     if refusal:  # last: the refused compile leaves a failure posted
+        out["bounded"] = _bounded()
         out["value_shaped"] = _value_shaped()
     return out
 
@@ -263,7 +437,11 @@ def three_ranks() -> list[dict[Any, Any]]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[tuple[str, int], tuple[list[float], dict[str, torch.Tensor]]]:
-    return {(run, 0): _reference(run) for run in RUNS} | {("cnn", 1): _reference("cnn", 1)}
+    flushed = {run for run, s in CASES_2 + CASES_3 if s not in POLICIES}
+    delayed = {run for run, s in CASES_2 if s == "2bw"}
+    return {(run, 0): _reference(run) for run in flushed} | {
+        (run, 1): _reference(run, 1) for run in delayed
+    }
 
 
 def _assert_equal(result: dict[str, Any], reference: tuple[list[float], Any]) -> None:
@@ -274,7 +452,10 @@ def _assert_equal(result: dict[str, Any], reference: tuple[list[float], Any]) ->
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize(("run", "schedule"), CASES_2, ids=[f"{r}-{s}" for r, s in CASES_2])
+FLUSHED_2 = [c for c in CASES_2 if c[1] != "stash"]
+
+
+@pytest.mark.parametrize(("run", "schedule"), FLUSHED_2, ids=[f"{r}-{s}" for r, s in FLUSHED_2])
 def test_new_shapes_train_as_one_process_at_2_ranks(
     two_ranks: list[dict[Any, Any]],
     references: dict[tuple[str, int], Any],
@@ -283,6 +464,16 @@ def test_new_shapes_train_as_one_process_at_2_ranks(
 ) -> None:
     delay = 1 if schedule == "2bw" else 0
     _assert_equal(two_ranks[0][(run, schedule)], references[(run, delay)])
+
+
+def test_stash_at_new_shapes_follows_pipedreams_rule(two_ranks: list[dict[Any, Any]]) -> None:
+    """An exported model under stash: each micro-batch's forward and backward on the
+    version of its stage's weights PipeDream's rule gives, micro-batches in flight across
+    steps of other shapes."""
+    runs = [rank[("gpt2_untied", "stash")] for rank in two_ranks]
+    where = {n: i for run in runs for n, i in run["where"].items()}
+    reference = _stash_reference("gpt2_untied", where, runs[0]["warmups"])
+    _assert_equal(runs[0], reference)
 
 
 @pytest.mark.parametrize(("run", "schedule"), CASES_3, ids=[f"{r}-{s}" for r, s in CASES_3])
@@ -306,6 +497,8 @@ def test_each_shape_is_made_once_and_the_cut_is_kept(two_ranks: list[dict[Any, A
         if isinstance(key, tuple):  # every rank made the same ones
             assert two_ranks[1][key]["signatures"] == run["signatures"], key
     assert runs[("gpt2", "graph_interleaved")]["stages"] > 2  # several stages per rank
+    blocks = runs[("blocks", "interleaved")]  # Megatron's: 2 stages per rank, exported
+    assert (blocks["stages"], blocks["method"]) == (4, "export")
 
 
 def test_steps_beyond_the_example_or_below_m_rows_are_refused_by_name(
@@ -316,6 +509,30 @@ def test_steps_beyond_the_example_or_below_m_rows_are_refused_by_name(
         assert "input image is [8, 3, 10, 10]: dim 2 is beyond the compiled example's" in beyond
         assert "the batch has 3 rows, fewer than the 4 micro-batches" in few
         assert "input image is torch.float64[8, 3, 8, 8]" in dtype
+
+
+def test_max_shapes_plans_memory_at_them_and_bounds_the_steps(
+    two_ranks: list[dict[Any, Any]],
+) -> None:
+    """The plan's activations are those of 12-pixel images (2.25 times the example's
+    8-pixel ones, but for the few pooled values); a 10-pixel step trains as one process's
+    first step; a 14-pixel one is refused on every rank, naming the input and the bound."""
+    at_example = two_ranks[0][("cnn", "1f1b")]["activations"]
+    case = CASES["inception"]
+    model = case.build()
+    _, (inputs, target) = _image_batches((12, 8), (8, 10))
+    expected = sum(
+        case.loss(model(part["image"]), piece).item() * share
+        for part, piece, share in _micro_batches((inputs, target))
+    )
+    for rank in two_ranks:
+        bounded = rank["bounded"]
+        assert bounded["activations"] > 2 * at_example
+        assert bounded["loss"] == pytest.approx(expected, rel=1e-5)
+        assert (
+            "input image is [8, 3, 14, 10]: dim 2 is beyond max_shapes' [12, 3, 12, 12]"
+            in (bounded["refused"])
+        )
 
 
 def test_a_shape_that_depends_on_values_is_refused_at_compile(
@@ -388,3 +605,44 @@ def test_an_exported_stage_runs_at_a_new_shape_on_the_live_parameters() -> None:
     assert all(p is live[n] for n, p in lowered.modules[1].named_parameters())
     with pytest.raises(ConfigError, match="torch.export traces another graph"):
         shapes.lowered(signature_of((x[:, :1], scale[:, :1]), 2))  # length 1: no roll
+
+
+def test_max_shapes_must_name_inputs_at_least_as_large_as_the_example() -> None:
+    """Checked at compile, every problem at once: the form before the trace, the names,
+    dimensions and sizes after it."""
+    with pytest.raises(ConfigError, match=r"max_shapes must be a dict of input name -> shape"):
+        RunSpec.build(
+            torch.randn(8, 4), loss_fn=F.mse_loss, optimizer=optimizer, max_shapes={"x": (8, -1)}
+        )
+    inputs = (torch.randn(8, 6, 4), torch.rand(8, 6, 1))
+    gm = trace(Windowed(), inputs, micro_batch_size=2)
+    check_max_shapes(gm, inputs, {"x": (8, 9, 4)})  # larger: fine
+    with pytest.raises(ConfigError) as refused:
+        check_max_shapes(gm, inputs, {"mask": (8, 6), "scale": (8, 4, 1)})
+    assert "max_shapes names 'mask', which is not an input (the inputs: ['x', 'scale'])" in str(
+        refused.value
+    )
+    assert "max_shapes['scale'] is [8, 4, 1], the example's scale is [8, 6, 1]" in str(
+        refused.value
+    )
+
+
+def test_the_dry_run_covers_a_step_at_other_shapes() -> None:
+    """check_run runs each schedule over calls at shapes differing call to call; a schedule
+    whose rank first meets an older call's micro-batch in a later call is refused: it could
+    size that message only from the new call's shapes, its peer from the old ones."""
+    the_plan = plan(Blocks(), (torch.randn(8, 6, 4),), devices=3, micro_batches=M, pins={
+        "embed": 0, "blocks.0": 1, "blocks.1": 2, "out": 2,
+    })  # fmt: skip
+    for name in ("1f1b", "zb", "async", "2bw"):
+        check_run(the_plan, name, calls=3)
+    calls = [  # two ranks, 2 micro-batches a call: rank 1 first acts on micro-batch 1 in call 1
+        ["0F0 0SF0>1 0F1 0SF1>1", "1RF0<0 1F0"],
+        ["0F2 0SF2>1 0F3 0SF3>1", "1RF1<0 1F1 1RF2<0 1F2 1RF3<0 1F3"],
+    ]
+    parts = [Schedule("async", 2, parse_ranks(ranks)) for ranks in calls]
+    with pytest.raises(ScheduleError) as refused:
+        check_shapes(parts, [range(0, 2), range(2, 4)])
+    text = str(refused.value)
+    assert "rank 1 runs 1RF1<0 in call 1 without the shapes of micro-batch 1" in text
+    assert "1RF2<0" not in text  # brought by call 1: known

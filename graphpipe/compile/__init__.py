@@ -18,7 +18,8 @@ rows where they differ), and the gradient is that mean's gradient. With a mean-r
 this is one full-batch step, and for models whose samples do not interact (no BatchNorm) it
 equals single-process training; with BatchNorm it equals single-process gradient
 accumulation over the same micro-batches. Batches may differ from the example in their rows
-and in any other dimension, up to the example's size (`graphpipe.runtime.shapes`).
+and in any other dimension, up to `max_shapes` or else the example's size
+(`graphpipe.runtime.shapes`).
 
 `compile()` is a short sequence of named steps: check every argument into one frozen
 `RunSpec` (`graphpipe.runtime.spec`), join the process group, trace, plan on rank 0 and
@@ -29,6 +30,7 @@ broadcast (or check a given plan), schedule and dry-run, and build the `Pipeline
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -52,6 +54,7 @@ from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
 from graphpipe.runtime.failures import install_watch, posted
 from graphpipe.runtime.materialize import InitFn
 from graphpipe.runtime.pipeline import PipelinedModel
+from graphpipe.runtime.shapes import check_max_shapes, planned_at
 from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig, schedule_for
 from graphpipe.runtime.tp import resolve_tp_plan
 from graphpipe.runtime.weights import PolicyOptions
@@ -90,6 +93,7 @@ def compile(
     dp_shard: bool = True,
     reshard_after_forward: bool | None = None,
     tp_plan: Mapping[str, str] | None = None,
+    max_shapes: Mapping[str, Sequence[int]] | None = None,
     **plan_options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
@@ -103,8 +107,8 @@ def compile(
             of keyword inputs as Hugging Face models take them (`input_ids`,
             `attention_mask`; non-tensor values such as `use_cache=False` are constants of
             the trace). Dim 0 of every tensor is the batch. The model is traced and planned
-            at its micro-batch size (batch / M); it must be the largest batch: steps may
-            bring smaller ones, of other shapes, never larger in any dimension.
+            at its micro-batch size (batch / M). Steps may bring batches of other shapes,
+            never larger in any dimension than `max_shapes`, or without it the example.
         loss_fn: (model output, target) -> scalar, mean-reduced over the batch.
         optimizer: Builds the optimizer from a list of parameters, e.g.
             `functools.partial(torch.optim.SGD, lr=0.1)`.
@@ -167,6 +171,13 @@ def compile(
         tp_plan: With a mesh that has a "tp" dimension: the tensor-parallel plan, module
             path ("*" for one component) -> "colwise" or "rowwise" (`graphpipe.runtime.tp`);
             None: the model's own (a Hugging Face model's base_model_tp_plan).
+        max_shapes: Input name -> the largest whole-batch shape a step may bring (rows
+            included), at least the example's in every dimension; inputs not named: the
+            example's. The planner plans memory at these shapes (each rank traces the
+            model once more at them: the plan's activation and message bytes are theirs, its op
+            times the example's), and a step beyond them is refused by name on every rank,
+            before any communication (`graphpipe.runtime.shapes`); a given `plan` is used
+            as it is, the bound still applies. None: the example is the largest batch.
         **plan_options: More `PlanConfig` fields (memory_budget, replication, ...);
             devices, if given, must equal the world size (one device per rank), or with a
             mesh its pp size.
@@ -205,13 +216,17 @@ def compile(
         dp_shard=dp_shard,
         reshard_after_forward=reshard_after_forward,
         tp_plan=tp_plan,
+        max_shapes=max_shapes,
         **plan_options,
     )
     spec = _join(spec)
     if spec.tensor_parallel > 1:  # the model's own plan when none is given, checked
         spec = replace(spec, tp_plan=MappingProxyType(resolve_tp_plan(model, spec.tp_plan)))
     gm, inputs = _trace(model, example_inputs, spec)
-    the_plan = _plan(gm, inputs, spec)
+    if spec.max_shapes is not None:
+        check_max_shapes(gm, inputs, spec.max_shapes)
+    with _planned_at(model, gm, example_inputs, spec):
+        the_plan = _plan(gm, inputs, spec)
     check_world(spec, the_plan)
     sched = schedule_plan(the_plan, spec)
     with posted("compile"):
@@ -243,6 +258,19 @@ def _trace(
     args, kwargs = normalise(example_inputs)
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     return gm, tuple(flat_inputs(gm, *args, **tensors))
+
+
+def _planned_at(
+    model: nn.Module, gm: fx.GraphModule, example_inputs: Any, spec: RunSpec
+) -> AbstractContextManager[None]:
+    """Planning with max_shapes: the graph's bytes at them (`planned_at`). Every rank
+    traces at them, so a model that traces to another graph there is refused on every rank
+    alike, before the plan's broadcast."""
+    if spec.max_shapes is None or spec.plan is not None:
+        return nullcontext()
+    return planned_at(
+        model, gm, example_inputs, spec.max_shapes, spec.micro_batches, spec.leaf_modules
+    )
 
 
 def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:

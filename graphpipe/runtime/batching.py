@@ -5,18 +5,19 @@ the same ConfigError everywhere and leaves the pipeline as it was.
 
 What may change between steps: the batch size (B rows split as `torch.tensor_split` splits
 them, so the first B mod M micro-batches hold one row more) and any other dimension of the
-inputs (a sequence length, an image size), up to the compiled example's size in every
-dimension: the plan's memory was planned at the example, so a larger input is refused by
-name. What may not: the inputs' number, names, dtypes and number of dimensions, and the
-trace's constants. Each micro-batch's shapes (its signature) select its stages and message
-specs (`graphpipe.runtime.shapes`). With rows that differ between micro-batches, micro-batch
-j's loss is weighted by its rows, r_j / B, instead of 1 / M: for a loss that is a mean over
-the rows of its micro-batch, the sum is the mean over the whole batch, as one process gets.
+inputs (a sequence length, an image size), up to compile's `max_shapes` (else the example's
+size) in every dimension: the plan's memory was planned at those shapes, so a larger input
+is refused by name. What may not: the inputs' number, names, dtypes and number of
+dimensions, and the trace's constants. Each micro-batch's shapes (its signature) select its
+stages and message specs (`graphpipe.runtime.shapes`). With rows that differ between
+micro-batches, micro-batch j's loss is weighted by its rows, r_j / B, instead of 1 / M: for
+a loss that is a mean over the rows of its micro-batch, the sum is the mean over the whole
+batch, as one process gets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +50,8 @@ class Inputs:
         dp: Data-parallel slices of each micro-batch (a mesh's dp size; 1 without one).
         dp_index: The slice this rank runs (`graphpipe.runtime.mesh.MeshLayout.dp_index`).
         shapes: The stages at each micro-batch's shapes; None: only the compiled shapes.
+        max_shapes: Input name -> the largest whole-batch shape a step may bring (compile's
+            `max_shapes`); an input not named: the example's.
     """
 
     def __init__(
@@ -63,11 +66,13 @@ class Inputs:
         dp: int = 1,
         dp_index: int = 0,
         shapes: Shapes | None = None,
+        max_shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.gm, self.loss_fn, self.m, self.device = gm, loss_fn, micro_batches, device
         self.dp, self.dp_index, self.stages = dp, dp_index, shapes
         self.shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
         self.names = list(trace_info(gm).input_names)
+        self.max_shapes = dict(max_shapes or {})
         self.model_inputs = frozenset(model_inputs)
         self.has_output = has_output
         self._loss_checked = False
@@ -109,12 +114,14 @@ class Inputs:
                     f"input {name} is {x.dtype}{list(x.shape)}, the pipeline was compiled "
                     f"for {dtype}{list(shape)}: the dtype and number of dimensions must stay"
                 )
-            beyond = [d for d, (n, most) in enumerate(zip(x.shape, shape, strict=True)) if n > most]
+            bound = self.max_shapes.get(name, shape)
+            beyond = [d for d, (n, most) in enumerate(zip(x.shape, bound, strict=True)) if n > most]
             if beyond:
+                whose = "max_shapes'" if name in self.max_shapes else "the compiled example's"
                 raise ConfigError(
-                    f"input {name} is {list(x.shape)}: dim {beyond[0]} is beyond the compiled "
-                    f"example's {list(shape)}, the largest shape the plan's memory was planned "
-                    "for; compile with an example as large as the largest batch"
+                    f"input {name} is {list(x.shape)}: dim {beyond[0]} is beyond {whose} "
+                    f"{list(bound)}, the largest shape the plan's memory was planned for; "
+                    "compile with max_shapes (or an example) as large as the largest batch"
                 )
         batch = bind.batch_of(tuple(flat), {}) if flat else 0
         if batch < self.m:

@@ -87,7 +87,7 @@ class PipelinedModel:
         inputs = Inputs(
             gm, example_inputs, w.model_inputs, spec.loss_fn, spec.micro_batches, w.device,
             has_output, w.dp, 0 if layout is None else layout.dp_index,
-            _shapes(w, example_inputs, traced_on, model if exported else None),
+            _shapes(w, example_inputs, traced_on, model if exported else None), spec.max_shapes,
         )  # fmt: skip
         programs = Programs(w)
         self._recorder = Recorder(w, self._collectives)

@@ -26,25 +26,46 @@ For a signature compile did not see:
 Both are cached by signature: a shape seen before costs one dictionary lookup. Every rank
 makes the same checks (idle ranks too), so a refusal is the same ConfigError everywhere,
 before any communication.
+
+How large a step may be: up to `compile(..., max_shapes=...)`, input name -> its largest
+whole-batch shape (`check_max_shapes`), in every dimension, else up to the example. The
+planner plans memory at that largest batch (`planned_at`): each rank traces the model once
+more at it (each example input tiled to its largest shape, so its values stay valid), and
+the plan's activation and message bytes are that trace's; op times stay the example's.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from graphpipe.errors import ConfigError, GraphPipeError
 from graphpipe.ir import Plan
+from graphpipe.planning.opgraph import graph_hash
 from graphpipe.runtime.comm import Spec
 from graphpipe.runtime.stage import build_stage, retarget, shapes_at
-from graphpipe.tracing.tracer import retrace
+from graphpipe.tracing import bind
+from graphpipe.tracing.annotate import trace_info
+from graphpipe.tracing.tracer import LeafSpec, retrace, trace
 
-__all__ = ["Lowered", "Shapes", "Signature", "describe", "signature_of", "stand_in"]
+__all__ = [
+    "Lowered",
+    "Shapes",
+    "Signature",
+    "check_max_shapes",
+    "describe",
+    "planned_at",
+    "signature_of",
+    "stand_in",
+]
 
 Signature = tuple[Spec, ...]  # per model input (placeholder order): its micro-batch shape, dtype
 
@@ -236,3 +257,98 @@ def _first_line(exc: BaseException) -> str:
 def signature_of(flat: Sequence[torch.Tensor], rows: int) -> Signature:
     """The signature of a micro-batch of `rows` rows of the inputs `flat`."""
     return tuple(((rows, *x.shape[1:]), x.dtype) for x in flat)
+
+
+def check_max_shapes(
+    gm: fx.GraphModule, example: Sequence[torch.Tensor], max_shapes: Mapping[str, Sequence[int]]
+) -> None:
+    """`max_shapes` must name inputs of `gm`, each with the example's number of dimensions
+    and at least its size in every one.
+
+    Raises:
+        ConfigError: every problem at once, naming the input, its bound and the example's shape.
+    """
+    names = trace_info(gm).input_names
+    problems = [
+        f"max_shapes names {name!r}, which is not an input (the inputs: {list(names)})"
+        for name in max_shapes
+        if name not in names
+    ]
+    for name, x in zip(names, example, strict=True):
+        bound = max_shapes.get(name)
+        if bound is not None and (len(bound) != x.dim() or any(map(operator.lt, bound, x.shape))):
+            problems.append(
+                f"max_shapes[{name!r}] is {list(bound)}, the example's {name} is "
+                f"{list(x.shape)}: it needs its {x.dim()} dimensions, each at least the example's"
+            )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+@contextmanager
+def planned_at(
+    model: nn.Module,
+    gm: fx.GraphModule,
+    example_inputs: Any,
+    max_shapes: Mapping[str, Sequence[int]],
+    micro_batches: int,
+    leaf_modules: Sequence[LeafSpec] = (),
+) -> Iterator[None]:
+    """While inside, every node of `gm` counts the bytes of its outputs at the largest batch
+    (`gp_out_bytes`, which the planner reads), rather than at the example's.
+
+    The model is traced once more at the largest batch: each example input tiled to its
+    bound in `max_shapes` (its values stay the example's), the rows rounded up to a multiple
+    of the micro-batches (times the data-parallel slices of the trace). A node's new count is
+    its bytes for the largest micro-batch over the traced micro-batch size, so that the
+    planner's `act` (the count times that size) is the largest micro-batch's bytes.
+
+    Raises:
+        ConfigError: the model traces to another graph at the largest batch.
+    """
+    info = trace_info(gm)
+    slices = info.batch_size // (info.micro_batch_size * micro_batches)  # dp slices traced
+    split = micro_batches * slices
+    rows = math.ceil(max([info.batch_size, *(b[0] for b in max_shapes.values())]) / split)
+    largest = trace(
+        model,
+        _tiled(example_inputs, gm, max_shapes, rows * split),
+        leaf_modules,
+        micro_batch_size=rows,
+    )
+    if graph_hash(largest) != graph_hash(gm):
+        raise ConfigError(
+            f"at max_shapes {dict(max_shapes)} the model traces to another graph than at the "
+            f"example ({_difference(gm, largest) or 'other inputs'}), so one plan cannot hold "
+            "both; give max_shapes at which the model traces to the same ops"
+        )
+    counts = {n.name: n.meta.get("gp_out_bytes", 0) for n in largest.graph.nodes}
+    saved = {n: n.meta.get("gp_out_bytes", 0) for n in gm.graph.nodes}
+    for node in gm.graph.nodes:
+        node.meta["gp_out_bytes"] = -(-counts[node.name] * rows // info.micro_batch_size)
+    try:
+        yield
+    finally:
+        for node, count in saved.items():
+            node.meta["gp_out_bytes"] = count
+
+
+def _tiled(
+    example_inputs: Any, gm: fx.GraphModule, max_shapes: Mapping[str, Sequence[int]], rows: int
+) -> Any:
+    """The example in its own form (positional or keyword), each input tiled to its bound
+    in `max_shapes` (else its own shape) with `rows` rows."""
+    args, kwargs = bind.normalise(example_inputs)
+    info = trace_info(gm)
+    named = dict(zip(info.sources, info.input_names, strict=True))
+
+    def tile(source: int | str, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or source not in named:
+            return x
+        shape = (rows, *max_shapes.get(named[source], x.shape)[1:])
+        reps = [math.ceil(n / d) for n, d in zip(shape, x.shape, strict=True)]
+        return x.repeat(reps)[tuple(slice(0, n) for n in shape)]
+
+    if args:
+        return tuple(tile(i, x) for i, x in enumerate(args))
+    return {k: tile(k, v) for k, v in kwargs.items()}

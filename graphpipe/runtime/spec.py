@@ -107,6 +107,8 @@ class RunSpec:
     leaf_modules: tuple[LeafSpec, ...] = ()  # module types or paths traced as single nodes
     profile_config: ProfileConfig | None = None  # how rank 0 obtains op times
     recompute: RecomputeSpec = False  # activation checkpointing: True, stage list, "auto"
+    # input name -> the largest whole-batch shape a step brings; None: the example's
+    max_shapes: Mapping[str, tuple[int, ...]] | None = None
     # -- the runtime
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # timeouts, device, ...
     init_weights: InitFn | None = None  # initialises a meta model's real tensors
@@ -160,6 +162,7 @@ class RunSpec:
         dp_shard: bool = True,
         reshard_after_forward: bool | None = None,
         tp_plan: Mapping[str, str] | None = None,
+        max_shapes: Mapping[str, Sequence[int]] | None = None,
         **plan_options: Any,
     ) -> RunSpec:
         """Check `compile()`'s arguments and freeze them (the same names and meanings).
@@ -179,6 +182,7 @@ class RunSpec:
         _check(problems, check_nan_check, nan_check, weights)
         _check(problems, _check_combinations, nan_check, precision, compile_stages, resolved)
         dp = _check(problems, check_mesh, mesh, data_parallel)
+        bounds = _check(problems, _max_shapes, max_shapes)
         reshard = _check(problems, check_reshard, reshard_after_forward, resolved)
         tp = tp_degree(mesh) if isinstance(mesh, DeviceMesh) and dp is not None else 1
         problems.extend(
@@ -238,6 +242,7 @@ class RunSpec:
             reshard_after_forward=reshard,
             tensor_parallel=tp,
             tp_plan=None if tp_plan is None else MappingProxyType(dict(tp_plan)),
+            max_shapes=bounds,
         )
 
     @property
@@ -259,6 +264,28 @@ def _joined(problems: list[str]) -> str:
     if len(problems) == 1:
         return problems[0]
     return f"{len(problems)} problems: " + "; ".join(problems)
+
+
+def _max_shapes(value: Any) -> Mapping[str, tuple[int, ...]] | None:
+    """max_shapes as a read-only dict of int tuples (checked against the inputs after the
+    trace: `graphpipe.runtime.shapes.check_max_shapes`).
+
+    Raises:
+        ConfigError: not a dict of input name -> sequence of positive ints.
+    """
+    if value is None:
+        return None
+    shapes = dict(value) if isinstance(value, Mapping) else None
+    if shapes is None or not all(
+        isinstance(k, str)
+        and isinstance(v, Sequence)
+        and all(isinstance(d, int) and d > 0 for d in v)
+        for k, v in shapes.items()
+    ):
+        raise ConfigError(
+            f"max_shapes must be a dict of input name -> shape (positive ints), got {value!r}"
+        )
+    return MappingProxyType({k: tuple(v) for k, v in shapes.items()})
 
 
 def _check_loss_fn(loss_fn: Any) -> None:

@@ -184,8 +184,8 @@ def micro_shapes(
         ]
         state = _fake_state(gm, mode)
         specs = _recorded(gm, state, fakes)
-    # the fake mode memoises the real parameters through weak references until it is
-    # collected; the weight policies' copy on write (swap_tensors) refuses such tensors
+    # the fake mode memoises the real parameters (through weak references) until it is
+    # collected: free it now rather than at some later collection
     del mode, fakes, state
     gc.collect()
     return specs

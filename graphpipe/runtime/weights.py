@@ -138,7 +138,7 @@ class WeightPolicy:
         self.log: deque[tuple[str, int, int]] = deque(maxlen=2 * LOG)
         self.version = 0  # k: optimizer steps taken
         self.peak_copies = 1  # the most copies held at once so far
-        self._names = {id(p): n for n, p in self.params.items()}  # kept by swap_tensors
+        self._names = {id(p): n for n, p in self.params.items()}  # kept by copy on write
         parts = list(module) if isinstance(module, nn.ModuleList) else [module]
         self.finals = FinalGrads(sync, parts)
         self.hooks = tuple(hooks)
@@ -244,7 +244,16 @@ class Flush(WeightPolicy):
 class _Versioned(WeightPolicy):
     """Forwards run on aliases of the live weights (versions); an update first moves the live
     weights to fresh storage while a version in flight still aliases them (copy on write),
-    so every version stays intact until its last backward."""
+    so every version stays intact until its last backward.
+
+    The move keeps each parameter's Python object (the optimizer's state, the modules and
+    the gradient sync hold it) and gives it a copy of its values (`p.data = copy`). Each
+    alias counts its in-place changes on its own (`_alias`), so the optimizer's in-place
+    steps on the moved parameter do not mark the versions saved by in-flight forwards as
+    modified. Swapping the whole tensor object (`torch.utils.swap_tensors`) is not an option:
+    it refuses a tensor something holds a weak reference to, which torch.export's fake mode
+    (kept alive by the exported graph's node metadata) and torch.compile's guards do.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -257,7 +266,7 @@ class _Versioned(WeightPolicy):
     def _publish(self, vid: int) -> None:
         """Make version `vid` an alias of the live weights, unless it exists."""
         if vid not in self.versions:
-            alias = {n: p.detach().requires_grad_(p.requires_grad) for n, p in self.params.items()}
+            alias = {n: _alias(p) for n, p in self.params.items()}
             self.versions[vid] = (self.version, alias)
 
     def forward(self, j: int, run: Callable[[Weights], T]) -> T:
@@ -290,7 +299,7 @@ class _Versioned(WeightPolicy):
         live = {p.data_ptr() for p in self.params.values()}
         if any(t.data_ptr() in live for _, a in self.versions.values() for t in a.values()):
             for p in self.params.values():
-                torch.utils.swap_tensors(p, nn.Parameter(p.detach().clone(), p.requires_grad))
+                p.data = p.detach().clone()  # the object stays: only its storage moves
         for n, p in self.params.items():
             p.grad = grads[n]
         self._step()
@@ -302,6 +311,16 @@ class _Versioned(WeightPolicy):
         stores = {self.params[first].data_ptr()}
         stores |= {a[first].data_ptr() for _, a in self.versions.values()}
         return len(stores)
+
+
+def _alias(p: torch.Tensor) -> torch.Tensor:
+    """A leaf tensor on p's storage (same offset, shape and strides) whose version counter
+    is its own, unlike `p.detach()`'s, which shares p's: an in-place step on p once p has
+    moved to a copy must not count as a change of the alias saved for a backward."""
+    with torch.no_grad():
+        alias = torch.empty(0, dtype=p.dtype, device=p.device)
+        alias.set_(p.untyped_storage(), p.storage_offset(), p.shape, p.stride())
+    return alias.requires_grad_(p.requires_grad)
 
 
 class Stash(_Versioned):

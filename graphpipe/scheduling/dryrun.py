@@ -9,7 +9,10 @@ Checks, every problem reported at once:
   that needs it, and sends and receives pair up one to one (the lowering to a program then
   issues every rank pair's messages in the same order on both ends);
 - a dry run with blocking receives and buffered sends finishes: the schedule cannot deadlock;
-- the peak memory of every rank fits the plan's budget.
+- the peak memory of every rank fits the plan's budget;
+- a step at other shapes than the step before (`check_shapes`): every message is sized on its
+  two ends from the shapes of the step that brought its micro-batch, which both ranks know
+  when they issue it (before its receive is posted).
 
 `check_program` runs a lowered program (`graphpipe.scheduling.program`) under a transport's
 semantics:
@@ -23,6 +26,7 @@ with `>>...<<`.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from graphpipe.errors import ScheduleError
@@ -43,7 +47,7 @@ from graphpipe.scheduling.generators import drain_schedule, make_schedule
 from graphpipe.scheduling.program import lower_calls
 from graphpipe.scheduling.simulate import Deadlock, Engine, UpdateBarrier, simulate
 
-__all__ = ["SEMANTICS", "check_program", "check_run", "check_schedule", "grid"]
+__all__ = ["SEMANTICS", "check_program", "check_run", "check_schedule", "check_shapes", "grid"]
 
 Mark = tuple[int, int]  # (rank, index in its list)
 
@@ -211,11 +215,74 @@ def check_run(plan: Plan, name: str, micro_batches: int | None = None, calls: in
         parts.append(drain_schedule(plan, name, calls, m))
         ranks = tuple(tuple(a for p in parts for a in p.ranks[r]) for r in range(plan.num_devices))
         check_schedule(plan, Schedule(parts[0].name, m, ranks, calls))
+        brought = [range(c * m, (c + 1) * m) for c in range(calls)] + [range(0)]
+        check_shapes(parts, brought)
     else:
         parts = [make_schedule(plan, name, m)]
         check_schedule(plan, parts[0])
+        check_shapes(parts * 2, [range(m)] * 2)  # two calls, the second at other shapes
     check_program(plan, lower_calls(plan, parts), "rendezvous")
     check_program(plan, lower_calls(plan, parts, prefetch=True), "buffered")
+
+
+def check_shapes(parts: Sequence[Schedule], brought: Sequence[Sequence[int]]) -> None:
+    """Run consecutive step() calls, each at shapes of its own (other than the call before's),
+    and check that every message is sized alike on its two ends, from the shapes of the call
+    that brought its micro-batch, known to each rank when it issues the message.
+
+    Every rank receives each call's whole mini-batch, so from the call's start it knows the
+    shapes of the micro-batches the call brings (`brought[c]`: c*M.. for an asynchronous
+    schedule, 0..M-1 again for a flushed one, none for a drain). It keeps a micro-batch's
+    shapes across calls while it has acted on it and still has actions on it (the runtime's
+    executor keeps them for its micro-batches in flight); otherwise it would size a message
+    of an older micro-batch from the new call's shapes, which its peer does not.
+
+    Args:
+        parts: Each call's schedule, in order.
+        brought: The micro-batch ids each call brings.
+
+    Raises:
+        ScheduleError: naming every action on a micro-batch whose shapes its rank does not
+            know, and every message whose two ends size it from different calls' shapes.
+    """
+    actions = [
+        [(c, a) for c, p in enumerate(parts) for a in p.ranks[r]]
+        for r in range(len(parts[0].ranks))
+    ]
+    problems: list[str] = []
+    sized: dict[tuple[Message, int, bool], int] = {}  # (message, occurrence, send) -> call
+    for rank, acts in enumerate(actions):
+        last = {a.mb: c for c, a in acts if a.mb is not None}  # the last call acting on j
+        known: dict[int, int] = {}  # micro-batch -> the call whose shapes it has
+        acted: set[int] = set()  # micro-batches this rank has acted on
+        seen = Occurrences()
+        call = -1
+        for c, a in acts:
+            if c != call:  # a call starts: keep the shapes of micro-batches in flight here
+                known = {j: k for j, k in known.items() if j in acted and last[j] >= c}
+                known.update({j: c for j in brought[c]})
+                call = c
+            if a.mb is None or a.kind == ActionKind.U:
+                continue
+            acted.add(a.mb)
+            if a.mb not in known:
+                problems.append(
+                    f"rank {rank} runs {a} in call {c} without the shapes of micro-batch "
+                    f"{a.mb}, which an earlier call brought and this rank had not yet acted on"
+                )
+            elif a.kind.is_send or a.kind.is_receive:
+                sized[(a.message, seen.number(a), a.kind.is_send)] = known[a.mb]
+    for (message, n, sending), c in sized.items():
+        other = sized.get((message, n, not sending))
+        if sending and other is not None and other != c:
+            problems.append(
+                f"{message} is sized from call {c}'s shapes by its sender and call "
+                f"{other}'s by its receiver"
+            )
+    if problems:
+        raise ScheduleError(
+            f"the {parts[0].name} schedule cannot change shapes between calls:", problems
+        )
 
 
 SEMANTICS = ("rendezvous", "buffered")
