@@ -141,7 +141,7 @@ def _placed_plans(name: str) -> list[tuple[str, Plan]]:
     plans = []
     for n in (2, 3, 4):
         for m in (1, 2, 4, 6, 8):
-            if name == "zbv":
+            if SCHEDULES[name].placement == "v":
                 plans.append((f"v n={n} m={m}", placed_plan(n, 2, m, "v")))
             elif m % n == 0:
                 plans += [(f"loop{v} n={n} m={m}", placed_plan(n, v, m, "loop")) for v in (2, 3)]

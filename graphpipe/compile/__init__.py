@@ -109,9 +109,9 @@ def compile(
             `functools.partial(torch.optim.SGD, lr=0.1)`.
         micro_batches: M, micro-batches per mini-batch (default: the plan's, or 4).
         schedule: "1f1b", "gpipe", "zb" (ZB-H1) or "zb2" (ZB-H2) for flush, or
-            "interleaved", "interleaved_zb" / "zbv" with several stages per rank (the plan
-            is a chain of 2 stages per device, folded "loop" or "v"; pin the stages, or pass
-            virtual_stages and placement); "graph_interleaved" for a stage DAG folded onto
+            "interleaved", "interleaved_zb" / "zbv" / "dualpipev" with several stages per rank
+            (the plan is a chain of 2 stages per device, folded "loop" or "v"; pin the stages,
+            or pass virtual_stages and placement); "graph_interleaved" for a stage DAG folded onto
             the devices (`interleave=True`; the default for such a plan); "async" for stash
             and pipemare; "2bw" for 2bw. Default: 1f1b, or the one the weight policy needs.
         weights: The weight policy: "flush", "stash", "2bw" or "pipemare" (see
@@ -139,7 +139,7 @@ def compile(
             and re-runs its forward in its backward (`graphpipe.planning.recompute`); the
             plan's times and memory say so.
         compile_stages: `torch.compile` each of this rank's stage modules (in place: state
-            dict keys stay). Not with zero-bubble schedules (zb, zbv), whose backward is
+            dict keys stay). Not with zero-bubble schedules (zb, zbv, ...), whose backward is
             split into input and weight halves, which a compiled backward cannot do.
         precision: "bf16" or "fp16": autocast on each stage's forward, float32 master
             weights, values crossing stages in that dtype (half the bytes; the planner

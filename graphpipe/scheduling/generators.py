@@ -62,6 +62,19 @@ Generators:
             paper's, so unknown (all-zero) times never give a greedy order over zeros (the
             greedy runs win where M < 2N - 1). On equal stages the step is
             2M(F + I + W) + (N - 1)F.
+    dualpipev
+            DualPipeV (DeepSeek-V3's DualPipe, arXiv 2412.19437, cut in half onto a "v"
+            placement, as torch's ScheduleDualPipeV): on the chain of 2N stages folded "v"
+            (device d holds d and 2N-1-d), a warm-up of forwards and split backwards, then a
+            steady state in which each device runs a forward of one of its stages paired with
+            the full backward (B) of the other, then a cool-down of full and split
+            backwards (`graphpipe.scheduling.orders.dualpipev` has the phases). A fixed
+            order. DualPipe overlaps each pair's compute and communication; here the pair
+            runs one after the other, each half sending as it ends. The paper's bubble,
+            (N-1)(F&B + B - 3W), is what the order steps when a pair sends as one unit; on
+            equal stages this runtime steps 2M(F + I + W) + (N - 1)F, ZB-V's, holding 2N + 1
+            micro-batches' activations per device (ZB-V: 2N). M >= 2N; with fewer, the order
+            of 2N restricted to the M there are (DualPipe itself refuses).
     graph_interleaved
             1F1B on a stage DAG whose devices may hold several stages, in any placement
             (`graphpipe.planning.interleave`: a later stage on a device that holds an
@@ -81,10 +94,11 @@ What each schedule is (split backward, placement, asynchronous, replicas) is rea
 `graphpipe.ir.registry.SCHEDULES`; this module maps each name there to its builder, and
 refuses to import when the two disagree.
 
-Devices holding several stages (interleaved, zbv) get one update `U` for all of them, after
-their last backward. A stage replicated on r devices runs micro-batch j on devices[j % r];
-each replica's list is the stage order restricted to its own micro-batches, and its update
-all-reduces gradients with the other replicas. Asynchronous schedules need unreplicated stages.
+Devices holding several stages (interleaved, zbv, dualpipev) get one update `U` for all of
+them, after their last backward. A stage replicated on r devices runs micro-batch j on
+devices[j % r]; each replica's list is the stage order restricted to its own micro-batches,
+and its update all-reduces gradients with the other replicas. Asynchronous schedules need
+unreplicated stages.
 """
 
 from __future__ import annotations
@@ -117,6 +131,7 @@ from graphpipe.scheduling.greedy import (
     zbv,
 )
 from graphpipe.scheduling.orders import (
+    dualpipev,
     interleaved,
     interleaved_zb,
     one_f_one_b,
@@ -216,6 +231,7 @@ def _builders() -> dict[str, Builder]:
         "interleaved": _placed(interleaved),
         "interleaved_zb": _placed(interleaved_zb),
         "zbv": _placed(_zbv),
+        "dualpipev": _placed(dualpipev),
         "graph_interleaved": _placed(lambda p, mbs: graph_interleaved(p, mbs, warmups(p))),
     }
     if set(builders) != set(SCHEDULES):
@@ -270,8 +286,8 @@ def _check_placed(plan: Plan, spec: ScheduleSpec, m: int) -> None:
         )
     if spec.placement == "loop" and m % n:
         raise ScheduleError(f"{spec.name} needs micro_batches a multiple of {n} devices, got {m}")
-    if spec.name == "zbv" and len(plan.stages) != 2 * n:
-        raise ScheduleError(f"zbv needs 2 stages per device, got {len(plan.stages)} on {n}")
+    if spec.placement == "v" and len(plan.stages) != 2 * n:
+        raise ScheduleError(f"{spec.name} needs 2 stages per device, got {len(plan.stages)} on {n}")
 
 
 def make_schedule(
