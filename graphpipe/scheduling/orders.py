@@ -133,9 +133,9 @@ def paper_zbv_device(n: int, d: int, count: int) -> RankOrder:
 
 def dualpipev(plan: Plan, mbs: list[int]) -> list[RankOrder]:
     """DualPipeV's order (DeepSeek-V3's DualPipe, arXiv 2412.19437, cut in half onto a "v"
-    placement, as github.com/deepseek-ai/DualPipe's dualpipev.py and torch's
-    ScheduleDualPipeV build it), per device d of N with stages a = d and b = 2N-1-d, counted
-    over max(M, 2N) micro-batches and then restricted to the M there are:
+    placement, as github.com/deepseek-ai/DualPipe and torch's ScheduleDualPipeV build it),
+    per device d of N with stages a = d and b = 2N-1-d, counted over max(M, 2N)
+    micro-batches and then restricted to the M there are:
 
         warm-up   2(N-d-1) Fa; d+1 times Fa Fb; N-d-1 times Ib W Fb
         steady    (M-2N+d+1) times (Fa with Bb) (Fb with Ba); N-d-1 times Bb (Fb with Ba)
@@ -143,8 +143,9 @@ def dualpipev(plan: Plan, mbs: list[int]) -> list[RankOrder]:
 
     A W is always the oldest pending weight half of either stage. "Fa with Bb" is the pair
     DualPipe overlaps (one chunk's forward with the other's full backward, so each hides the
-    other's communication); here the pair runs one after the other, forward first, as
-    torch's runtime runs its OVERLAP_F_B: without that overlap the order is what remains.
+    other's communication); here the pair runs one after the other, forward first (as
+    torch's runtime runs its OVERLAP_F_B), each half sending as it ends (torch sends after
+    the pair): without the overlap the order is what remains. O(M) per device.
     """
     n, m = plan.num_devices, len(mbs)
     return [
@@ -166,8 +167,8 @@ def dualpipev_device(n: int, d: int, count: int) -> RankOrder:
             if kind == W:
                 stage, j = pending.pop(0)
             else:
-                j = done[(stage, F if kind == F else I)]
-                done[(stage, F if kind == F else I)] += 1
+                key = (stage, F if kind == F else I)
+                j, done[key] = done[key], done[key] + 1
             order.append((stage, kind, j))
             if kind == I:
                 pending.append((stage, j))
