@@ -15,7 +15,9 @@ cost model fixes I = W, `graphpipe.ir.plan.WEIGHT_SHARE`). Every torch schedule 
 every graphpipe schedule: one stage per rank (GPipe, 1F1B, ZB-H1 as torch's interleaved zero
 bubble with one stage per rank; gpipe, 1f1b, zb, zb2), two per rank in a loop
 (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; interleaved, interleaved_zb) and in a V
-(ZBVZeroBubble, DualPipeV; zbv). A schedule that refuses the setting is listed with its error.
+(ZBVZeroBubble, DualPipeV; zbv, dualpipev). A schedule that refuses the setting is listed
+with its error (torch's DualPipeV needs M >= 2N; graphpipe's runs its order of 2N micro-batches
+restricted to the M there are).
 The machine is shared and sleeps overshoot under load: read differences of a few percent
 between runs as noise.
 
@@ -62,6 +64,7 @@ GRAPHPIPE = {  # schedule -> placement (None: one stage per rank)
     "interleaved": "loop",
     "interleaved_zb": "loop",
     "zbv": "v",
+    "dualpipev": "v",
 }
 TORCH = {  # label -> (torch schedule class, placement)
     "GPipe": ("ScheduleGPipe", None),
