@@ -17,7 +17,7 @@ from zoo import TwoBranch
 
 from graphpipe.ir import Action, Plan, Schedule, Span, Timeline
 from graphpipe.ir.cost import CostModel, LinkModel
-from graphpipe.planning.assemble import assemble
+from graphpipe.planning.assemble import assemble, for_schedule
 from graphpipe.planning.manual import groups_from_pins
 from graphpipe.planning.opgraph import op_graph
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
@@ -212,6 +212,41 @@ def test_dualpipev_steps_equal_the_published_bubble(p: int, m: int) -> None:
     assert result.iteration_time == pytest.approx(6 * m * T + (p - 1) * T)
     assert result.peak_in_flight == (2 * p + 1,) * p
     assert make_schedule(_zero_times(plan), "dualpipev") == schedule  # a fixed order
+
+
+@pytest.mark.parametrize(
+    ("name", "placement", "m"),
+    [
+        ("gpipe", None, 8),
+        ("zb", None, 8),
+        ("zb2", None, 8),
+        ("zbv", "v", 16),
+        ("dualpipev", "v", 8),
+    ],
+)
+def test_the_memory_estimate_takes_the_schedules_in_flight_counts(
+    name: str, placement: str | None, m: int
+) -> None:
+    """Raised to the counts of the schedule's order, the plan's memory estimate bounds the
+    simulated peak on every rank. The graph 1F1B counts understate gpipe, zb and zb2 (the
+    simulated peak is over them on some rank); on a V they cover dualpipev's counts, not
+    zbv's at M = 16 (its stage 0 holds 9, not 8), though a device's two stages together
+    (2N - d and d + 1) still cover its peak. 1f1b's plan is unchanged."""
+    plan = chain_plan(4, m) if placement is None else placed_plan(4, 2, m, placement)
+    schedule = make_schedule(plan, name)
+    peaks = simulate(plan, schedule).peak_memory
+    estimate = for_schedule(plan, schedule)
+
+    def per_rank(p: Plan) -> list[int]:
+        return [sum(s.memory_bytes for s in p.stages_on(r)) for r in range(p.num_devices)]
+
+    assert all(peak <= e for peak, e in zip(peaks, per_rank(estimate), strict=True))
+    over = any(peak > e for peak, e in zip(peaks, per_rank(plan), strict=True))
+    assert over == (placement is None)
+    held = {"gpipe": [8] * 4, "zb": [4] * 4, "zb2": [7] * 4, "dualpipev": [8, 7, 6, 5, 4, 3, 2, 1]}
+    assert [s.in_flight for s in estimate.stages] == held.get(name, [9, 8, 8, 6, 6, 5, 4, 2])
+    if placement is None:
+        assert for_schedule(plan, make_schedule(plan, "1f1b")) == plan
 
 
 def _same_stages(kind: str) -> Plan:

@@ -46,6 +46,7 @@ from graphpipe.compile.steps import (
 )
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
+from graphpipe.planning.assemble import for_schedule
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
 from graphpipe.runtime.failures import install_watch, posted
@@ -216,6 +217,7 @@ def compile(
     the_plan = _plan(gm, inputs, spec)
     check_world(spec, the_plan)
     sched = schedule_plan(the_plan, spec)
+    the_plan = for_schedule(the_plan, sched)  # memory predicted for the schedule's order
     with posted("compile"):
         return PipelinedModel(model, gm, inputs, the_plan, sched, spec)
 

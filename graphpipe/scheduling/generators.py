@@ -103,6 +103,7 @@ unreplicated stages.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 from graphpipe.errors import ConfigError, ScheduleError
@@ -139,7 +140,7 @@ from graphpipe.scheduling.orders import (
     paper_zbv,
 )
 
-__all__ = ["drain_schedule", "make_schedule", "warmups"]
+__all__ = ["drain_schedule", "in_flight", "make_schedule", "warmups"]
 
 F, B, I, W, U = (ActionKind(k) for k in "FBIWU")  # noqa: E741 -- the kinds' own letters
 Builder = Callable[[Plan, int, int], list[list[Action]]]  # (plan, call, M) -> rank lists
@@ -350,6 +351,33 @@ def drain_schedule(
     }
     lists = _rank_lists(plan, orders)
     return Schedule(spec.name, m, tuple(tuple(a) for a in lists), 0)
+
+
+def in_flight(schedule: Schedule) -> dict[int, int]:
+    """Per stage, the most micro-batches one of its devices holds at once in `schedule`'s
+    order: from a forward to the end of its backward (its B, or its W after the I; a weight
+    half waiting for its W is counted whole). Read from the order alone, per call.
+
+    On a chain under 1f1b this is each stage's warm-up + 1 (1F1B's count, which the planner
+    assumes); zb holds up to p on every stage, zb2 up to 2p - 1, zbv 2N per device and
+    dualpipev 2N + 1, shared by its two stages.
+
+    Example (a W deferred past the next F: 3 held, where B in its place would hold 2):
+        >>> from graphpipe.ir import parse_ranks
+        >>> lists = parse_ranks(["0F0 0F1 0I0 0F2 0W0 0I1 0W1 0I2 0W2 0U"])
+        >>> in_flight(Schedule("zb", 3, lists, 1))
+        {0: 3}
+    """
+    most: dict[int, int] = {}
+    for actions in schedule.ranks:
+        held: dict[int, int] = defaultdict(int)
+        for a in actions:
+            if a.kind == F:
+                held[a.stage] += 1
+                most[a.stage] = max(most.get(a.stage, 0), held[a.stage])
+            elif a.kind in (B, W):
+                held[a.stage] -= 1
+    return most
 
 
 # -- from stage orders to rank lists -----------------------------------------------------------
