@@ -16,8 +16,7 @@ every graphpipe schedule: one stage per rank (GPipe, 1F1B, ZB-H1 as torch's inte
 bubble with one stage per rank; gpipe, 1f1b, zb, zb2), two per rank in a loop
 (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; interleaved, interleaved_zb) and in a V
 (ZBVZeroBubble, DualPipeV; zbv, dualpipev). A schedule that refuses the setting is listed
-with its error (torch's DualPipeV needs M >= 2N; graphpipe's runs its order of 2N micro-batches
-restricted to the M there are).
+with its error (DualPipeV needs M >= 2N on both sides).
 The machine is shared and sleeps overshoot under load: read differences of a few percent
 between runs as noise.
 

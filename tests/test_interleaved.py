@@ -185,11 +185,13 @@ def test_zbv_beats_interleaved_1f1b_on_equal_stages(devices: int, m: int) -> Non
     assert zbv < loop
 
 
-def test_dualpipev_refuses_plans_that_are_not_a_v_of_two_stages_per_device() -> None:
+def test_dualpipev_refuses_plans_other_than_a_v_of_two_stages_per_device_and_m_below_2n() -> None:
     with pytest.raises(ScheduleError, match="'dualpipev' needs a chain of stages placed 'v'"):
         make_schedule(placed_plan(2, 2, 4, "loop"), "dualpipev")
     with pytest.raises(ScheduleError, match="dualpipev needs 2 stages per device, got 4 on 4"):
         make_schedule(placed_plan(4, 1, 8, "loop"), "dualpipev")
+    with pytest.raises(ScheduleError, match=r"micro_batches >= 2 x 4 devices = 8 .*, got 6"):
+        make_schedule(placed_plan(4, 2, 6, "v"), "dualpipev")
 
 
 def test_interleaved_needs_m_a_multiple_of_the_devices() -> None:
@@ -283,12 +285,8 @@ def _chain8_reference(m: int, steps: int) -> tuple[list[float], dict[str, torch.
     return losses, model.state_dict()
 
 
-def _chain8_worker(m: int, steps: int) -> dict[str, Any]:
+def _chain8_worker(the_plan: Any, steps: int) -> dict[str, Any]:
     model, x = _chain8()
-    pins = {str(i): i for i in range(8)}
-    the_plan = plan(
-        model, (x,), devices=4, micro_batches=m, pins=pins, virtual_stages=2, placement="v"
-    )
     pm = gp_compile(
         model,
         (x,),
@@ -306,7 +304,12 @@ def test_dualpipev_on_four_ranks_trains_like_one_process() -> None:
     """Eight stages on four ranks, M = 2N = 8: DualPipeV's whole order, overlapped pairs
     on every device and full and split backwards on the same stages."""
     m, steps = 8, 2
-    (result, *_) = launch(_chain8_worker, 4, args=(m, steps), timeout=TIMEOUT)
+    model, x = _chain8()
+    pins = {str(i): i for i in range(8)}
+    the_plan = plan(
+        model, (x,), devices=4, micro_batches=m, pins=pins, virtual_stages=2, placement="v"
+    )
+    (result, *_) = launch(_chain8_worker, 4, args=(the_plan, steps), timeout=TIMEOUT)
     ref_losses, ref_state = _chain8_reference(m, steps)
     assert result["held"] == 2
     assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)

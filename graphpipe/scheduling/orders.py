@@ -134,8 +134,7 @@ def paper_zbv_device(n: int, d: int, count: int) -> RankOrder:
 def dualpipev(plan: Plan, mbs: list[int]) -> list[RankOrder]:
     """DualPipeV's order (DeepSeek-V3's DualPipe, arXiv 2412.19437, cut in half onto a "v"
     placement, as github.com/deepseek-ai/DualPipe and torch's ScheduleDualPipeV build it),
-    per device d of N with stages a = d and b = 2N-1-d, counted over max(M, 2N)
-    micro-batches and then restricted to the M there are:
+    per device d of N with stages a = d and b = 2N-1-d, for M >= 2N micro-batches:
 
         warm-up   2(N-d-1) Fa; d+1 times Fa Fb; N-d-1 times Ib W Fb
         steady    (M-2N+d+1) times (Fa with Bb) (Fb with Ba); N-d-1 times Bb (Fb with Ba)
@@ -147,11 +146,8 @@ def dualpipev(plan: Plan, mbs: list[int]) -> list[RankOrder]:
     torch's runtime runs its OVERLAP_F_B), each half sending as it ends (torch sends after
     the pair): without the overlap the order is what remains. O(M) per device.
     """
-    n, m = plan.num_devices, len(mbs)
-    return [
-        [(s, k, mbs[j]) for s, k, j in dualpipev_device(n, d, max(m, 2 * n)) if j < m]
-        for d in range(n)
-    ]
+    n = plan.num_devices
+    return [[(s, k, mbs[j]) for s, k, j in dualpipev_device(n, d, len(mbs))] for d in range(n)]
 
 
 def dualpipev_device(n: int, d: int, count: int) -> RankOrder:
