@@ -17,11 +17,12 @@ from zoo import TwoBranch
 
 from graphpipe.ir import Action, Plan, Schedule, Span, Timeline
 from graphpipe.ir.cost import CostModel, LinkModel
-from graphpipe.planning.assemble import assemble, for_schedule
+from graphpipe.planning.assemble import assemble
 from graphpipe.planning.manual import groups_from_pins
 from graphpipe.planning.opgraph import op_graph
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
 from graphpipe.planning.profile import profile
+from graphpipe.planning.schedule_memory import for_schedule
 from graphpipe.scheduling.dryrun import check_schedule
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.scheduling.simulate import Links, SimResult, simulate

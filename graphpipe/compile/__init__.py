@@ -46,9 +46,9 @@ from graphpipe.compile.steps import (
 )
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
-from graphpipe.planning.assemble import for_schedule
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
+from graphpipe.planning.schedule_memory import for_schedule
 from graphpipe.runtime.failures import install_watch, posted
 from graphpipe.runtime.materialize import InitFn
 from graphpipe.runtime.pipeline import PipelinedModel

@@ -8,8 +8,7 @@ Every partitioner (graph, sequential, manual) ends here, so all plans are costed
 - a sequential plan is a chain: consecutive stages get an edge even when no tensor flows
   between them (a dependency-only edge, 0 bytes), as in PipeDream, so its depth is its
   number of stages and the baseline gains no concurrency the graph partitioner alone finds;
-- in_flight(s) = min(M, stages on the longest path from s to a sink), the graph 1F1B count
-  (`for_schedule` raises it to what another schedule's order holds);
+- in_flight(s) = min(M, stages on the longest path from s to a sink), the graph 1F1B count;
 - with a dp dimension, a stage's forward and backward times carry the all-gathers that
   prefetch does not hide (`CostModel.exposed_gather`), so the simulator pays them too;
 - the bottleneck is the largest of every stage's `time` and every stage's send and receive
@@ -18,18 +17,15 @@ Every partitioner (graph, sequential, manual) ends here, so all plans are costed
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 import networkx as nx
 
 from graphpipe.errors import PlanError
-from graphpipe.ir import Plan, Schedule, Stage, StageEdge, edges_to_sink, schedule_spec
+from graphpipe.ir import Plan, Stage, StageEdge, edges_to_sink
 from graphpipe.ir.cost import CostModel
-from graphpipe.scheduling.generators import in_flight
 
-__all__ = ["assemble", "bottleneck", "for_schedule"]
+__all__ = ["assemble", "bottleneck"]
 
 Group = tuple[frozenset[str], int]  # op names, replicas
 
@@ -176,31 +172,3 @@ def bottleneck(stages: Sequence[Stage], edges: Sequence[StageEdge], cost: CostMo
         received[e.dst] += e.bytes
     comm = [cost.link.transfer(b) for b in (*sent.values(), *received.values())]
     return max([s.time for s in stages] + comm, default=0.0)
-
-
-def for_schedule(plan: Plan, schedule: Schedule) -> Plan:
-    """`plan` with each stage's in-flight micro-batches and predicted memory raised to what
-    `schedule`'s order holds (`graphpipe.scheduling.generators.in_flight`: the most
-    micro-batches one replica holds from a forward to the end of its backward), where that
-    is more than the graph 1F1B count the planner assumes: zb on later stages, zb2 and
-    gpipe hold more, zbv some stages past M = 2N. Under 1f1b the plan is unchanged. compile
-    applies it to the plan it runs; the planner's search still costs 1F1B's counts. An
-    asynchronous schedule's call holds backwards of earlier calls, so its plan is left as
-    it is (its steady state holds 1F1B's count; the weight copies are the policy's).
-
-    Example (tests/test_simulate.py has it on chains):
-        for_schedule(plan, make_schedule(plan, "zb2"))   # every chain stage: 2p - 1 held
-    """
-    if schedule_spec(schedule.name, training=False).asynchronous:
-        return plan
-    held, cost = in_flight(schedule), plan.cost_model
-    stages = []
-    for s in plan.stages:
-        per_replica = math.ceil(min(s.in_flight, cost.micro_batches) / s.replicas)
-        if held.get(s.index, 0) <= per_replica:
-            stages.append(s)
-            continue
-        k = min(held[s.index] * s.replicas, cost.micro_batches)  # ceil(k / r) = held
-        memory = cost.stage_memory(s.param_bytes, s.activation_bytes, k, s.replicas)
-        stages.append(replace(s, in_flight=k, memory_bytes=int(memory)))
-    return replace(plan, stages=tuple(stages))
