@@ -70,9 +70,9 @@ Generators:
             the full backward (B) of the other, then a cool-down of full and split
             backwards (`graphpipe.scheduling.orders.dualpipev` has the phases). A fixed
             order. DualPipe overlaps each pair's compute and communication; here the pair
-            runs one after the other, each half sending as it ends. The paper's bubble,
-            (N-1)(F&B + B - 3W), is what the order steps when a pair sends as one unit; on
-            equal stages this runtime steps 2M(F + I + W) + (N - 1)F, ZB-V's, holding 2N + 1
+            runs one after the other, each half sending as it ends. DualPipe's published
+            bubble, (N-1)(F&B + B - 3W), is what the order steps when a pair sends as one
+            unit; with F = I = W = T this runtime steps 6MT + (N - 1)T, ZB-V's, holding 2N + 1
             micro-batches' activations per device (ZB-V: 2N). Needs M >= 2N, as DualPipe
             (its order of 2N restricted to fewer is valid but slower than zbv, 690 against
             550 ms on benchmarks.peers' N = 8, M = 8 chain).
