@@ -15,7 +15,8 @@ cost model fixes I = W, `graphpipe.ir.plan.WEIGHT_SHARE`). Every torch schedule 
 every graphpipe schedule: one stage per rank (GPipe, 1F1B, ZB-H1 as torch's interleaved zero
 bubble with one stage per rank; gpipe, 1f1b, zb, zb2), two per rank in a loop
 (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; interleaved, interleaved_zb) and in a V
-(ZBVZeroBubble, DualPipeV; zbv). A schedule that refuses the setting is listed with its error.
+(ZBVZeroBubble, DualPipeV; zbv, dualpipev). A schedule that refuses the setting is listed
+with its error (DualPipeV needs M >= 2N on both sides).
 The machine is shared and sleeps overshoot under load: read differences of a few percent
 between runs as noise.
 
@@ -45,11 +46,12 @@ from torch import nn
 from benchmarks._common import log, machine, ratio
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
-from graphpipe.errors import GraphPipeError
+from graphpipe.errors import GraphPipeError, ScheduleError
 from graphpipe.ir import Action, ActionKind, Plan, Schedule, with_messages
 from graphpipe.planning.partition import plan as make_plan
 from graphpipe.runtime.emulate import Emulate
 from graphpipe.runtime.launch import launch
+from graphpipe.scheduling.generators import make_schedule
 from graphpipe.scheduling.simulate import simulate
 
 M, BATCH, WIDTH = 8, 32, 16
@@ -62,6 +64,7 @@ GRAPHPIPE = {  # schedule -> placement (None: one stage per rank)
     "interleaved": "loop",
     "interleaved_zb": "loop",
     "zbv": "v",
+    "dualpipev": "v",
 }
 TORCH = {  # label -> (torch schedule class, placement)
     "GPipe": ("ScheduleGPipe", None),
@@ -144,6 +147,8 @@ def _graphpipe_worker(
     for case in cases:
         out[case.costs] = {}
         for name, placement in GRAPHPIPE.items():
+            if refusal(plans[case.costs][placement], name):
+                continue
             pm = gp_compile(
                 _chain(case.layers),
                 x,
@@ -155,6 +160,15 @@ def _graphpipe_worker(
             )
             out[case.costs][name] = _timed_steps(lambda pm=pm: pm.step(x, target=y), case.steps)
     return out
+
+
+def refusal(plan: Plan, name: str) -> str | None:
+    """Why graphpipe's schedule `name` refuses `plan` (the error's first line), or None."""
+    try:
+        make_schedule(plan, name)
+    except ScheduleError as exc:
+        return f"ScheduleError: {exc}".splitlines()[0]
+    return None
 
 
 # -- torch.distributed.pipelining ---------------------------------------------------------------
@@ -294,6 +308,10 @@ def _case_rows(
     table: list[list[str]] = []
     best: dict[str, float] = {}
     for name, placement in GRAPHPIPE.items():
+        why = refusal(plans[placement], name)
+        if why:
+            table.append(_refused(case, "graphpipe", name, why))
+            continue
         step = max(r[case.costs][name] for r in ours)
         ideal = simulate(plans[placement], name).iteration_time
         table.append(_row(case, "graphpipe", name, placement, ideal, step))
@@ -301,7 +319,7 @@ def _case_rows(
     for name, (_, placement) in TORCH.items():
         got = theirs[0][case.costs][name]
         if "error" in got:
-            table.append([str(case.ranks), case.costs, "torch", name, "-", "-", "-", got["error"]])
+            table.append(_refused(case, "torch", name, got["error"]))
             continue
         step = max(r[case.costs][name]["step"] for r in theirs)
         order = TEXTBOOK.get(name) or torch_order_schedule(plans[placement], got["order"])
@@ -310,6 +328,10 @@ def _case_rows(
         best["torch"] = min(best.get("torch", step), step)
     mark = ratio(best["torch"], best["graphpipe"])
     return [*table, [str(case.ranks), case.costs, "best", "torch / graphpipe", "", "", "", mark]]
+
+
+def _refused(case: Case, side: str, name: str, why: str) -> list[str]:
+    return [str(case.ranks), case.costs, side, name, "-", "-", "-", why]
 
 
 def _row(

@@ -46,7 +46,7 @@ def outcome(plan: Plan, name: str) -> dict[str, Any]:
 def cases() -> list[dict[str, Any]]:
     """Every zoo plan (as JSON) with the outcome of every schedule that may run on it."""
     plans = [(label, p, NAMES) for label, p in _zoo_plans()]
-    plans += [(label, p, ("zbv",)) for label, p in _placed_plans("zbv")]
+    plans += [(label, p, ("zbv", "dualpipev")) for label, p in _placed_plans("zbv")]
     loop = ("interleaved", "interleaved_zb")
     plans += [(label, p, loop) for label, p in _placed_plans("interleaved")]
     plans += [(label, p, ("graph_interleaved",)) for label, p in _folded_plans()]

@@ -32,6 +32,7 @@ def test_the_pins_cover_every_schedule_and_the_hard_shapes() -> None:
         "interleaved",
         "interleaved_zb",
         "zbv",
+        "dualpipev",
         "graph_interleaved",
     }
     plans = [Plan.from_json(json.dumps(case["plan"])) for case in CASES]

@@ -38,9 +38,13 @@ FOLDED = {  # three stages on two ranks: a later stage joins an earlier one's ra
     # embed.weight read by stages 0 and 2, both on rank 0: one tensor there
     "tied": ({"embed": 0, "body": 1, "out": 2}, [0, 1, 0]),
 }
-CASES = [(name, s) for name in sorted(CHAINS) for s in ("interleaved", "interleaved_zb", "zbv")]
+CASES = [
+    (name, s)
+    for name in sorted(CHAINS)
+    for s in ("interleaved", "interleaved_zb", "zbv", "dualpipev")
+]
 CASES += [(name, "graph_interleaved") for name in sorted(FOLDED)]
-PLACEMENT = {"interleaved": "loop", "interleaved_zb": "loop", "zbv": "v"}
+PLACEMENT = {"interleaved": "loop", "interleaved_zb": "loop", "zbv": "v", "dualpipev": "v"}
 
 
 def _folded(name: str) -> Any:
@@ -154,6 +158,22 @@ def test_zbv_order_on_a_two_rank_chain() -> None:
     assert [" ".join(r) for r in make_schedule(p, "zbv").compute_only()] == ZBV_2x4
 
 
+DUALPIPEV_2x4 = [  # DualPipeV's phases on device 0 (stages 0, 3) and device 1 (stages 1, 2)
+    # Fa x2, Fa Fb, Ib W Fb | (Fa Bb)(Fb Ba), Bb (Fb Ba) | B, I, W Ia, W
+    "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3 0U",
+    # (Fa Fb) x2 | ((Fa Bb)(Fb Ba)) x2 | B B, I I, W W
+    "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3 1U",
+]
+
+
+def test_dualpipev_order_on_a_two_rank_chain() -> None:
+    """DeepSeek's DualPipeV (torch's ScheduleDualPipeV computes the same order): full
+    backwards paired with forwards in the steady state, split ones in the warm-up and the
+    cool-down."""
+    p = placed_plan(2, 2, 4, "v")
+    assert [" ".join(r) for r in make_schedule(p, "dualpipev").compute_only()] == DUALPIPEV_2x4
+
+
 @pytest.mark.parametrize(("devices", "m"), [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16)])
 def test_zbv_beats_interleaved_1f1b_on_equal_stages(devices: int, m: int) -> None:
     """ZB-V's point: on the same chain (equal F, I and W) its bubble is smaller than
@@ -163,6 +183,15 @@ def test_zbv_beats_interleaved_1f1b_on_equal_stages(devices: int, m: int) -> Non
     zbv = simulate(placed_plan(devices, 2, m, "v"), "zbv").iteration_time
     loop = simulate(placed_plan(devices, 2, m, "loop"), "interleaved").iteration_time
     assert zbv < loop
+
+
+def test_dualpipev_refuses_plans_other_than_a_v_of_two_stages_per_device_and_m_below_2n() -> None:
+    with pytest.raises(ScheduleError, match="'dualpipev' needs a chain of stages placed 'v'"):
+        make_schedule(placed_plan(2, 2, 4, "loop"), "dualpipev")
+    with pytest.raises(ScheduleError, match="dualpipev needs 2 stages per device, got 4 on 4"):
+        make_schedule(placed_plan(4, 1, 8, "loop"), "dualpipev")
+    with pytest.raises(ScheduleError, match=r"micro_batches >= 2 x 4 devices = 8 .*, got 6"):
+        make_schedule(placed_plan(4, 2, 6, "v"), "dualpipev")
 
 
 def test_interleaved_needs_m_a_multiple_of_the_devices() -> None:
@@ -225,3 +254,65 @@ def test_a_checkpoint_of_several_stages_per_rank_is_keyed_by_the_models_names(
     assert list(result["after"]) == list(result["saved"])
     for n, value in result["after"].items():  # the same third step from the same state
         torch.testing.assert_close(value, result["saved"][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _chain8() -> tuple[torch.nn.Module, torch.Tensor]:
+    """Eight small layers, one stage each: a "v" over four ranks."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(8)]
+    return torch.nn.Sequential(*layers), torch.randn(16, 6)
+
+
+def _chain8_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g)
+
+
+def _chain8_reference(m: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process: each step accumulates loss / M over the same M micro-batches."""
+    model, _ = _chain8()
+    opt = _optimizer()(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = _chain8_batch(step)
+        losses.append(0.0)
+        for xj, yj in zip(x.chunk(m), y.chunk(m), strict=True):
+            loss = torch.nn.functional.mse_loss(model(xj), yj)
+            (loss / m).backward()
+            losses[-1] += loss.item() / m
+        opt.step()
+        opt.zero_grad()
+    return losses, model.state_dict()
+
+
+def _chain8_worker(the_plan: Any, steps: int) -> dict[str, Any]:
+    model, x = _chain8()
+    pm = gp_compile(
+        model,
+        (x,),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=_optimizer(),
+        schedule="dualpipev",
+        plan=the_plan,
+        runtime=RuntimeConfig(timeout=60),
+    )
+    losses = [pm.step(x, target=y) for x, y in map(_chain8_batch, range(steps))]
+    return {"losses": losses, "state": pm.state_dict(), "held": len(pm._stage_indices)}
+
+
+def test_dualpipev_on_four_ranks_trains_like_one_process() -> None:
+    """Eight stages on four ranks, M = 2N = 8: DualPipeV's whole order, overlapped pairs
+    on every device and full and split backwards on the same stages."""
+    m, steps = 8, 2
+    model, x = _chain8()
+    pins = {str(i): i for i in range(8)}
+    the_plan = plan(
+        model, (x,), devices=4, micro_batches=m, pins=pins, virtual_stages=2, placement="v"
+    )
+    (result, *_) = launch(_chain8_worker, 4, args=(the_plan, steps), timeout=TIMEOUT)
+    ref_losses, ref_state = _chain8_reference(m, steps)
+    assert result["held"] == 2
+    assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert list(result["state"]) == list(ref_state)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=1e-6)

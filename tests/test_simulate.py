@@ -15,13 +15,15 @@ from test_program import placed_plan
 from test_schedule import chain_plan
 from zoo import TwoBranch
 
-from graphpipe.ir import Plan, Span, Timeline
+from graphpipe.ir import Action, Plan, Schedule, Span, Timeline
 from graphpipe.ir.cost import CostModel, LinkModel
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.manual import groups_from_pins
 from graphpipe.planning.opgraph import op_graph
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
 from graphpipe.planning.profile import profile
+from graphpipe.planning.schedule_memory import for_schedule
+from graphpipe.scheduling.dryrun import check_schedule
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.scheduling.simulate import Links, SimResult, simulate
 from graphpipe.tools.calibrate import calibrated, replayed
@@ -164,6 +166,88 @@ def test_two_stages_per_rank_steps_equal_the_formulas_even_built_from_zero_times
     for built_from in (plan, _zero_times(plan)):
         result = simulate(plan, make_schedule(built_from, name))
         assert result.iteration_time == pytest.approx(step(p, m))
+
+
+def _sent_at_pair_ends(schedule: Schedule, n: int) -> Schedule:
+    """DualPipeV's `schedule` with each overlapped pair's forward sending its activation
+    after the pair's backward, as DualPipe (and torch's OVERLAP_F_B) send: the pair as one
+    unit. The last device's first Fa, Bb is no pair (DualPipe runs it apart)."""
+    ranks = []
+    for rank, actions in enumerate(schedule.ranks):
+        compute = [i for i, a in enumerate(actions) if a.kind.is_compute]
+        pairs = [
+            (i, k)
+            for i, k in itertools.pairwise(compute)
+            if (actions[i].kind, actions[k].kind) == ("F", "B")
+        ][1 if rank == n - 1 else 0 :]
+        held = {k: [a for a in actions[i + 1 : k] if a.kind.is_send] for i, k in pairs}
+        moved = {id(a) for sends in held.values() for a in sends}
+        out: list[Action] = []
+        due: list[Action] = []
+        for i, a in enumerate(actions):
+            if due and not a.kind.is_send:
+                out, due = out + due, []
+            if id(a) not in moved:
+                out.append(a)
+            due += held.get(i, [])
+        ranks.append(tuple(out + due))
+    return replace(schedule, ranks=tuple(ranks))
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 12), (8, 16), (8, 24)])
+def test_dualpipev_steps_equal_the_published_bubble(p: int, m: int) -> None:
+    """DualPipe's README (github.com/deepseek-ai/DualPipe, "Pipeline Bubbles and Memory
+    Usage Comparison"; DeepSeek-V3, arXiv 2412.19437) gives DualPipeV, PP stages on PP/2
+    devices, the bubble (PP/2 - 1)(F&B + B - 3W); on p = PP/2 devices, without overlap
+    (F&B = F + B = 3T, B = I + W = 2T, W = T) that is (p - 1)(3T + 2T - 3T) = 2(p - 1)T, and
+    the step is each device's 2M(F + B) = 6MT plus it. That is the step when each overlapped
+    pair sends as one unit, at its end. Run one after the other, as here, the pair's forward
+    sends its activation a B earlier, and the step is 6MT + (p - 1)T, ZB-V's; the order
+    keeps 2p + 1 micro-batches in flight (the README's PP + 1)."""
+    plan = _free_links(placed_plan(p, 2, m, "v"))
+    schedule = make_schedule(plan, "dualpipev")
+    paired = _sent_at_pair_ends(schedule, p)
+    check_schedule(plan, paired)
+    assert simulate(plan, paired).iteration_time == pytest.approx(6 * m * T + 2 * (p - 1) * T)
+    result = simulate(plan, schedule)
+    assert result.iteration_time == pytest.approx(6 * m * T + (p - 1) * T)
+    assert result.peak_in_flight == (2 * p + 1,) * p
+    assert make_schedule(_zero_times(plan), "dualpipev") == schedule  # a fixed order
+
+
+@pytest.mark.parametrize(
+    ("name", "placement", "m"),
+    [
+        ("gpipe", None, 8),
+        ("zb", None, 8),
+        ("zb2", None, 8),
+        ("zbv", "v", 16),
+        ("dualpipev", "v", 8),
+    ],
+)
+def test_the_memory_estimate_takes_the_schedules_in_flight_counts(
+    name: str, placement: str | None, m: int
+) -> None:
+    """Raised to the counts of the schedule's order, the plan's memory estimate bounds the
+    simulated peak on every rank. The graph 1F1B counts understate gpipe, zb and zb2 (the
+    simulated peak is over them on some rank); on a V they cover dualpipev's counts, not
+    zbv's at M = 16 (its stage 0 holds 9, not 8), though a device's two stages together
+    (2N - d and d + 1) still cover its peak. 1f1b's plan is unchanged."""
+    plan = chain_plan(4, m) if placement is None else placed_plan(4, 2, m, placement)
+    schedule = make_schedule(plan, name)
+    peaks = simulate(plan, schedule).peak_memory
+    estimate = for_schedule(plan, schedule)
+
+    def per_rank(p: Plan) -> list[int]:
+        return [sum(s.memory_bytes for s in p.stages_on(r)) for r in range(p.num_devices)]
+
+    assert all(peak <= e for peak, e in zip(peaks, per_rank(estimate), strict=True))
+    over = any(peak > e for peak, e in zip(peaks, per_rank(plan), strict=True))
+    assert over == (placement is None)
+    held = {"gpipe": [8] * 4, "zb": [4] * 4, "zb2": [7] * 4, "dualpipev": [8, 7, 6, 5, 4, 3, 2, 1]}
+    assert [s.in_flight for s in estimate.stages] == held.get(name, [9, 8, 8, 6, 6, 5, 4, 2])
+    if placement is None:
+        assert for_schedule(plan, make_schedule(plan, "1f1b")) == plan
 
 
 def _same_stages(kind: str) -> Plan:

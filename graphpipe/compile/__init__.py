@@ -51,6 +51,7 @@ from graphpipe.compile.steps import (
 from graphpipe.ir import Plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
+from graphpipe.planning.schedule_memory import for_schedule
 from graphpipe.runtime.failures import install_watch, posted
 from graphpipe.runtime.materialize import InitFn
 from graphpipe.runtime.pipeline import PipelinedModel
@@ -114,9 +115,9 @@ def compile(
             `functools.partial(torch.optim.SGD, lr=0.1)`.
         micro_batches: M, micro-batches per mini-batch (default: the plan's, or 4).
         schedule: "1f1b", "gpipe", "zb" (ZB-H1) or "zb2" (ZB-H2) for flush, or
-            "interleaved", "interleaved_zb" / "zbv" with several stages per rank (the plan
-            is a chain of 2 stages per device, folded "loop" or "v"; pin the stages, or pass
-            virtual_stages and placement); "graph_interleaved" for a stage DAG folded onto
+            "interleaved", "interleaved_zb" / "zbv" / "dualpipev" with several stages per rank
+            (the plan is a chain of 2 stages per device, folded "loop" or "v"; pin the stages,
+            or pass virtual_stages and placement); "graph_interleaved" for a stage DAG folded onto
             the devices (`interleave=True`; the default for such a plan); "async" for stash
             and pipemare; "2bw" for 2bw. Default: 1f1b, or the one the weight policy needs.
         weights: The weight policy: "flush", "stash", "2bw" or "pipemare" (see
@@ -144,7 +145,7 @@ def compile(
             and re-runs its forward in its backward (`graphpipe.planning.recompute`); the
             plan's times and memory say so.
         compile_stages: `torch.compile` each of this rank's stage modules (in place: state
-            dict keys stay). Not with zero-bubble schedules (zb, zbv), whose backward is
+            dict keys stay). Not with zero-bubble schedules (zb, zbv, ...), whose backward is
             split into input and weight halves, which a compiled backward cannot do.
         precision: "bf16" or "fp16": autocast on each stage's forward, float32 master
             weights, values crossing stages in that dtype (half the bytes; the planner
@@ -229,6 +230,7 @@ def compile(
         the_plan = _plan(gm, inputs, spec)
     check_world(spec, the_plan)
     sched = schedule_plan(the_plan, spec)
+    the_plan = for_schedule(the_plan, sched)  # memory predicted for the schedule's order
     with posted("compile"):
         return PipelinedModel(model, gm, inputs, the_plan, sched, spec)
 

@@ -63,7 +63,7 @@ class ScheduleSpec:
 
     @property
     def folds_chain(self) -> bool:
-        """Runs a chain folded "loop" or "v" onto the devices (interleaved, zbv)."""
+        """Runs a chain folded "loop" or "v" onto the devices (interleaved, zbv, dualpipev)."""
         return self.placement in ("loop", "v")
 
     @property
@@ -109,6 +109,14 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec(
             "zbv",
             "ZB-V on a chain of 2N stages folded 'v' onto N devices",
+            split_backward=True,
+            placement="v",
+            dag=False,
+            replicas=False,
+        ),
+        ScheduleSpec(
+            "dualpipev",
+            "DualPipeV (DeepSeek) on a chain of 2N stages folded 'v' onto N devices",
             split_backward=True,
             placement="v",
             dag=False,

@@ -6,6 +6,7 @@
     fold.py, sptree.py, pieces.py, search.py, manual.py, place.py, recompute.py,
     interleave.py, assemble.py   the partitioner's steps
     validate.py              checks of a Plan against its graph
+    schedule_memory.py       a plan's in-flight counts and memory for a schedule's order
 
 The planner compares candidate plans by simulating them, so it imports `graphpipe.scheduling`
 (which knows only the IR).

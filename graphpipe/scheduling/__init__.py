@@ -1,8 +1,9 @@
 """Scheduling: a `Plan` -> a `Schedule` -> per-rank `Program`s.
 
     generators.py  gpipe, 1f1b, zb, zb2, async, 2bw, interleaved, interleaved_zb, zbv,
-                   graph_interleaved
-    orders.py      the fixed orders written out (1F1B, interleaved, ZB-H1, ZB1P, ZB-V)
+                   dualpipev, graph_interleaved
+    orders.py      the fixed orders written out (1F1B, interleaved, ZB-H1, ZB1P, ZB-V,
+                   DualPipeV)
     greedy.py      greedy runs (plan's costs or the papers' F = I = W): zb's W, zb2, zbv,
                    graph_interleaved; replay of a fixed order
     program.py     the lowering: per rank, compute actions and fused communication groups

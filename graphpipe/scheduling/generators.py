@@ -62,6 +62,20 @@ Generators:
             paper's, so unknown (all-zero) times never give a greedy order over zeros (the
             greedy runs win where M < 2N - 1). On equal stages the step is
             2M(F + I + W) + (N - 1)F.
+    dualpipev
+            DualPipeV (DeepSeek-V3's DualPipe, arXiv 2412.19437, cut in half onto a "v"
+            placement, as torch's ScheduleDualPipeV): on the chain of 2N stages folded "v"
+            (device d holds d and 2N-1-d), a warm-up of forwards and split backwards, then a
+            steady state in which each device runs a forward of one of its stages paired with
+            the full backward (B) of the other, then a cool-down of full and split
+            backwards (`graphpipe.scheduling.orders.dualpipev` has the phases). A fixed
+            order. DualPipe overlaps each pair's compute and communication; here the pair
+            runs one after the other, each half sending as it ends. DualPipe's published
+            bubble, (N-1)(F&B + B - 3W), is what the order steps when a pair sends as one
+            unit; with F = I = W = T this runtime steps 6MT + (N - 1)T, ZB-V's, holding 2N + 1
+            micro-batches' activations per device (ZB-V: 2N). Needs M >= 2N, as DualPipe
+            (its order of 2N restricted to fewer is valid but slower than zbv, 690 against
+            550 ms on benchmarks.peers' N = 8, M = 8 chain).
     graph_interleaved
             1F1B on a stage DAG whose devices may hold several stages, in any placement
             (`graphpipe.planning.interleave`: a later stage on a device that holds an
@@ -81,14 +95,16 @@ What each schedule is (split backward, placement, asynchronous, replicas) is rea
 `graphpipe.ir.registry.SCHEDULES`; this module maps each name there to its builder, and
 refuses to import when the two disagree.
 
-Devices holding several stages (interleaved, zbv) get one update `U` for all of them, after
-their last backward. A stage replicated on r devices runs micro-batch j on devices[j % r];
-each replica's list is the stage order restricted to its own micro-batches, and its update
-all-reduces gradients with the other replicas. Asynchronous schedules need unreplicated stages.
+Devices holding several stages (interleaved, zbv, dualpipev) get one update `U` for all of
+them, after their last backward. A stage replicated on r devices runs micro-batch j on
+devices[j % r]; each replica's list is the stage order restricted to its own micro-batches,
+and its update all-reduces gradients with the other replicas. Asynchronous schedules need
+unreplicated stages.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 from graphpipe.errors import ConfigError, ScheduleError
@@ -117,6 +133,7 @@ from graphpipe.scheduling.greedy import (
     zbv,
 )
 from graphpipe.scheduling.orders import (
+    dualpipev,
     interleaved,
     interleaved_zb,
     one_f_one_b,
@@ -124,7 +141,7 @@ from graphpipe.scheduling.orders import (
     paper_zbv,
 )
 
-__all__ = ["drain_schedule", "make_schedule", "warmups"]
+__all__ = ["drain_schedule", "in_flight", "make_schedule", "warmups"]
 
 F, B, I, W, U = (ActionKind(k) for k in "FBIWU")  # noqa: E741 -- the kinds' own letters
 Builder = Callable[[Plan, int, int], list[list[Action]]]  # (plan, call, M) -> rank lists
@@ -216,6 +233,7 @@ def _builders() -> dict[str, Builder]:
         "interleaved": _placed(interleaved),
         "interleaved_zb": _placed(interleaved_zb),
         "zbv": _placed(_zbv),
+        "dualpipev": _placed(dualpipev),
         "graph_interleaved": _placed(lambda p, mbs: graph_interleaved(p, mbs, warmups(p))),
     }
     if set(builders) != set(SCHEDULES):
@@ -270,8 +288,13 @@ def _check_placed(plan: Plan, spec: ScheduleSpec, m: int) -> None:
         )
     if spec.placement == "loop" and m % n:
         raise ScheduleError(f"{spec.name} needs micro_batches a multiple of {n} devices, got {m}")
-    if spec.name == "zbv" and len(plan.stages) != 2 * n:
-        raise ScheduleError(f"zbv needs 2 stages per device, got {len(plan.stages)} on {n}")
+    if spec.placement == "v" and len(plan.stages) != 2 * n:
+        raise ScheduleError(f"{spec.name} needs 2 stages per device, got {len(plan.stages)} on {n}")
+    if spec.name == "dualpipev" and m < 2 * n:
+        raise ScheduleError(
+            f"dualpipev needs micro_batches >= 2 x {n} devices = {2 * n} (its steady state "
+            f"pairs a forward with a backward on every device), got {m}; zbv runs any M"
+        )
 
 
 def make_schedule(
@@ -294,7 +317,8 @@ def make_schedule(
     Raises:
         ConfigError: an unknown schedule or M < 1.
         ScheduleError: the plan does not fit the schedule's spec (its placement, replicated
-            stages for a schedule without replicas), or 2bw with M < depth.
+            stages for a schedule without replicas), 2bw with M < depth, or dualpipev with
+            M < 2N.
 
     Example:
         >>> from graphpipe.planning.partition import PlanConfig, partition_op_graph
@@ -334,6 +358,33 @@ def drain_schedule(
     }
     lists = _rank_lists(plan, orders)
     return Schedule(spec.name, m, tuple(tuple(a) for a in lists), 0)
+
+
+def in_flight(schedule: Schedule) -> dict[int, int]:
+    """Per stage, the most micro-batches one of its devices holds at once in `schedule`'s
+    order: from a forward to the end of its backward (its B, or its W after the I; a weight
+    half waiting for its W is counted whole). Read from the order alone, per call.
+
+    On a chain under 1f1b this is each stage's warm-up + 1 (1F1B's count, which the planner
+    assumes); zb holds up to p on every stage, zb2 up to 2p - 1, zbv 2N per device and
+    dualpipev 2N + 1, shared by its two stages.
+
+    Example (a W deferred past the next F: 3 held, where B in its place would hold 2):
+        >>> from graphpipe.ir import parse_ranks
+        >>> lists = parse_ranks(["0F0 0F1 0I0 0F2 0W0 0I1 0W1 0I2 0W2 0U"])
+        >>> in_flight(Schedule("zb", 3, lists, 1))
+        {0: 3}
+    """
+    most: dict[int, int] = {}
+    for actions in schedule.ranks:
+        held: dict[int, int] = defaultdict(int)
+        for a in actions:
+            if a.kind == F:
+                held[a.stage] += 1
+                most[a.stage] = max(most.get(a.stage, 0), held[a.stage])
+            elif a.kind in (B, W):
+                held[a.stage] -= 1
+    return most
 
 
 # -- from stage orders to rank lists -----------------------------------------------------------

@@ -8,6 +8,7 @@ where a cost-aware construction competes, keeps the faster, `graphpipe.schedulin
     ZB-H1 (arXiv 2401.10241, section 3.1)    paper_zb_h1, deferred_weights
     interleaved zero bubble (ZB1P, "loop")   interleaved_zb
     ZB-V (arXiv 2405.15362, figure 4)        paper_zbv
+    DualPipeV (DeepSeek, arXiv 2412.19437)   dualpipev
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from graphpipe.scheduling.greedy import Order, RankOrder, Step
 
 __all__ = [
     "deferred_weights",
+    "dualpipev",
     "interleaved",
     "interleaved_zb",
     "loop_step",
@@ -26,6 +28,7 @@ __all__ = [
 ]
 
 F, B, I, W = (ActionKind(k) for k in "FBIW")  # noqa: E741 -- the kinds' own letters
+_OLDEST = -1  # the stage of a W step that takes the oldest pending weight half (DualPipeV)
 
 
 def one_f_one_b(mbs: list[int], warmup: int, backward: ActionKind = B) -> Order:
@@ -125,6 +128,54 @@ def paper_zbv_device(n: int, d: int, count: int) -> RankOrder:
     run(*[(a, I), (b, I)] * d)
     run(*[(a, I), (a, W)] * (n - d))
     run(*[(b, W)] * (done[(b, I)] - done[(b, W)]), *[(a, W)] * (done[(a, I)] - done[(a, W)]))
+    return order
+
+
+def dualpipev(plan: Plan, mbs: list[int]) -> list[RankOrder]:
+    """DualPipeV's order (DeepSeek-V3's DualPipe, arXiv 2412.19437, cut in half onto a "v"
+    placement, as github.com/deepseek-ai/DualPipe and torch's ScheduleDualPipeV build it),
+    per device d of N with stages a = d and b = 2N-1-d, for M >= 2N micro-batches:
+
+        warm-up   2(N-d-1) Fa; d+1 times Fa Fb; N-d-1 times Ib W Fb
+        steady    (M-2N+d+1) times (Fa with Bb) (Fb with Ba); N-d-1 times Bb (Fb with Ba)
+        cool-down d+1 B then d+1 I, alternating b and a; N-d-1 times W Ia; d+1 times W
+
+    A W is always the oldest pending weight half of either stage. "Fa with Bb" is the pair
+    DualPipe overlaps (one chunk's forward with the other's full backward, so each hides the
+    other's communication); here the pair runs one after the other, forward first (as
+    torch's runtime runs its OVERLAP_F_B), each half sending as it ends (torch sends after
+    the pair): without the overlap the order is what remains. O(M) per device.
+    """
+    n = plan.num_devices
+    return [[(s, k, mbs[j]) for s, k, j in dualpipev_device(n, d, len(mbs))] for d in range(n)]
+
+
+def dualpipev_device(n: int, d: int, count: int) -> RankOrder:
+    """Device d's DualPipeV order over `count` >= 2N micro-batches (see `dualpipev`)."""
+    a, b = d, 2 * n - 1 - d
+    w = (_OLDEST, W)
+    done = dict.fromkeys([(s, k) for s in (a, b) for k in (F, I)], 0)  # a B counts as an I
+    pending: list[tuple[int, int]] = []  # (stage, micro-batch) of the I passes owing a W
+    order: RankOrder = []
+
+    def run(*steps: tuple[int, ActionKind]) -> None:
+        for stage, kind in steps:
+            if kind == W:
+                stage, j = pending.pop(0)
+            else:
+                key = (stage, F if kind == F else I)
+                j, done[key] = done[key], done[key] + 1
+            order.append((stage, kind, j))
+            if kind == I:
+                pending.append((stage, j))
+
+    run(*[(a, F)] * (2 * (n - d - 1)), *[(a, F), (b, F)] * (d + 1))
+    run(*[(b, I), w, (b, F)] * (n - d - 1))
+    run(*[(a, F), (b, B), (b, F), (a, B)] * (count - 2 * n + d + 1))
+    run(*[(b, B), (b, F), (a, B)] * (n - d - 1))
+    cool = [(b, B), (a, B)] * (d + 1)  # the first d+1 of them full, the rest split
+    run(*cool[: d + 1], *[(s, I) for s, _ in cool[d + 1 :]])
+    run(*[w, (a, I)] * (n - d - 1), *[w] * (d + 1))
     return order
 
 
