@@ -11,16 +11,20 @@ several per rank) at 2 ranks, Megatron's interleaved (the chain, two stages per 
 1f1b at 3, the losses and every parameter equal single-process gradient accumulation over
 the same micro-batches, each micro-batch's loss weighted by its share of the rows; under 2bw
 (the CNN, and an exported GPT-2 with a head of its own) they equal 2BW's recurrence, under
-stash (that GPT-2) PipeDream's. The plan is never remade: the stage cut stays as compiled.
-A shape seen before reuses its stages; a model whose shapes depend on values is refused at
-compile, naming the op; a batch beyond the compiled example, or beyond `max_shapes` (at
-which the plan's memory is then planned), is refused before any communication.
+stash (that GPT-2) PipeDream's, under PipeMare (that GPT-2 with its correction, the CNN
+without) PipeMare's, whose backward runs each stage again at its micro-batch's shapes
+(BatchNorm's statistics updated by the forward only). The plan is
+never remade: the stage cut stays as compiled. A shape seen before reuses its stages; a
+model whose shapes depend on values is refused at compile, naming the op; a batch beyond the
+compiled example, or beyond `max_shapes` (at which the plan's memory is then planned), is
+refused before any communication.
 
 Each world size is one launch running every case, to pay the process start-up once.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -29,17 +33,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from real_models import CASES, Case, V, optimizer
-from torch import nn
+from torch import fx, nn
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, GraphPipeError, ScheduleError
-from graphpipe.ir import Schedule, parse_ranks
+from graphpipe.ir import Plan, Schedule, parse_ranks
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.shapes import Shapes, check_max_shapes, signature_of
 from graphpipe.runtime.spec import RunSpec
-from graphpipe.runtime.stage import OUTPUT, build_stage, micro_shapes, model_output
+from graphpipe.runtime.stage import OUTPUT, StageIO, build_stage, micro_shapes, model_output
+from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.scheduling.dryrun import check_run, check_shapes
 from graphpipe.scheduling.generators import warmups
 from graphpipe.tracing.tracer import trace, trace_info
@@ -160,7 +165,14 @@ MODELS: dict[str, Case] = {
     "gpt2_untied": replace(CASES["gpt2"], build=_untied_gpt2),
     "blocks": replace(CASES["gpt2"], build=_blocks, loss=F.mse_loss, constants={}),
 }
-POLICIES = ("2bw", "stash")  # a "schedule" of a run that names a weight policy: its default
+# PipeMare, by the name a case gives it: with its fixes (at two ranks tau = max(w_i, 1) is 1,
+# so the rate's rescheduling changes nothing; the correction w - w_i * delta does, on stage 0)
+# and without (the backward then recomputes on the live parameters, not on corrected copies)
+PIPEMARE = {
+    "pipemare": PolicyOptions(warmup_updates=8, ema=0.8),
+    "pipemare_plain": PolicyOptions(lr_reschedule=False, correction=False),
+}
+POLICIES = ("2bw", "stash", *PIPEMARE)  # a "schedule" of a run that names a weight policy
 
 # name -> (model case, the batches of its steps; the first is the compiled example, 12 rows)
 RUNS: dict[str, tuple[str, Callable[[], Batches]]] = {
@@ -189,7 +201,9 @@ def _compiled(run: str, schedule: str) -> Any:
         options["interleave"] = True
     if schedule == "interleaved":  # Megatron's: a chain of 4 stages, 2 per rank, looped
         options.update(virtual_stages=2, placement="loop", pins=CHAIN_PINS)
-    if schedule in POLICIES:
+    if schedule in PIPEMARE:
+        options.update(weights="pipemare", weight_options=PIPEMARE[schedule])
+    elif schedule in POLICIES:
         options["weights"] = schedule
     else:
         options["schedule"] = schedule
@@ -244,6 +258,7 @@ def _pipelined(run: str, schedule: str) -> dict[str, Any]:
         "refused": refused,
         "evaluated": evaluated,
         "warmups": warmups(pm.plan),
+        "plan": pm.plan,
         "where": {  # parameter -> the stage holding it, this rank's
             n: i for i in pm._stage_indices for n, _ in executor.stages[i].module.named_parameters()
         },
@@ -383,6 +398,125 @@ def _stash_reference(
     return losses, model.state_dict()
 
 
+Stages = tuple[fx.GraphModule, dict[int, tuple[nn.Module, StageIO]]]
+
+
+def _stages_at(model: nn.Module, case: Case, the_plan: Plan, inputs: dict[str, Any]) -> Stages:
+    """The model traced at one micro-batch (an exported graph then holds its shapes), cut
+    into the plan's stages."""
+    rows = next(iter(inputs.values())).shape[0]
+    gm = trace(model, {**inputs, **case.constants}, micro_batch_size=rows)
+    return gm, {s.index: build_stage(gm, the_plan, s.index) for s in the_plan.stages}
+
+
+def _delayed_forward(
+    stages: Stages, inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]
+) -> tuple[Any, dict[int, list[Any]]]:
+    """The stages run in order without a graph, each parameter at `weights`: the model's
+    output, and each stage's inputs."""
+    gm, modules = stages
+    info = trace_info(gm)
+    values = {n: inputs[str(src)] for src, n in zip(info.sources, info.input_names, strict=True)}
+    saved = {}
+    for i, (module, io) in sorted(modules.items()):
+        saved[i] = [values[n] for n in io.inputs]
+        w = {n: weights[n] for n, _ in module.named_parameters()}
+        with torch.no_grad():
+            values.update(torch.func.functional_call(module, w, tuple(saved[i])))
+    return model_output(gm, values[OUTPUT]), saved
+
+
+def _recomputed_backward(
+    stages: Stages,
+    saved: dict[int, list[Any]],
+    weights: dict[str, torch.Tensor],
+    loss: Callable[[Any], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Last stage first, each stage run again on its saved inputs at `weights` (its
+    buffers' updates on copies: the forward made them), from its later stages' input
+    gradients (the last stage from the loss, unscaled): every parameter's gradient (zero
+    where unused)."""
+    gm, modules = stages
+    into: dict[str, torch.Tensor] = {}  # value -> the gradient its consumers sent back
+    grads: dict[str, torch.Tensor] = {}
+    for i, (module, io) in sorted(modules.items(), reverse=True):
+        w = {n: weights[n].detach().requires_grad_() for n, _ in module.named_parameters()}
+        args = [
+            v.detach().requires_grad_() if n in io.received and v.is_floating_point() else v
+            for n, v in zip(io.inputs, saved[i], strict=True)
+        ]
+        kept = {n: b.clone() for n, b in module.named_buffers()}  # updated by the forward
+        out = torch.func.functional_call(module, {**w, **kept}, tuple(args))
+        roots = [out[n] for n in io.sent if n in into]
+        seeds = [into[n] for n in io.sent if n in into]
+        if io.has_output:
+            roots.append(loss(model_output(gm, out[OUTPUT])))
+            seeds.append(torch.ones(()))
+        torch.autograd.backward(roots, seeds)
+        for n, a in zip(io.inputs, args, strict=True):
+            if isinstance(a, torch.Tensor) and a.grad is not None:
+                into[n] = into[n] + a.grad if n in into else a.grad
+        grads |= {n: torch.zeros_like(t) if t.grad is None else t.grad for n, t in w.items()}
+    return grads
+
+
+def _rates(
+    opt: torch.optim.Optimizer, rates: list[float], warm: list[int], j: int, fixes: PolicyOptions
+) -> None:
+    """Each stage's group at its rate times 1 / tau^(1 - min(j/K, 1)), tau = max(w_i, 1),
+    when rescheduled (else at its rate)."""
+    done = min(j / fixes.warmup_updates, 1.0) if fixes.lr_reschedule else 1.0
+    for group, rate, w in zip(opt.param_groups, rates, warm, strict=True):
+        group["lr"] = rate / max(w, 1) ** (1.0 - done)
+
+
+def _pipemare_reference(
+    run: str, schedule: str, the_plan: Plan, where: dict[str, int], warm: dict[int, int]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, PipeMare's rule: micro-batch j (counted over the steps) runs forward with
+    no graph, stage i at the weights after max(0, j - w_i) updates; its backward runs each
+    stage again on the input that forward gave it, at the live weights (j updates) less
+    w_i * delta_i under the correction, delta_i the moving average of stage i's steps. Every
+    micro-batch is an update (its loss unscaled; `_rates`). A step's loss weights its
+    micro-batches' forward losses by their rows. The stages at a micro-batch's shapes: the
+    model traced at them, cut by the plan."""
+    case_name, batches = RUNS[run]
+    case, fixes = MODELS[case_name], PIPEMARE[schedule]
+    model = case.build()
+    order = sorted(warm)  # one parameter group per stage, each at its own rate
+    opt = optimizer(
+        [{"params": [p for n, p in model.named_parameters() if where[n] == i]} for i in order]
+    )
+    rates = [group["lr"] for group in opt.param_groups]
+    history, losses = [_snapshot(model)], []
+    delta = {n: torch.zeros_like(w) for n, w in history[0].items()}
+    correct = {n: warm[where[n]] if fixes.correction else 0 for n in delta}
+    made: dict[tuple[Any, ...], Stages] = {}
+    for batch in batches()[1:]:
+        total = 0.0
+        for inputs, target, share in _micro_batches(batch):
+            j, live = len(history) - 1, history[-1]
+            shapes = tuple((k, v.shape) for k, v in inputs.items())
+            if shapes not in made:
+                made[shapes] = _stages_at(model, case, the_plan, inputs)
+            old = {n: history[max(0, j - warm[where[n]])][n] for n in live}
+            out, saved = _delayed_forward(made[shapes], inputs, old)
+            total += case.loss(out, target).item() * share
+            corrected = {n: live[n] - correct[n] * delta[n] for n in live}
+            grads = _recomputed_backward(
+                made[shapes], saved, corrected, functools.partial(case.loss, target=target)
+            )
+            _rates(opt, rates, [warm[i] for i in order], j, fixes)
+            _step(model, opt, grads)
+            history.append(_snapshot(model))
+            delta = {
+                n: fixes.ema * d + (1 - fixes.ema) * (history[-1][n] - live[n])
+                for n, d in delta.items()
+            }
+        losses.append(total)
+    return losses, model.state_dict()
+
+
 CASES_2 = [
     *[(run, s) for run in ("gpt2", "cnn") for s in ("1f1b", "zb", "graph_interleaved")],
     ("llama", "1f1b"),
@@ -390,6 +524,8 @@ CASES_2 = [
     ("cnn", "2bw"),
     ("gpt2_untied", "2bw"),
     ("gpt2_untied", "stash"),
+    ("gpt2_untied", "pipemare"),
+    ("cnn", "pipemare_plain"),
 ]
 CASES_3 = [("bert", "1f1b"), ("cnn", "1f1b")]
 
@@ -452,7 +588,7 @@ def _assert_equal(result: dict[str, Any], reference: tuple[list[float], Any]) ->
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-FLUSHED_2 = [c for c in CASES_2 if c[1] != "stash"]
+FLUSHED_2 = [c for c in CASES_2 if c[1] not in ("stash", *PIPEMARE)]
 
 
 @pytest.mark.parametrize(("run", "schedule"), FLUSHED_2, ids=[f"{r}-{s}" for r, s in FLUSHED_2])
@@ -474,6 +610,24 @@ def test_stash_at_new_shapes_follows_pipedreams_rule(two_ranks: list[dict[Any, A
     where = {n: i for run in runs for n, i in run["where"].items()}
     reference = _stash_reference("gpt2_untied", where, runs[0]["warmups"])
     _assert_equal(runs[0], reference)
+
+
+PIPEMARE_2 = [c for c in CASES_2 if c[1] in PIPEMARE]
+
+
+@pytest.mark.parametrize(("run", "schedule"), PIPEMARE_2, ids=[f"{r}-{s}" for r, s in PIPEMARE_2])
+def test_pipemare_at_new_shapes_follows_its_rule(
+    two_ranks: list[dict[Any, Any]], run: str, schedule: str
+) -> None:
+    """PipeMare on an exported model with its fixes, on an fx-traced one with BatchNorm
+    without: each micro-batch's forward on its stages' weights of w_i updates before, its
+    backward recomputed at its shapes with the live (corrected) weights, micro-batches in
+    flight across steps; BatchNorm's statistics updated once per micro-batch."""
+    runs = [rank[(run, schedule)] for rank in two_ranks]
+    where = {n: i for r in runs for n, i in r["where"].items()}
+    first = runs[0]
+    reference = _pipemare_reference(run, schedule, first["plan"], where, first["warmups"])
+    _assert_equal(first, reference)
 
 
 @pytest.mark.parametrize(("run", "schedule"), CASES_3, ids=[f"{r}-{s}" for r, s in CASES_3])

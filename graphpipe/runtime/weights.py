@@ -50,7 +50,8 @@ before its first backward; `graphpipe.scheduling.generators.warmups`), k the upd
               average of the weight steps. Learning rate rescheduling scales the rate by
               1 / tau^(1 - min(k / K, 1)), tau = max(w_i, 1). Both fixes can be switched off.
               One copy of the weights (plus delta, and the corrected weights while a
-              backward runs).
+              backward runs). The forward updates buffers (BatchNorm's statistics) once; the
+              recompute runs on copies of them, dropped.
 
 How step() calls map to updates: flush and the synchronous schedules update once per call.
 The asynchronous schedules (async, 2bw) keep micro-batches in flight across calls: call c
@@ -375,6 +376,7 @@ class PipeMare(WeightPolicy):
         super().__init__(*args, **kwargs)
         self.delta = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.backward_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.buffers = dict(self.module.named_buffers())
 
     def loss_scale(self, share: float | None = None) -> float:
         return 1.0  # every micro-batch is an update of its own
@@ -385,15 +387,21 @@ class PipeMare(WeightPolicy):
             return run(None)
 
     def recompute(self, j: int, run: Callable[[Weights], T]) -> T:
+        """The forward again, on copies of the buffers, dropped after it: an in-place update
+        (BatchNorm's running statistics) was made by the forward already. Every buffer is
+        copied: which ones a forward updates cannot be told from their version counters
+        (aten's batch norm does not bump them) nor from a forward in eval mode."""
+        copies = {n: b.clone() for n, b in self.buffers.items()}
         if not (self.options.correction and self.warmup > 0):
-            return run(None)  # the live parameters: gradients land in their .grad
+            # the live parameters themselves: gradients land in their .grad
+            return run({**self.params, **copies} if copies else None)
         estimate = {
             n: (p.detach() - self.warmup * self.delta[n]).requires_grad_(p.requires_grad)
             for n, p in self.params.items()
         }
         self.backward_weights[j] = estimate
         self.note_copies()
-        return run(estimate)
+        return run({**estimate, **copies})
 
     def backward(self, j: int, run: Callable[[], None], final: Sequence[nn.Parameter] = ()) -> None:
         self.log.append(("B", j, self.version))
