@@ -19,6 +19,11 @@ chain links while a unit stays within 1/(2N) of the model's time), decomposed
 `PlanConfig.max_units` units remain (`sptree.condense`), searched (`search.search`) and
 assembled into a Plan (`assemble.assemble`), which is then validated.
 
+Layouts: by default the graph partitioner also considers several stages per device (a chain
+of 2N stages folded loop or v, finer stage DAGs folded onto the devices) beside its plan of
+one stage per device, simulates each and keeps the fastest (`layouts`, `PlanConfig.layouts`,
+`PlanConfig.schedule`); with a dp dimension, one stage per device.
+
 Only single tensors cross stages: every partitioner keeps a non-tensor value (a tuple, an
 int from a size query, None) in the stage of all its users; pins that would split one are a
 `PlanError` naming it (`manual`), and `Plan.validate` rejects a plan that cuts one.
@@ -288,7 +293,9 @@ def partition_mesh(
         cost = cost_model(config, micro_batch_size, profile, device, dp=k)
         if k == 1:
             return partition_op_graph(g, cost, replace(config, dp=1), digest)
-        pp = replace(config, devices=config.devices // k, dp=1, replication=False)
+        pp = replace(  # one stage per device, as compile runs a mesh
+            config, devices=config.devices // k, dp=1, replication=False, layouts=("one",)
+        )
         sliced = graph_at(k) if graph_at is not None else per_rank_graph(g, k)
         made = partition_op_graph(sliced, cost, pp, digest)
         note = mesh_info(config.devices, k, config.replication)
