@@ -13,6 +13,7 @@ import graphpipe
 from graphpipe.compile.steps import _profile_config
 from graphpipe.errors import ConfigError
 from graphpipe.planning.profile import Profile, ProfileConfig, profile
+from graphpipe.tools.cli import main
 from graphpipe.tracing.tracer import trace
 
 
@@ -100,3 +101,15 @@ def test_compile_warns_only_when_a_meta_model_was_asked_to_be_measured(
         assert not caplog.records
         assert _profile_config(gm, ProfileConfig(mode="measure")).mode == "flops"
     assert "meta device" in caplog.text and "not measured" in caplog.text
+
+
+def test_graphpipe_plan_prints_the_costs_and_the_layouts(capsys: pytest.CaptureFixture) -> None:
+    argv = ["plan", "models.nbranch", "--preset", "tiny", "--devices", "2"]
+    assert main([*argv, "--partitioner", "graph"]) == 0
+    out = capsys.readouterr().out
+    assert "op costs: measured on cpu" in out
+    assert "layout: " in out and "\n  one " in out and "\n  graph " in out
+    assert main([*argv, "--partitioner", "graph", "--schedule", "1f1b"]) == 0
+    assert "layout: " not in capsys.readouterr().out  # 1f1b runs one stage per device only
+    assert main(["plan", "models.nbranch", "--preset", "paper", "--devices", "2"]) == 0
+    assert "op costs: FLOPs estimate" in capsys.readouterr().out  # a meta model
