@@ -51,6 +51,7 @@ from graphpipe.tracing.tracer import trace
 
 MODELS = ("mmt", "dlrm", "candle_uno", "nbranch")
 ONE = ("one",)  # one stage per device
+LAYOUT_DEVICES = (2, 4, 8)
 DEVICES = (4, 8, 16, 32)
 HEADERS = [
     "model",
@@ -104,7 +105,7 @@ def _busiest_bubble(plan: Plan, run: SimResult) -> float:
 
 
 def report(models: Sequence[str] = MODELS, devices: Sequence[int] = DEVICES) -> str:
-    """The benchmark as a markdown section."""
+    """The benchmark as markdown: graph vs sequential, then the layout choice."""
     table = tabulate(rows(models, devices), headers=HEADERS, tablefmt="github")
     return (
         f"## Planner: graph vs sequential (simulated)\n\n{machine()}\n\n"
@@ -112,7 +113,7 @@ def report(models: Sequence[str] = MODELS, devices: Sequence[int] = DEVICES) -> 
         f"unlimited memory and FLOP-estimated costs, linear in the micro-batch size: a "
         f"comparison of the two searches, not of the best each strategy can do (a deep chain "
         f"pays a bubble a user would shrink with more micro-batches). For that, see the fair "
-        f"protocol below.\n\n{table}\n"
+        f"protocol below.\n\n{table}\n\n{layout_report()}"
     )
 
 
@@ -164,6 +165,24 @@ def layout_rows(devices: Sequence[int]) -> list[list[str]]:
     return table
 
 
+def layout_report(devices: Sequence[int] = LAYOUT_DEVICES) -> str:
+    """The layout choice's section (markdown)."""
+    headers = ["model", "N", "search s, one", "search s, all", "kept", "simulated steps"]
+    table = tabulate(layout_rows(devices), headers=headers, tablefmt="github")
+    return (
+        f"## Planner: the layout choice (replication off)\n\n{machine()}\n\n"
+        "Command: `python -m benchmarks.planner --layouts`. The default graph planner "
+        "considers one stage per device, a chain of 2N stages folded loop and v, and for a "
+        "graph with branches finer stage DAGs folded onto the devices; it simulates each "
+        'under its schedules and keeps the fastest. "search s, one": the graph plan with '
+        '`layouts=("one",)` (the planner before the choice); "search s, all": the default. '
+        "FLOP costs (chain8: 8 Linear 512 x 512 at 10 GFLOP/s, batch 64, M = 8; the models' "
+        'tiny and paper presets at their own M); "-": the layout has no plan (a chain of 2N '
+        "stages needs 2N units and tensors between neighbours only; folded DAGs need "
+        f"branches).\n\n{table}\n"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -172,10 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--layouts", action="store_true", help="the layout choice's table")
     args = parser.parse_args(argv)
     if args.layouts:
-        headers = ["model", "N", "search s, one", "search s, all", "kept", "simulated steps"]
-        devices = args.devices if tuple(args.devices) != DEVICES else (2, 4, 8)
-        table = tabulate(layout_rows(devices), headers=headers, tablefmt="github")
-        print(f"## Planner: the layout choice (replication off)\n\n{machine()}\n\n{table}")
+        print(layout_report(args.devices if tuple(args.devices) != DEVICES else LAYOUT_DEVICES))
         return
     print(report(args.models, args.devices))
 
