@@ -60,7 +60,7 @@ def _plan_time(w: Workload, gm: fx.GraphModule, n: int, m: int, preset: str) -> 
     """Seconds of one graph-partitioner call (roofline costs, M = m, unlimited memory)."""
     b = w.batch_size // m
     prof = profile(gm, w.example_inputs, b, ProfileConfig(mode="roofline", preset=preset))
-    config = PlanConfig(n, m)
+    config = PlanConfig(n, m, layouts=("one",))  # as the protocol plans
     g, cost, digest = op_graph(gm, prof), cost_model(config, b, "roofline", preset), graph_hash(gm)
     start = time.perf_counter()
     partition_op_graph(g, cost, config, digest)

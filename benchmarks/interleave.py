@@ -43,7 +43,7 @@ def rows(models: Sequence[str], devices: Sequence[int]) -> list[list[str]]:
         prof = profile(gm, w.example_inputs, w.batch_size // m)
         for n in devices:
             log(f"{name} on {n} devices")
-            config = PlanConfig(devices=n, micro_batches=m, replication=False)
+            config = PlanConfig(devices=n, micro_batches=m, replication=False, layouts=("one",))
             plain = partition(gm, prof, config)
             start = time.perf_counter()
             folded = partition(gm, prof, replace(config, interleave=True))

@@ -18,7 +18,8 @@ from graphpipe.ir.actions import Action, ActionKind
 from graphpipe.ir.cost import CostModel, DataParallel, LinkModel, MemoryModel
 from graphpipe.planning.mesh import per_rank_graph
 from graphpipe.planning.opgraph import op_graph
-from graphpipe.planning.partition import PlanConfig, partition, plan
+from graphpipe.planning.partition import PlanConfig, partition
+from graphpipe.planning.partition import plan as planned
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tools.cli import main
@@ -28,6 +29,12 @@ from graphpipe.tracing.tracer import trace
 
 P = 8e6  # parameter bytes of the hand-computed cases
 LINK = LinkModel(bandwidth=1e9, latency=1e-5)
+FLOPS = ProfileConfig(mode="flops")  # the same plans on every run
+
+
+def plan(*args: Any, **options: Any) -> Plan:
+    """`graphpipe.plan` on FLOP costs with one stage per device: these tests are about dp."""
+    return planned(*args, **{"profile": FLOPS, "layouts": ("one",), **options})
 
 
 def _cost(k: int, **dp: Any) -> CostModel:
@@ -72,7 +79,7 @@ def test_a_stage_on_k_dp_ranks_holds_its_state_sharded_and_1_over_k_of_the_activ
 def test_the_per_rank_graph_divides_times_and_bytes() -> None:
     model, x = two_branch()
     gm = trace(model, x, micro_batch_size=4)
-    g = op_graph(gm, profile(gm, x, 4))
+    g = op_graph(gm, profile(gm, x, 4, FLOPS))
     half = per_rank_graph(g, 2)
     assert per_rank_graph(g, 1) is g
     for n, data in g.nodes(data=True):

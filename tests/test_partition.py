@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from dataclasses import replace
+from typing import Any
 
 import networkx as nx
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from zoo import TwoBranch
 
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
 from graphpipe.planning.fold import bound_groups, folded_groups
 from graphpipe.planning.opgraph import op_graph, value_kind
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph, plan, score
-from graphpipe.planning.profile import profile
+from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.planning.search import search
 from graphpipe.planning.sptree import (
     Leaf,
@@ -30,9 +36,13 @@ from graphpipe.planning.sptree import (
     units_of,
 )
 from graphpipe.planning.validate import validate_plan
+from graphpipe.runtime.launch import launch
 from graphpipe.scheduling.dryrun import check_run
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tracing.tracer import trace
+
+ONE = ("one",)  # one stage per device: the search's plan, no layout choice
+FLOPS = ProfileConfig(mode="flops")  # the same plans on every run
 
 # -- synthetic op graphs -----------------------------------------------------------------------
 
@@ -232,7 +242,7 @@ def test_graph_partitioner_never_worse_than_sequential_on_random_dags(objective:
         devices = rng.randint(2, min(6, g.number_of_nodes()))
         c = cost(micro_batches=4, bandwidth=1e9)
         options = {"devices": devices, "replication": seed % 4 < 2, "objective": objective}
-        graph = partition_op_graph(g, c, PlanConfig(**options), "x")
+        graph = partition_op_graph(g, c, PlanConfig(**options, layouts=ONE), "x")
         sequential = partition_op_graph(g, c, PlanConfig(**options, partitioner="sequential"), "x")
         assert score(graph, objective) <= score(sequential, objective), seed
         own += graph.info["chosen"] == "graph"  # the SP search itself, not the fallback
@@ -290,7 +300,7 @@ def _branch_devices(p: object, prefix: str) -> set[tuple[int, ...]]:
 
 def test_symmetric_two_branch_model_puts_branches_on_different_devices() -> None:
     model, x = TwoBranch(width=64, depth=4), torch.randn(8, 64)
-    p = plan(model, x, devices=2, micro_batches=4, replication=False)
+    p = plan(model, x, devices=2, micro_batches=4, replication=False, profile=FLOPS, layouts=ONE)
     a, b = _branch_devices(p, "a_"), _branch_devices(p, "b_")
     assert len(a) == 1 and len(b) == 1 and a != b
 
@@ -314,7 +324,7 @@ def test_graph_plan_runs_branches_concurrently_at_equal_bottleneck() -> None:
     names = [n for e in edges for n in e]
     g = synthetic(edges, dict.fromkeys(names, 1e-3), dict.fromkeys(names, 100))
     c = cost(micro_batches=4, bandwidth=1e9)
-    graph = partition_op_graph(g, c, PlanConfig(devices=3, replication=False), "x")
+    graph = partition_op_graph(g, c, PlanConfig(devices=3, replication=False, layouts=ONE), "x")
     sequential = partition_op_graph(
         g, c, PlanConfig(devices=3, replication=False, partitioner="sequential"), "x"
     )
@@ -403,7 +413,7 @@ class SplitBranches(nn.Module):
 
 def _traced_op_graph(model: nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, nx.DiGraph]:
     gm = trace(model, x, micro_batch_size=2)
-    return gm, op_graph(gm, profile(gm, (x[:2],), 2))
+    return gm, op_graph(gm, profile(gm, (x[:2],), 2, FLOPS))
 
 
 def _crossing_non_tensors(p: object, gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
@@ -456,7 +466,7 @@ def test_without_the_tensor_flags_the_int_would_be_cut() -> None:
     gm, g = _traced_op_graph(SizeLater(), torch.randn(8, 5, 16))
     plain = g.copy()
     nx.set_node_attributes(plain, True, "tensor")
-    config = PlanConfig(devices=3, replication=False)
+    config = PlanConfig(devices=3, replication=False, layouts=ONE)
     p = partition_op_graph(plain, cost_model(config, 2), config, "x")
     assert ("getitem_1", "int") in _crossing_non_tensors(p, gm)
     with pytest.raises(PlanError, match=r"'getitem_1' \(int\) crosses from S"):
@@ -572,9 +582,9 @@ def test_a_stage_that_updates_buffers_is_never_replicated() -> None:
     """Replicas of a BatchNorm would each see only their own micro-batches, and their running
     statistics would differ from one device's; a GroupNorm holds no such state."""
     x = torch.randn(16, 3, 32, 32)
-    free = plan(_normed(nn.GroupNorm(4, 16)), x, devices=2, micro_batches=4)
+    free = plan(_normed(nn.GroupNorm(4, 16)), x, devices=2, micro_batches=4, profile=FLOPS)
     assert [s.replicas for s in free.stages] == [2]  # data parallel over both devices
-    bound = plan(_normed(nn.BatchNorm2d(16)), x, devices=2, micro_batches=4)
+    bound = plan(_normed(nn.BatchNorm2d(16)), x, devices=2, micro_batches=4, profile=FLOPS)
     assert all(s.replicas == 1 for s in bound.stages)
 
 
@@ -622,7 +632,9 @@ def test_interleaving_folds_a_finer_stage_dag_when_it_simulates_faster(
         note["interleaved_step"]
     )
     check_run(p, "graph_interleaved", 8)  # deadlock-free under NCCL's and gloo's semantics
-    plain = partition_op_graph(g, cost_model(config, 1), replace(config, interleave=False), "x")
+    plain = partition_op_graph(
+        g, cost_model(config, 1), replace(config, interleave=False, layouts=ONE), "x"
+    )
     assert simulate(plain, "1f1b").iteration_time == pytest.approx(note["unfolded_step"])
 
 
@@ -645,3 +657,109 @@ def test_interleaving_never_makes_a_plan_slower(seed: int) -> None:
 def test_interleaving_needs_the_graph_partitioner() -> None:
     with pytest.raises(ConfigError, match="'sequential'"):
         PlanConfig(devices=2, partitioner="sequential", interleave=True)
+
+
+# -- layouts: the planner chooses one stage per device or several ---------------------------------
+
+SLOW = ProfileConfig(mode="flops", device_flops=1e8)  # compute outweighs overheads and links
+
+
+def _chain() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])  # 8 equal layers
+
+
+def test_the_default_plan_folds_a_chain_when_that_simulates_faster() -> None:
+    """8 equal layers on 4 devices, M = 8: a loop or V layout (2 stages per device, zero
+    bubble) beats one stage per device; the plan says what was considered and why."""
+    x = torch.randn(32, 32)
+    p = plan(_chain(), x, devices=4, micro_batches=8, replication=False, profile=SLOW)
+    note = p.info["layouts"]
+    steps = {c["layout"]: c["step"] for c in note["considered"]}
+    assert note["chosen"] in ("loop", "v") and len(p.stages) == 8 and p.shared_devices()
+    assert steps[note["chosen"]] == min(s for s in steps.values() if s is not None)
+    assert steps[note["chosen"]] < steps["one"]
+    assert simulate(p, note["schedule"]).iteration_time == pytest.approx(steps[note["chosen"]])
+    text = str(p)
+    assert f"layout: {note['chosen']}" in text and f"run by {note['schedule']}" in text
+    assert all(f"    {layout} " in text for layout in ("one", "loop", "v", "graph"))
+    assert "graph no plan: a chain" in text  # a chain has no branches to fold
+    check_run(p, note["schedule"], 8)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_a_named_one_stage_schedule_keeps_one_stage_per_device(schedule: str) -> None:
+    x = torch.randn(32, 32)
+    p = plan(_chain(), x, devices=4, micro_batches=8, replication=False, profile=SLOW,
+             schedule=schedule)  # fmt: skip
+    assert not p.shared_devices() and "layouts" not in p.info and "layout:" not in str(p)
+    zbv = plan(_chain(), x, devices=4, micro_batches=8, profile=SLOW, schedule="zbv")
+    assert zbv.info["layouts"]["chosen"] == "v"
+    assert [c["layout"] for c in zbv.info["layouts"]["considered"]] == ["v"]
+
+
+def test_layout_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="layouts must be"):
+        PlanConfig(devices=2, layouts=("zigzag",))
+    with pytest.raises(ConfigError, match="'zbv' runs none of the layouts"):
+        PlanConfig(devices=2, layouts=ONE, schedule="zbv")
+    with pytest.raises(ConfigError, match="unknown schedule 'zz'"):
+        PlanConfig(devices=2, schedule="zz")
+
+
+def _compiled_chain_worker(schedules: list[str | None]) -> dict[str | None, dict[str, Any]]:
+    """2 ranks, compile with no plan: the planner's layout and schedule, 3 SGD steps each."""
+    x, target = _chain_batch()
+    out = {}
+    for schedule in schedules:
+        pm = gp_compile(
+            _chain(), x, loss_fn=F.mse_loss, optimizer=_sgd(), micro_batches=4,
+            schedule=schedule, profile_config=SLOW, replication=False,
+            runtime=RuntimeConfig(timeout=60),
+        )  # fmt: skip
+        losses = [pm.step(x * (s + 1), target=target) for s in range(3)]
+        held = len(pm.plan.stages_on(dist.get_rank()))
+        out[schedule] = {
+            "losses": losses, "state": pm.state_dict(), "schedule": pm.schedule.name,
+            "held": held,
+        }  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain_runs() -> dict[str | None, dict[str, Any]]:
+    return launch(_compiled_chain_worker, 2, args=([None, "1f1b"],), timeout=180)[0]
+
+
+def _chain_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(16, 32, generator=gen), torch.randn(16, 32, generator=gen)
+
+
+def _sgd() -> Any:
+    return functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize(("schedule", "held"), [(None, 2), ("1f1b", 1)])
+def test_the_chosen_layout_trains_like_one_process(
+    chain_runs: dict[str | None, dict[str, Any]], schedule: str | None, held: int
+) -> None:
+    """By default the 2-rank chain runs folded (2 stages per rank) under the schedule the
+    planner chose; named 1f1b, one stage per rank. Either equals one process accumulating
+    the same 4 micro-batches."""
+    out = chain_runs[schedule]
+    assert out["held"] == held
+    assert out["schedule"] in (("zbv", "interleaved", "interleaved_zb") if held == 2 else ("1f1b",))
+    model, (x, target) = _chain(), _chain_batch()
+    opt = _sgd()(model.parameters())
+    for s in range(3):
+        total = 0.0
+        for xs, ts in zip((x * (s + 1)).chunk(4), target.chunk(4), strict=True):
+            loss = F.mse_loss(model(xs), ts)
+            (loss / 4).backward()
+            total += loss.item() / 4
+        opt.step()
+        opt.zero_grad()
+        assert out["losses"][s] == pytest.approx(total, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(out["state"][key], value, rtol=1e-5, atol=1e-6)

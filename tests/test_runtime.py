@@ -367,4 +367,5 @@ def _slow_plan_worker(delay: float) -> int:
 
 
 def test_the_plan_broadcast_waits_as_long_as_planning_takes() -> None:
-    assert launch(_slow_plan_worker, 2, args=(6.0,), timeout=TIMEOUT, comm_timeout=2) == [2, 2]
+    stages = launch(_slow_plan_worker, 2, args=(6.0,), timeout=TIMEOUT, comm_timeout=2)
+    assert stages[0] == stages[1] >= 2  # both ranks hold rank 0's plan, whatever its layout

@@ -121,6 +121,7 @@ def random_plan(seed: int) -> Plan:
         devices=rng.randint(2, min(8, g.number_of_nodes())),
         micro_batches=m,
         replication=seed % 3 == 0,
+        layouts=("one",),  # one stage per device: every generator's input
     )
     return partition_op_graph(g, cost(micro_batches=m, bandwidth=1e9), config, "x")
 

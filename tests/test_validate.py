@@ -14,9 +14,11 @@ from graphpipe.ir import Plan, StageEdge
 from graphpipe.ir.cost import MemoryModel
 from graphpipe.planning.opgraph import op_graph
 from graphpipe.planning.partition import PlanConfig, partition
-from graphpipe.planning.profile import profile
+from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.planning.validate import validate_plan
 from graphpipe.tracing.tracer import trace
+
+FLOPS = ProfileConfig(mode="flops")  # the same plans on every run
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,9 @@ def traced() -> torch.fx.GraphModule:
 
 @pytest.fixture(scope="module")
 def plan(traced: torch.fx.GraphModule) -> Plan:
-    prof = profile(traced, (torch.randn(8, 32),), 2)
-    p = partition(traced, prof, PlanConfig(devices=3, micro_batches=4, replication=False))
+    prof = profile(traced, (torch.randn(8, 32),), 2, FLOPS)
+    config = PlanConfig(devices=3, micro_batches=4, replication=False, layouts=("one",))
+    p = partition(traced, prof, config)
     assert len(p.stages) == 3 and p.edges
     return p
 
@@ -181,7 +184,8 @@ class SizeLater(torch.nn.Module):
 def sized() -> tuple[torch.fx.GraphModule, Plan]:
     x = torch.randn(8, 5, 8)
     gm = trace(SizeLater(), x, micro_batch_size=2)
-    p = partition(gm, profile(gm, (x[:2],), 2), PlanConfig(devices=2, replication=False))
+    config = PlanConfig(devices=2, replication=False, layouts=("one",))
+    p = partition(gm, profile(gm, (x[:2],), 2, FLOPS), config)
     assert len(p.stages) == 2 and p.stage_of["getitem_1"] == p.stage_of["view"] == 1
     return gm, p
 
@@ -230,7 +234,7 @@ def test_plan_cutting_a_tuple_is_rejected() -> None:
 
     x = torch.randn(4, 8)
     gm = trace(Split(), x, micro_batch_size=2)
-    p = partition(gm, profile(gm, (x[:2],), 2), PlanConfig(devices=1))
+    p = partition(gm, profile(gm, (x[:2],), 2, FLOPS), PlanConfig(devices=1))
     stage = p.stages[0]
     cut = replace(stage, nodes=("mul", "split"))
     rest = replace(

@@ -24,6 +24,7 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.ir import Plan
 from graphpipe.ir.cost import weight_copies
 from graphpipe.planning.partition import plan
+from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.stage import OUTPUT, build_stage, model_output
 from graphpipe.runtime.sync import GradSync
@@ -83,7 +84,10 @@ def mini_batches(name: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor
 def _plan(name: str) -> Plan:
     model, _ = ZOO[name]()
     x, _ = mini_batches(name)[0]
-    return plan(model, x, devices=3, micro_batches=M, pins=PINS[name], replication=False)
+    flops = ProfileConfig(mode="flops")  # the same plan every time: a resume checks it
+    return plan(
+        model, x, devices=3, micro_batches=M, pins=PINS[name], replication=False, profile=flops
+    )
 
 
 def _stage_of(name: str) -> tuple[nn.Module, dict[str, int], dict[int, int]]:

@@ -119,7 +119,9 @@ def compile(
             (the plan is a chain of 2 stages per device, folded "loop" or "v"; pin the stages,
             or pass virtual_stages and placement); "graph_interleaved" for a stage DAG folded onto
             the devices (`interleave=True`; the default for such a plan); "async" for stash
-            and pipemare; "2bw" for 2bw. Default: 1f1b, or the one the weight policy needs.
+            and pipemare; "2bw" for 2bw. Default: the one the weight policy needs, else
+            the one the planner chose with its layout (`graphpipe.planning.layouts`: 1f1b
+            on one stage per rank); a named schedule limits the planner to its layouts.
         weights: The weight policy: "flush", "stash", "2bw" or "pipemare" (see
             `graphpipe.runtime.weights`).
         weight_options: PipeMare's fixes.
@@ -127,7 +129,8 @@ def compile(
             "manual" when `pins` are given (a plan_options field), else "graph".
         plan: A Plan, or a path to its JSON, instead of planning.
         leaf_modules: Module types or paths to trace as single nodes.
-        profile_config: How rank 0 obtains op times when it plans.
+        profile_config: How rank 0 obtains op times when it plans (default: measured on
+            the model's device; estimated from FLOPs for a model on the meta device).
         runtime: Timeouts, backend, device, timeline recording.
         init_weights: For a model on the meta device: `init_weights(model)` initialises
             this rank's tensors once they are real (see `graphpipe.runtime.materialize`).

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from graphpipe._torch import AGENT_STORE_ENV
 from graphpipe.errors import ConfigError, GraphPipeError, PlanError
 from graphpipe.ir import Plan, Schedule
-from graphpipe.ir.registry import SCHEDULES
+from graphpipe.ir.registry import DEFAULT_SCHEDULE, SCHEDULES
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.planning.partition import PlanConfig, partition, partition_mesh
 from graphpipe.planning.profile import ProfileConfig, profile
@@ -105,16 +105,20 @@ def check_world(spec: RunSpec, plan: Plan | None) -> None:
 
 
 def schedule_plan(plan: Plan, spec: RunSpec) -> Schedule:
-    """The schedule for `plan`, checked by a dry run: the spec's, or for a folded stage DAG
-    (`PlanConfig.interleave`, several stages on a device) when none was named, the one
-    that runs any placement.
+    """The schedule for `plan`, checked by a dry run: the spec's when the user named one;
+    else the one the planner chose with the plan's layout (`planning.layouts`: 1f1b on one
+    stage per device, interleaved or interleaved_zb on a loop, zbv on a V,
+    graph_interleaved on a folded stage DAG); else, for a plan with several stages on a
+    device (`PlanConfig.interleave`, or a plan made elsewhere), the one that runs any
+    placement.
 
     Raises:
         ScheduleError: the schedule cannot run the plan.
     """
     name = spec.schedule
-    if not spec.schedule_given and name == "1f1b" and plan.shared_devices():
-        name = FOLDED
+    if not spec.schedule_given and name == DEFAULT_SCHEDULE:  # no name, nor a policy's
+        chosen = plan.info.get("layouts", {}).get("schedule")
+        name = chosen or (FOLDED if plan.shared_devices() else name)
     schedule = make_schedule(plan, name, spec.micro_batches)
     check_run(plan, name, spec.micro_batches)
     return schedule
@@ -201,8 +205,10 @@ def checked_plan(plan: Plan, gm: fx.GraphModule, dp: int = 1, tp: int = 1) -> Pl
 
 
 def _profile_config(gm: fx.GraphModule, config: ProfileConfig | None) -> ProfileConfig:
-    """The profile settings; a model on the meta device cannot be measured, so it is
-    estimated from FLOPs instead, with a notice."""
+    """The profile settings rank 0 plans with. By default (mode "auto") op times are measured
+    on the model's device, and for a model on the meta device, which cannot run, estimated
+    from FLOPs (`planning.profile.resolved`). A model on the meta device asked to be
+    measured (mode "measure") is estimated too, with a warning."""
     config = config or ProfileConfig()
     if config.mode == "measure" and is_meta(gm):
         log.warning(

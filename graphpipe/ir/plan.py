@@ -226,6 +226,8 @@ class Plan:
         ]
         if self.cost_model.dp.degree > 1 or self.cost_model.tp.degree > 1:
             lines[0] = lines[0][:-1] + f", mesh pp {self.num_devices} x {self.mesh})"
+        lines.append(f"  costs: {self.costs}")
+        lines += [f"  {line}" for line in layout_lines(self.info.get("layouts"))]
         lines += [
             f"  S{s.index} dev{list(s.devices)} {len(s.nodes)} ops "
             f"{format_time(s.time)} {format_bytes(s.memory_bytes)}"
@@ -236,8 +238,48 @@ class Plan:
         ]
         return "\n".join(lines)
 
+    @property
+    def costs(self) -> str:
+        """Where the op times came from, in words: "measured on cuda:0", "FLOPs estimate",
+        "roofline of the a100 preset"."""
+        how, device = self.cost_model.profile, self.cost_model.device
+        if how == "measure":
+            return f"measured on {device}"
+        if how == "roofline":
+            return f"roofline of the {device} preset"
+        if how == "flops":
+            return "FLOPs estimate (op times not measured)"
+        return f"{how} on {device}"
+
     def __iter__(self) -> Iterator[Stage]:
         return iter(self.stages)
+
+
+def layout_lines(note: dict[str, Any] | None) -> list[str]:
+    """The planner's layout choice (`planning.layouts`, `plan.info["layouts"]`) in words: the
+    layout kept and its schedule, then each layout considered with its simulated step or why
+    it had no plan. Nothing when the planner considered one layout only."""
+    if not note:
+        return []
+    chosen = next(c for c in note["considered"] if c["layout"] == note["chosen"])
+    lines = [
+        f"layout: {note['chosen']} ({LAYOUT_WORDS[note['chosen']]}), run by {note['schedule']}: "
+        f"the fastest simulated step ({format_time(chosen['step'])}) of those considered:"
+    ]
+    for c in note["considered"]:
+        if c["step"] is None:
+            lines.append(f"  {c['layout']:5s} no plan: {c.get('why', '')}")
+        else:
+            lines.append(f"  {c['layout']:5s} {c['schedule']:16s} {format_time(c['step'])}/step")
+    return lines
+
+
+LAYOUT_WORDS = {
+    "one": "one stage per device",
+    "loop": "a chain folded round-robin, 2 stages per device",
+    "v": "a chain folded in a V, 2 stages per device",
+    "graph": "a finer stage DAG folded onto the devices",
+}
 
 
 def _plan_from_dict(data: dict[str, Any]) -> Plan:

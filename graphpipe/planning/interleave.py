@@ -103,19 +103,22 @@ def _greedy(
     return [where[s] for s in sorted(where)]
 
 
-def interleavings(plan_for: Callable[[int], Plan], devices: int, stage_count: int) -> list[Plan]:
+def interleavings(
+    plan_for: Callable[[int], Plan], devices: int, stage_count: int, extra: int = EXTRA_STAGES
+) -> list[Plan]:
     """Folded plans: finer plans for N+1.. devices, each folded every way (`foldings`).
 
     Args:
         plan_for: Plans the model for a number of devices (single-device stages).
         devices: N.
         stage_count: The most stages the graph allows (its op count).
+        extra: The finer plans tried: N+1 .. N+min(N, extra) devices.
 
     Returns:
         The folded plans (not validated), possibly none.
     """
     found = []
-    for k in range(devices + 1, min(devices + min(devices, EXTRA_STAGES), stage_count) + 1):
+    for k in range(devices + 1, min(devices + min(devices, extra), stage_count) + 1):
         try:
             finer = plan_for(k)
         except PlanError:  # e.g. nothing fits the budget on k devices

@@ -19,6 +19,11 @@ chain links while a unit stays within 1/(2N) of the model's time), decomposed
 `PlanConfig.max_units` units remain (`sptree.condense`), searched (`search.search`) and
 assembled into a Plan (`assemble.assemble`), which is then validated.
 
+Layouts: by default the graph partitioner also considers several stages per device (a chain
+of 2N stages folded loop or v, finer stage DAGs folded onto the devices) beside its plan of
+one stage per device, simulates each and keeps the fastest (`layouts`, `PlanConfig.layouts`,
+`PlanConfig.schedule`); with a dp dimension, one stage per device.
+
 Only single tensors cross stages: every partitioner keeps a non-tensor value (a tuple, an
 int from a size query, None) in the stage of all its users; pins that would split one are a
 `PlanError` naming it (`manual`), and `Plan.validate` rejects a plan that cuts one.
@@ -26,6 +31,7 @@ int from a size query, None) in the stage of all its users; pins that would spli
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -36,11 +42,19 @@ import torch
 from torch import fx, nn
 
 from graphpipe.errors import ConfigError, PlanError
-from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan
+from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan, schedule_spec
 from graphpipe.ir.cost import CostModel, DataParallel, LinkModel, MemoryModel, TensorParallel
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.fold import folded_groups
 from graphpipe.planning.interleave import interleavings
+from graphpipe.planning.layouts import (
+    LAYOUTS,
+    choose,
+    even_chain,
+    finer_dags,
+    folded_chain,
+    usable,
+)
 from graphpipe.planning.manual import groups_from_pins
 from graphpipe.planning.mesh import (
     check_dp,
@@ -93,7 +107,11 @@ class PlanConfig:
     max_units: int = 128  # the most units the DP searches (at least 4N); more are merged
     virtual_stages: int = 1  # stages per device (a chain of N*v stages, folded by placement)
     placement: str = "loop"  # with virtual_stages > 1: "loop" (interleaved) or "v" (ZB-V)
-    interleave: bool = False  # graph: also try finer stage DAGs folded onto the devices
+    interleave: bool = False  # graph: only one stage per device or finer DAGs folded (old)
+    # graph: the layouts tried (planning.layouts), the fastest simulated one kept
+    layouts: tuple[str, ...] = LAYOUTS
+    schedule: str | None = None  # the schedule the run names: only the layouts it runs
+    split_backward: bool = True  # with no schedule named: zero-bubble ones may be chosen
     precision: str | None = None  # "bf16"/"fp16": floating values cross stages in 2 bytes
     # the mesh (planning.mesh): devices = pp x dp; each stage FSDP-sharded over dp ranks
     dp: int | str = 1  # k: ranks per stage on the "dp" dim, or "auto" (the planner chooses)
@@ -130,11 +148,7 @@ class PlanConfig:
                 f"virtual_stages must be >= 1 and placement one of {PLACEMENTS}, got "
                 f"{self.virtual_stages} and {self.placement!r}"
             )
-        if self.virtual_stages > 1 and self.partitioner == "graph":
-            raise ConfigError(
-                "virtual_stages > 1 folds a chain of stages onto the devices: use "
-                "partitioner='sequential' or 'manual'"
-            )
+        self._check_layouts()
         if self.interleave and (self.partitioner != "graph" or self.virtual_stages > 1):
             raise ConfigError(
                 "interleave=True folds the graph partitioner's stage DAGs onto the devices: "
@@ -145,6 +159,21 @@ class PlanConfig:
             raise ConfigError(f"precision must be 'bf16', 'fp16' or None, got {self.precision!r}")
         if self.partitioner == "manual" and not self.pins:
             raise ConfigError("partitioner='manual' needs pins: {module path or op: stage}")
+
+    def _check_layouts(self) -> None:
+        if self.partitioner != "graph" or self.virtual_stages > 1 or self.interleave:
+            return  # the layout is the partitioner's, or asked for
+        unknown = [x for x in self.layouts if x not in LAYOUTS]
+        if unknown or not self.layouts:
+            raise ConfigError(
+                f"layouts must be a non-empty subset of {LAYOUTS}, got {self.layouts}"
+            )
+        if self.schedule is not None:
+            schedule_spec(self.schedule)  # an unknown name is a ConfigError naming the known
+            if not usable(self.layouts, self.schedule, self.split_backward):
+                raise ConfigError(
+                    f"schedule {self.schedule!r} runs none of the layouts {self.layouts}"
+                )
 
     @classmethod
     def build(cls, devices: int, **options: Any) -> PlanConfig:
@@ -288,7 +317,9 @@ def partition_mesh(
             sliced = tp_rank_graph(sliced, t, config.tp_plan, cost.tp_link)
         if k == 1 and t == 1:
             return partition_op_graph(g, cost, replace(config, dp=1), digest)
-        pp = replace(config, devices=n // k, dp=1, tp=1, replication=False)
+        pp = replace(  # one stage per device, as compile runs a mesh
+            config, devices=n // k, dp=1, tp=1, replication=False, layouts=("one",)
+        )
         made = partition_op_graph(sliced, cost, pp, digest)
         note = mesh_info(n, k, config.replication, t)
         return replace(made, info={**made.info, "mesh": note})
@@ -323,6 +354,9 @@ def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, diges
             devices=config.devices * config.virtual_stages,
             virtual_stages=1,
             replication=False,
+            layouts=("one",),
+            schedule=None,
+            partitioner="manual" if config.partitioner == "manual" else "sequential",
         )
         result = place_stages(
             partition_op_graph(g, cost, chain, digest), config.devices, config.placement
@@ -341,12 +375,40 @@ def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, diges
         )
     elif config.partitioner == "sequential":
         result = _searched(g, cost, config, "sequential", digest)
+    elif config.interleave:
+        base = _best_of_graph_and_sequential(g, cost, config, digest)
+        result = _interleaved_or(base, g, cost, config, digest)
     else:
-        result = _best_of_graph_and_sequential(g, cost, config, digest)
-        if config.interleave:
-            result = _interleaved_or(result, g, cost, config, digest)
+        result = _chosen_layout(g, cost, config, digest)
     validate_plan(result, g)
     return result
+
+
+def _chosen_layout(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str) -> Plan:
+    """The graph partitioner's plan in the fastest simulated layout (`planning.layouts`); with
+    one stage per device the only layout left, the plan of the search, unsimulated."""
+    layouts = usable(config.layouts, config.schedule, config.split_backward)
+    if layouts == ["one"] or (config.devices == 1 and "one" in layouts):
+        return _best_of_graph_and_sequential(g, cost, config, digest)
+    start = time.perf_counter()
+    n = config.devices
+    single = replace(config, replication=False, layouts=("one",), schedule=None)
+
+    @functools.cache
+    def chain() -> Plan:
+        return even_chain(g, cost, 2 * n, config.max_units, digest)
+
+    def finer(devices: int) -> Plan:  # the DP's stage DAG: finer chains fold better as loop/v
+        return _searched(g, cost, replace(single, devices=devices), "graph", digest)
+
+    builders: dict[str, Callable[[], Plan | list[Plan]]] = {
+        "one": lambda: _best_of_graph_and_sequential(g, cost, config, digest),
+        "loop": lambda: folded_chain(chain, n, "loop"),
+        "v": lambda: folded_chain(chain, n, "v"),
+        "graph": lambda: finer_dags(g, finer, n),
+    }
+    chosen = choose({x: builders[x] for x in layouts}, g, config.schedule, config.split_backward)
+    return replace(chosen, partitioner=config.partitioner, search_time=time.perf_counter() - start)
 
 
 def _interleaved_or(

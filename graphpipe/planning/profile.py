@@ -1,12 +1,14 @@
 """Profile: forward and backward time of every node for one micro-batch size.
 
-Two ways, chosen by `ProfileConfig.mode`:
+Three ways, chosen by `ProfileConfig.mode`; the default, "auto", measures a real model on its
+device and estimates a model on the meta device (which cannot run) from its FLOPs:
 
 - "flops" (the fast path): time = FLOPs / `device_flops` + `node_overhead`, backward = twice
   the forward FLOPs for nodes on the gradient path. No model run beyond the trace.
-- "measure": runs every node alone on `device` with real-shaped inputs (the example batch
-  resized to the micro-batch size; float values redrawn at random, integer and boolean values
-  kept so that indices stay valid), and takes the median of `repeats` runs after `warmup`.
+- "measure": runs every node alone on `device` (by default the model's own) with real-shaped
+  inputs (the example batch resized to the micro-batch size; float values redrawn at random,
+  integer and boolean values kept so that indices stay valid), and takes the median of
+  `repeats` runs after `warmup`.
   The forward is timed as training runs it, recording for autograd; the backward is the
   forward-and-backward time minus that.
 - "roofline": the roofline of a device preset (`graphpipe.planning.devices`, `preset`), aware of the
@@ -25,17 +27,23 @@ shapes, the micro-batch size, the device, the settings and the torch version, so
 model twice profiles it once.
 
     prof = profile(gm, example_inputs, micro_batch_size=8, config=ProfileConfig(mode="measure"))
+
+Measured times carry the machine's noise, so two plans of one model may differ; pass
+`ProfileConfig(mode="flops")` where a plan must be the same on every run (tests, pinned
+plans). A measured profile of a tiny model takes milliseconds (GPT-2 with 2 layers of width
+16, 133 ops: about 20 ms on one CPU core at the default warmup and repeats).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +53,11 @@ from torch.utils._pytree import tree_flatten
 
 from graphpipe.errors import ConfigError
 from graphpipe.planning.devices import DEVICES, device_preset, roofline
-from graphpipe.tracing.annotate import TensorSpec, has_float_output, trace_info
+from graphpipe.tracing.annotate import TensorSpec, has_float_output, is_meta, trace_info
 
-__all__ = ["VIEWS", "NodeTime", "Profile", "ProfileConfig", "profile"]
+__all__ = ["VIEWS", "NodeTime", "Profile", "ProfileConfig", "model_device", "profile", "resolved"]
 
-MODES = ("flops", "measure", "roofline")
+MODES = ("auto", "flops", "measure", "roofline")
 # ops that alias or describe their input without a kernel: free under the roofline
 VIEWS = frozenset(
     {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand",
@@ -66,13 +74,15 @@ Log = Callable[[str], None]
 class ProfileConfig:
     """How to obtain per-node times."""
 
-    mode: str = "flops"  # "flops" (estimate), "measure" (time every node) or "roofline"
-    device: str = "cpu"  # where "measure" runs; recorded either way
+    # "auto" (measure, or flops on the meta device), "flops" (estimate), "measure" (time
+    # every node) or "roofline"
+    mode: str = "auto"
+    device: str | None = None  # where "measure" runs; None: the model's own device
     preset: str = "a100"  # "roofline": the device preset (graphpipe.planning.devices.DEVICES)
     device_flops: float = 50e12  # FLOP/s the estimate assumes
     node_overhead: float = 2e-6  # seconds per node and pass the estimate adds
-    warmup: int = 2  # untimed runs before measuring
-    repeats: int = 5  # timed runs; the median is kept
+    warmup: int = 1  # untimed runs before measuring
+    repeats: int = 3  # timed runs; the median is kept
     cache_dir: str | None = None  # where measured profiles are cached; None disables the cache
 
     def __post_init__(self) -> None:
@@ -133,7 +143,8 @@ def profile(
         gm: A graph made by `graphpipe.tracing.tracer`.
         example_inputs: The inputs it was traced with (dim 0 is the batch).
         micro_batch_size: Samples per micro-batch to profile for.
-        config: How to profile; the FLOP estimate by default.
+        config: How to profile; by default measured on the model's device, or for a model
+            on the meta device estimated from FLOPs (`resolved`).
         log: Called with progress lines while measuring (e.g. `print`).
 
     Returns:
@@ -149,7 +160,7 @@ def profile(
         >>> prof.times["linear"].forward > 0
         True
     """
-    config = config or ProfileConfig()
+    config = resolved(gm, example_inputs, config or ProfileConfig())
     trace_info(gm)
     if micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -157,7 +168,7 @@ def profile(
         return _estimate(gm, micro_batch_size, config)
     if config.mode == "roofline":
         return _roofline(gm, micro_batch_size, config)
-    if any(x.device.type == "meta" for x in example_inputs):
+    if config.device == "meta":
         raise ConfigError(
             "cannot measure a model on the meta device (e.g. a paper preset): "
             "profile it with mode='flops' (graphpipe plan --profile flops)"
@@ -170,6 +181,36 @@ def profile(
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(result.to_json())
     return result
+
+
+def resolved(
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: ProfileConfig
+) -> ProfileConfig:
+    """`config` with its mode and device decided: device None becomes the model's device
+    (`model_device`); mode "auto" becomes "flops" on the meta device, else "measure".
+
+    Example:
+        >>> from graphpipe.tracing.tracer import trace
+        >>> gm = trace(torch.nn.Linear(4, 4, device="meta"), torch.randn(2, 4, device="meta"))
+        >>> c = resolved(gm, (), ProfileConfig())
+        >>> c.mode, c.device
+        ('flops', 'meta')
+    """
+    device = config.device or model_device(gm, example_inputs)
+    mode = config.mode
+    if mode == "auto":
+        mode = "flops" if device == "meta" else "measure"
+    return replace(config, mode=mode, device=device)
+
+
+def model_device(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor] = ()) -> str:
+    """ "meta" if any parameter or buffer is on the meta device, else the device of the
+    model's first parameter or buffer, else of its first example input, else "cpu"."""
+    if is_meta(gm):
+        return "meta"
+    tensors = itertools.chain(gm.parameters(), gm.buffers(), example_inputs)
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    return "cpu" if first is None else str(first.device)
 
 
 def _is_compute(node: fx.Node) -> bool:
@@ -190,7 +231,7 @@ def _estimate(gm: fx.GraphModule, b: int, config: ProfileConfig) -> Profile:
         fwd = node.meta.get("gp_flops", 0) * b / config.device_flops + config.node_overhead
         bwd = 2 * (fwd - config.node_overhead) + config.node_overhead if _on_grad_path(node) else 0
         times[node.name] = NodeTime(fwd, bwd)
-    return Profile(b, "flops", config.device, times)
+    return Profile(b, "flops", str(config.device), times)
 
 
 def _roofline(gm: fx.GraphModule, b: int, config: ProfileConfig) -> Profile:
@@ -379,7 +420,7 @@ def _measure(
     config: ProfileConfig,
     log: Log,
 ) -> Profile:
-    device = torch.device(config.device)
+    device = torch.device(str(config.device))
     local = copy.deepcopy(gm).to(device)
     inputs = [_randomise(resize_batch(x.to(device), b)) for x in example_inputs]
     recorder = _Recorder(local)

@@ -223,6 +223,7 @@ class RunSpec:
             plan=given,
             plan_options=MappingProxyType(
                 _planner_defaults(options, precision, weights, resolved, mesh is not None or dp > 1)
+                | _layout_defaults(options, schedule, resolved, compile_stages, mesh, dp)
             ),
             devices=devices,
             leaf_modules=tuple(leaf_modules),
@@ -399,6 +400,28 @@ def _planner_defaults(
         options.setdefault("placement", placement)
         options.setdefault("virtual_stages", 2)
     return options
+
+
+def _layout_defaults(
+    options: dict[str, Any],
+    schedule: str | None,
+    resolved: str,
+    compile_stages: bool,
+    mesh: DeviceMesh | None,
+    dp: int,
+) -> dict[str, Any]:
+    """What the planner's layout choice (`planning.layouts`) must respect, unless the options
+    say otherwise: the schedule named (or the weight policy's), no zero-bubble schedule with
+    compile_stages, one stage per device under a mesh (a weight tied across two stages of
+    one rank is refused there)."""
+    out: dict[str, Any] = {}
+    if schedule is not None or resolved != DEFAULT_SCHEDULE:
+        out["schedule"] = options.get("schedule", resolved)
+    if compile_stages:
+        out["split_backward"] = options.get("split_backward", False)
+    if mesh is not None or dp > 1:
+        out["layouts"] = options.get("layouts", ("one",))
+    return out
 
 
 def _load_plan(plan: Plan | str | Path) -> Plan:

@@ -31,6 +31,8 @@ from typing import Any
 from graphpipe.errors import ConfigError, GraphPipeError
 from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan, schedule_names, schedule_spec
 from graphpipe.ir.cost import LinkModel
+from graphpipe.ir.plan import layout_lines
+from graphpipe.planning.layouts import LAYOUTS
 from graphpipe.planning.partition import PlanConfig, micro_batch_size, partition
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.runtime.checkpoint import export_checkpoint
@@ -99,11 +101,14 @@ def _plan_parser(commands: Any) -> None:
     )
     plan.add_argument(
         "--profile",
-        choices=("flops", "measure"),
-        default="flops",
-        help="op times from FLOPs (fast) or measured on --device",
+        choices=("auto", "flops", "measure"),
+        default="auto",
+        help="op times measured on --device, or from FLOPs (fast, the same every run); "
+        "auto (default): measured, from FLOPs for a model on the meta device (--preset paper)",
     )
-    plan.add_argument("--device", default="cpu", help="device to measure on (default: cpu)")
+    plan.add_argument(
+        "--device", default=None, help="device to measure on (default: the model's own)"
+    )
     plan.add_argument(
         "--bandwidth",
         type=float,
@@ -138,9 +143,11 @@ def _plan_parser(commands: Any) -> None:
     )
     plan.add_argument(
         "--schedule",
-        default=DEFAULT_SCHEDULE,
+        default=None,
         choices=(*sorted(TRAINING), "best"),
-        help=f"schedule to simulate (default {DEFAULT_SCHEDULE}; best: the fastest flushed one)",
+        help="schedule to run; the graph plan considers only the layouts it runs (default: "
+        f"the planner's, with the layout it chose: {DEFAULT_SCHEDULE} on one stage per "
+        "device; best: the fastest flushed one on one stage per device)",
     )
     plan.add_argument(
         "--timeline",
@@ -401,6 +408,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     prof = _timed(
         f"profiled ({args.profile})", lambda: profile(gm, w.example_inputs, b, prof_cfg, log=_log)
     )
+    named = None if args.schedule in (None, "best") else args.schedule
     kinds = ("graph", "sequential") if args.partitioner == "both" else (args.partitioner,)
     plans: dict[str, Plan] = {}
     for kind in kinds:
@@ -413,6 +421,8 @@ def _plan_command(args: argparse.Namespace) -> int:
             replication=not args.no_replication,
             interleave=args.interleave and kind == "graph",
             dp=args.dp,
+            schedule=named,
+            layouts=("one",) if args.schedule == "best" else LAYOUTS,
         )
         plans[kind] = _timed(
             f"{kind} plan searched", functools.partial(partition, gm, prof, config)
@@ -422,7 +432,9 @@ def _plan_command(args: argparse.Namespace) -> int:
     for kind, plan in plans.items():
         name, run = best_schedule(plan, args.schedule)
         runs[kind] = run
-        print(f"\n{plan_summary(plan)}\n{plan_table(plan, modules)}")
+        layouts = "".join(f"\n{line}" for line in layout_lines(plan.info.get("layouts")))
+        print(f"\n{plan_summary(plan)}\nop costs: {plan.costs}{layouts}")
+        print(plan_table(plan, modules))
         print(f"\n{schedule_summary(name, run)}\n{schedule_table(plan, run)}")
         _write_timeline(args, kind, run, several=len(plans) > 1)
     if len(plans) == 2:
@@ -441,10 +453,12 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def best_schedule(plan: Plan, name: str) -> tuple[str, SimResult]:
-    """Simulate `name` on `plan`; "best" tries every flushed schedule and keeps the fastest.
-    A plan whose devices hold several stages runs graph_interleaved unless `name` is one of
-    the placed schedules."""
+def best_schedule(plan: Plan, name: str | None) -> tuple[str, SimResult]:
+    """Simulate `name` on `plan`; "best" tries every flushed schedule and keeps the fastest;
+    None: the schedule the planner chose with the plan's layout (`planning.layouts`), else
+    1f1b. A plan whose devices hold several stages runs graph_interleaved unless `name` (or
+    the planner's choice) is one of the placed schedules."""
+    name = name or plan.info.get("layouts", {}).get("schedule") or DEFAULT_SCHEDULE
     names = FLUSHED if name == "best" else [name]
     if plan.shared_devices() and (name == "best" or not schedule_spec(name).folds_chain):
         names = [ANY_PLACEMENT]

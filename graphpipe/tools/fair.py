@@ -284,6 +284,7 @@ def _plans(
                     replication=variant[0],
                     objective=variant[1],
                     dp=k,
+                    layouts=("one",),  # one stage per device on both sides, as the paper's
                 )
                 try:
                     plan = partition_mesh(
