@@ -72,6 +72,42 @@ def test_a_model_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "graph plan:" in capsys.readouterr().out
 
 
+MLP_FILE = """
+import torch
+from torch import nn
+from graphpipe.tools.workload import Workload
+
+def make(preset, **options):
+    blocks = [nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)) for _ in range(4)]
+    x = torch.randn(8, 32)
+    return Workload(
+        "mlp", nn.Sequential(*blocks), (x,), lambda out, y: out.pow(2).mean(),
+        lambda: ((torch.randn(8, 32),), None), micro_batches=2,
+    )
+"""
+
+
+def test_plan_with_tensor_parallelism(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp 2 with a plan of Megatron's MLP split: a tp mesh in the summary and the plan, the
+    split layers' parameter bytes halved."""
+    source = tmp_path / "mlp.py"
+    source.write_text(MLP_FILE)
+    argv = ["plan", f"{source}:make", "--devices", "2", "--partitioner", "graph"]
+    assert main([*argv, "--json", str(tmp_path / "tp1.json")]) == 0
+    split = '{"*.0": "colwise", "*.2": "rowwise"}'
+    argv = [*argv[:3], "4", *argv[4:], "--tp", "2", "--tp-plan", split]
+    assert main([*argv, "--json", str(tmp_path / "tp2.json")]) == 0
+    assert "tp 2, dp and tp uniform over the stages" in capsys.readouterr().out
+    whole, halved = (Plan.from_json((tmp_path / f).read_text()) for f in ("tp1.json", "tp2.json"))
+    assert halved.cost_model.tp.degree == 2 and whole.cost_model.tp.degree == 1
+    bias = 32 * 4 * 4  # the row-wise layers' biases stay whole
+    params = sum(s.param_bytes for s in whole.stages)
+    assert sum(s.param_bytes for s in halved.stages) == pytest.approx((params - bias) / 2 + bias)
+
+
+TP_MMT = ["plan", "models.mmt", "--preset", "tiny", "--devices", "4", "--tp", "2"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -86,6 +122,14 @@ def test_a_model_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
             "data_parallel=8 does not divide a micro-batch of 4 rows",
         ),
         (["plan", "models.mmt", "--preset", "huge", "--devices", "2"], "'huge'"),
+        (
+            TP_MMT,
+            "MultiModalTransformer has no base_model_tp_plan",
+        ),
+        (
+            [*TP_MMT, "--tp-plan", '{"head.nope": "colwise"}'],
+            "tp_plan entries ['head.nope'] match no module",
+        ),
         (
             ["plan", "models.mmt", "--preset", "tiny", "--devices", "2", "-m", "3"],
             "batch of 8 does not split into 3",

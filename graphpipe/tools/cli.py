@@ -6,6 +6,7 @@
     graphpipe plan models.nbranch --devices 8 --schedule zb --timeline zb.svg --trace zb.json
     graphpipe plan models.mmt --devices 16 --dp 2             pp 8 x dp 2 (FSDP over dp)
     graphpipe plan models.mmt --devices 16 --dp auto          the planner chooses pp x dp
+    graphpipe plan models.mmt --devices 8 --tp 2 --tp-plan '{"*.fc1": "colwise", ...}'
     graphpipe run models.mmt --devices 2                      train it on 2 local processes
     graphpipe run models.mmt --devices 4 --dp 2               pp 2 x dp 2 on 4 local processes
     graphpipe run models.mmt --devices 2 --checkpoint-every 10 --resume auto
@@ -36,6 +37,7 @@ from graphpipe.planning.layouts import LAYOUTS
 from graphpipe.planning.partition import PlanConfig, micro_batch_size, partition
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.runtime.checkpoint import export_checkpoint
+from graphpipe.runtime.tp import resolve_tp_plan
 from graphpipe.scheduling.simulate import SimResult, simulate
 from graphpipe.tools.render import render, side_by_side
 from graphpipe.tools.report import (
@@ -124,6 +126,22 @@ def _plan_parser(commands: Any) -> None:
         metavar="K|auto",
         help="data-parallel degree of the (pp, dp) mesh: every stage sharded over K ranks, "
         "pp = devices / K; 'auto' tries every K and keeps the fastest (default: 1)",
+    )
+    plan.add_argument(
+        "--tp",
+        type=_positive,
+        default=1,
+        metavar="T",
+        help="tensor-parallel degree: every stage's planned layers split over T ranks, "
+        "pp = devices / (dp x T) (default: 1)",
+    )
+    plan.add_argument(
+        "--tp-plan",
+        type=_tp_plan,
+        default=None,
+        metavar="JSON",
+        help='with --tp: {"module path": "colwise" | "rowwise"} ("*" one path component; '
+        "default: the model's own base_model_tp_plan)",
     )
     plan.add_argument(
         "--interleave",
@@ -372,6 +390,30 @@ def _dp_degree(text: str) -> int | str:
     return k
 
 
+def _positive(text: str) -> int:
+    """A positive int argument."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def _tp_plan(text: str) -> dict[str, str]:
+    """--tp-plan's value: a JSON object of module path -> style."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--tp-plan is not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise argparse.ArgumentTypeError(
+            f'--tp-plan takes {{"module path": "colwise" | "rowwise"}}, got {text!r}'
+        )
+    return value
+
+
 def _dp_ranks(text: str) -> int:
     """run --dp's value: a positive int (compile takes no "auto": plan with --dp auto)."""
     k = _dp_degree(text)
@@ -421,6 +463,8 @@ def _plan_command(args: argparse.Namespace) -> int:
             replication=not args.no_replication,
             interleave=args.interleave and kind == "graph",
             dp=args.dp,
+            tp=args.tp,
+            tp_plan=resolve_tp_plan(w.model, args.tp_plan) if args.tp > 1 else None,
             schedule=named,
             layouts=("one",) if args.schedule == "best" else LAYOUTS,
         )

@@ -101,11 +101,12 @@ def plan_summary(plan: Plan) -> str:
 
 
 def _mesh_summary(plan: Plan) -> str:
-    """ "; mesh pp 8 x dp 2 (sharded)", and what bound the other degrees when chosen."""
+    """ "; mesh pp 8 x dp 2 (sharded), tp 2", and what bound the other degrees when chosen."""
     mesh = plan.info.get("mesh", {})
-    if plan.cost_model.dp.degree == 1 and "summary" not in mesh:
+    dp, tp = plan.cost_model.dp.degree, plan.cost_model.tp.degree
+    if dp == 1 and tp == 1 and "summary" not in mesh:
         return ""
-    text = f"; mesh pp {plan.num_devices} x {plan.mesh}, dp uniform over the stages"
+    text = f"; mesh pp {plan.num_devices} x {plan.mesh}, dp and tp uniform over the stages"
     if "summary" in mesh:
         text += f"; chosen: {mesh['summary']}"
     return text
