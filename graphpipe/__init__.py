@@ -46,7 +46,7 @@ from graphpipe.ir import Plan, Schedule
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.checkpoint import export_checkpoint
 from graphpipe.runtime.launch import launch
-from graphpipe.runtime.resume import Checkpoints, latest
+from graphpipe.runtime.resume import Checkpoints, latest, saved_plan
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tools.render import render
@@ -73,6 +73,7 @@ __all__ = [
     "make_schedule",
     "plan",
     "render",
+    "saved_plan",
     "simulate",
     "trace",
 ]

@@ -26,6 +26,7 @@ from graphpipe.ir.cost import weight_copies
 from graphpipe.planning.partition import plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
+from graphpipe.runtime.resume import saved_plan
 from graphpipe.runtime.stage import OUTPUT, build_stage, model_output
 from graphpipe.runtime.sync import GradSync
 from graphpipe.runtime.weights import PolicyOptions, make_policy
@@ -319,11 +320,13 @@ def test_the_simulator_counts_the_same_weight_copies() -> None:
 def _resume_worker(
     policy: str, options: PolicyOptions | None, path: str
 ) -> list[dict[str, torch.Tensor]]:
-    """Two calls, a checkpoint, two more; and a fresh pipeline resumed from the checkpoint."""
+    """Two calls, a checkpoint, two more; and a fresh pipeline resumed from the checkpoint,
+    compiled with the plan the checkpoint was saved under (`graphpipe.saved_plan`), as a
+    restarted run whose plan would be measured anew does."""
     name = "skip_across"
     mbs = mini_batches(name)
 
-    def build() -> Any:
+    def build(the_plan: Plan) -> Any:
         model, _ = ZOO[name]()
         return gp_compile(
             model,
@@ -332,16 +335,16 @@ def _resume_worker(
             optimizer=OPTIMIZERS["adam"],
             weights=policy,
             weight_options=options,
-            plan=_plan(name),
+            plan=the_plan,
         )
 
-    first = build()
+    first = build(_plan(name))
     for x, y in mbs[:2]:
         first.step(*x, target=y)
     first.save(path)
     for x, y in mbs[2:4]:
         first.step(*x, target=y)
-    second = build()
+    second = build(saved_plan(Path(path)))
     second.load(path)
     for x, y in mbs[2:4]:
         second.step(*x, target=y)

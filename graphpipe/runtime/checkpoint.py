@@ -482,7 +482,9 @@ def _restore_policy(
     if set(state) != {"version"}:
         raise ConfigError(
             f"the {pm.weights} policy keeps per-stage state ({sorted(set(state) - {'version'})})"
-            " that cannot be resharded: resume it under the plan it was saved with"
+            " that cannot be resharded: resume it under the plan it was saved with, "
+            "compile(..., plan=graphpipe.saved_plan(path)) (plans made from measured op times "
+            "may differ from run to run)"
         )
     policy.version = int(state["version"])
 

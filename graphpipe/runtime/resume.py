@@ -13,7 +13,12 @@
 Under `torchrun --max-restarts=K`, a rank that dies restarts the whole group; each new
 process runs the script from the top, `resume` loads the last complete checkpoint, and the
 run goes on from its step: with the data a function of the step and a flushed weight policy,
-it ends with the parameters an uninterrupted run ends with, bit for bit.
+it ends with the parameters an uninterrupted run ends with, bit for bit. The restarted
+process plans again; a flushed policy's checkpoint loads under any plan (resharded by name),
+but an asynchronous policy's per-stage state loads only under the plan it was saved with,
+and plans made from measured op times (the default) may differ from run to run: compile
+such a run with `plan=graphpipe.saved_plan(graphpipe.latest(root))` when there is one
+(`graphpipe run --resume auto` does).
 
 Removal is by rename first (`step-N` -> `step-N.deleting`), so a kill during it leaves either
 a whole checkpoint or a name `latest` never reads; leftovers of killed saves and removals
