@@ -242,7 +242,8 @@ class Executor:
         assert a.mb is not None
         mb = self._mb(a.stage, a.mb)
         pending = mb.forward_recvs if a.kind.direction == "F" else mb.backward_recvs
-        mb.arrived.extend((i, self.transport.wait(p)) for i, p in pending)
+        arrived = self.transport.wait_all([p for _, p in pending])
+        mb.arrived.extend((i, tensors) for (i, _), tensors in zip(pending, arrived, strict=True))
         pending.clear()
 
     # -- communication ------------------------------------------------------------------------
