@@ -19,6 +19,9 @@ they bound, not split, what each costs. CPU ms: the busiest rank's median CPU ti
 (`time.process_time`, every thread of the process), which other jobs on the machine disturb
 less than the wall time.
 
+A last line times one wait handed to the watch's waiter thread (`graphpipe.runtime.failures`),
+alone and as one of 32 handed over together.
+
 With `--profile DIR`, every rank runs its timed steps under cProfile and writes
 `DIR/<costs>-<schedule>-rank<r>.prof` (read with `python -m pstats`).
 """
@@ -48,6 +51,7 @@ from graphpipe.ir import Action, Plan
 from graphpipe.ir.program import Comm, Program
 from graphpipe.planning.partition import plan as make_plan
 from graphpipe.runtime.emulate import Emulate
+from graphpipe.runtime.failures import FailureBoard, Watch
 from graphpipe.runtime.launch import launch
 from graphpipe.scheduling.simulate import simulate
 
@@ -148,6 +152,29 @@ def _worker(
     return out
 
 
+def handoff() -> tuple[float, float]:
+    """Seconds per wait handed to the watch's waiter thread for a call already complete:
+    alone (`Watch.wait`), and as one of 32 handed over together (`Watch.wait_each`, as a
+    step's sends are); the best of 5 rounds, in one process on a board with no store."""
+    watch = Watch(FailureBoard(0, 1, None), 60.0)
+
+    def done() -> int:
+        return 1
+
+    def best(run: Any, waits: int, rounds: int = 5) -> float:
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - start) / waits)
+        return min(times)
+
+    alone = best(lambda: [watch.wait(done, [1], "a send") for _ in range(2000)], 2000)
+    batch = [(done, [1], "a send")] * 32
+    together = best(lambda: [watch.wait_each(batch) for _ in range(100)], 3200)
+    return alone, together
+
+
 def rows(ranks: int, steps: int, profile: str | None) -> list[list[str]]:
     """One row per setting and schedule."""
     plans = {c: {p: timed_plan(ranks, c, p) for p in (None, "loop", "v")} for c in COSTS}
@@ -184,6 +211,7 @@ def rows(ranks: int, steps: int, profile: str | None) -> list[list[str]]:
 
 def report(ranks: int = 4, steps: int = 10, profile: str | None = None) -> str:
     """The table as a markdown section."""
+    alone, together = handoff()
     return (
         "## Runtime overhead per action and per message, emulated ranks\n\n"
         f"{machine()}\n\nCommand: `python -m benchmarks.overhead --ranks {ranks} --steps "
@@ -195,7 +223,9 @@ def report(ranks: int = 4, steps: int = 10, profile: str | None = None) -> str:
         "action / per message: (measured - simulated) over them; CPU ms: the busiest rank's "
         "median CPU time per step, all its threads.\n\n"
         + tabulate(rows(ranks, steps, profile), headers=HEADERS, tablefmt="github")
-        + "\n"
+        + f"\n\nA wait handed to the watch's waiter thread (`graphpipe.runtime.failures`), "
+        f"for a call already complete: {alone * 1e6:.1f} us alone, {together * 1e6:.1f} us "
+        "each when 32 are handed over together (`Watch.wait_each`, as a step's sends are).\n"
     )
 
 

@@ -288,24 +288,25 @@ class Watch:
 
     def __init__(self, board: FailureBoard, timeout: float) -> None:
         self.board, self.timeout = board, timeout
-        self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[list[_Call]] = queue.SimpleQueue()
         # a daemon thread: a wait abandoned after a failure never holds the process's exit
         threading.Thread(target=self._waiter, daemon=True, name="graphpipe-wait").start()
 
     def _waiter(self) -> None:
         while True:
-            call = self._calls.get()
-            try:
-                if not call.dropped:
-                    call.result = call.fn()
-            except BaseException as exc:
-                call.error = exc
-            call.done.release()
+            for call in self._calls.get():
+                try:
+                    if not call.dropped:
+                        call.result = call.fn()
+                except BaseException as exc:
+                    call.error = exc
+                call.done.release()
 
-    def _submit(self, fn: Callable[[], Any]) -> _Call:
-        call = _Call(fn)
-        self._calls.put(call)
-        return call
+    def _submit(self, fns: Sequence[Callable[[], Any]]) -> list[_Call]:
+        """Hand `fns` to the waiter thread as one item (one wake-up), to run in order."""
+        calls = [_Call(fn) for fn in fns]
+        self._calls.put(calls)
+        return calls
 
     @property
     def rank(self) -> int:
@@ -322,18 +323,19 @@ class Watch:
                 that block the wait are named), or `call` failed (a peer closed its
                 connection: it died). The error is posted before it is raised.
         """
-        return self._outcome(self._submit(call), peers, what, timeout)
+        return self._outcome(self._submit([call])[0], peers, what, timeout)
 
     def wait_each(self, waits: Sequence[tuple[Callable[[], T], Sequence[int], str]]) -> list[T]:
         """Several waits `(call, peers, what)`, one after the other, each as `wait` runs it
-        (its own timeout, its own error); handed to the waiter thread at once, so that it
-        runs them back to back: one thread switch for those already complete, not two each.
+        (its own timeout, its own error); handed to the waiter thread at once, as one item, so
+        that it runs them back to back: one wake-up for all, and no thread switch for those
+        complete when the caller comes to them.
 
         Raises:
             PipelineError: as `wait`, for the first that fails; the waits after it are
                 dropped (those the waiter thread has not begun are not run).
         """
-        calls = [self._submit(call) for call, _, _ in waits]
+        calls = self._submit([call for call, _, _ in waits])
         done = []
         try:
             for call, (_, peers, what) in zip(calls, waits, strict=True):
