@@ -16,10 +16,10 @@ death of a rank that could not post its own. Under env:// without a launcher's s
 0 as dead, not the peer that stopped after it; and rank 0, when it fails, waits after its post
 until the others have posted theirs (`linger`), so that its post reaches them.
 
-Every wait of a rank (a receive, a send's completion, a collective) goes through `Watch.wait`:
-the blocking call runs on a waiter thread while this thread polls the board, so a failure
-anywhere stops every other rank at once with a `PipelineError` of kind ECHO that quotes the
-first cause (`origin`, `cause`, `quoted`).
+Every wait of a rank (a receive, a send's completion, a collective) goes through `Watch.wait`
+(several at once through `Watch.wait_each`): the blocking call runs on a waiter thread while
+this thread polls the board, so a failure anywhere stops every other rank at once with a
+`PipelineError` of kind ECHO that quotes the first cause (`origin`, `cause`, `quoted`).
 `RuntimeConfig.timeout` bounds each wait. A timeout is diagnosed by following who waits for
 whom on the board: the ranks at the end of that chain, which wait for nobody and posted nothing,
 are the ones named (busy or stalled), so no rank blames a live neighbour that is itself waiting.
