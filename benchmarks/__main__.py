@@ -1,6 +1,6 @@
 """Run every benchmark and write BENCHMARKS.md (and the convergence plot) at the top level.
 
-python -m benchmarks            # or: tox -e bench   (about 38 minutes on 2 cores)
+python -m benchmarks            # or: tox -e bench   (about 39 minutes on 2 cores)
 
 A section's figures are generated; the notes a developer wrote under them (what the figures
 mean against the targets) follow the line `NOTES` and are kept when the figures are
@@ -19,6 +19,7 @@ from benchmarks import (
     fair,
     interleave,
     mesh,
+    overhead,
     peers,
     planner,
     real_models,
@@ -70,6 +71,7 @@ def main() -> int:
         ("real-model planning", real_models.report),
         ("runtime", runtime.report),
         ("peers", lambda: peers.report([4], 3)),
+        ("runtime overhead", overhead.report),
         ("graph interleaving", interleave.report),
         ("convergence", lambda: convergence.report(root / "benchmarks")),
         ("shape-changing batches", shapes.report),

@@ -211,6 +211,21 @@ def test_a_collectives_own_error_is_raised_with_its_peers() -> None:
     assert str(e) == "rank 0, the all-reduce of the loss, peer rank 1,2: RuntimeError: shapes"
 
 
+def test_waits_handed_over_together_return_in_order_and_each_fails_as_itself() -> None:
+    watch = _watch(0, _board())
+    waits = [(lambda k=k: k, [1], f"action {k}") for k in range(5)]
+    assert watch.wait_each(waits) == [0, 1, 2, 3, 4]
+
+    def refused() -> None:
+        raise RuntimeError("shapes")
+
+    waits = [(lambda: None, [1], "action 0SF0>1"), (refused, [2], "action 0SF1>2")]
+    with pytest.raises(PipelineError) as err:
+        watch.wait_each(waits)
+    assert (err.value.kind, err.value.peers) == (FailureKind.RAISED, (2,))
+    assert str(err.value) == "rank 0, action 0SF1>2, peer rank 2: RuntimeError: shapes"
+
+
 def test_a_refused_input_is_posted_as_bad_input_and_echoed_as_such() -> None:
     store = _board()
     _watch(1, store).post_error("step", ConfigError("loss_fn returned a [2, 4] tensor"))

@@ -254,7 +254,15 @@ class Transport:
     def wait(self, pending: Pending) -> list[torch.Tensor]:
         """The received tensors, once they arrive (on CUDA: once the compute stream has been
         made to wait for them; the host does not block)."""
-        self._wait(pending.works, pending.peer, pending.what)
+        return self.wait_all([pending])[0]
+
+    def wait_all(self, pendings: Sequence[Pending]) -> list[list[torch.Tensor]]:
+        """`wait` for each of `pendings`, in order (their waits handed to the watch at once)."""
+        self._wait([(w, p.peer, p.what) for p in pendings for w in p.works])
+        return [self._arrived(p) for p in pendings]
+
+    def _arrived(self, pending: Pending) -> list[torch.Tensor]:
+        """A completed receive's tensors."""
         if pending.direct is not None:
             return [pending.direct]
         tensors = unpack(pending.buffer, pending.specs)
@@ -264,8 +272,8 @@ class Transport:
     def finish_sends(self) -> None:
         """Wait for every posted send; they hold their buffers until then."""
         sends, self._sends = self._sends, []
-        for works, peer, what, buffer, pooled in sends:
-            self._wait(works, peer, what)
+        self._wait([(w, peer, what) for works, peer, what, _, _ in sends for w in works])
+        for _, _, _, buffer, pooled in sends:
             if pooled:
                 self.buffers.give(buffer)
 
@@ -278,16 +286,20 @@ class Transport:
             head = f"rank {self.rank}, action {what}, peer rank {sorted(set(peers))}: "
             raise unwatched_error(head, self.rank, sorted(set(peers)), exc) from exc
 
-    def _wait(self, works: list[dist.Work], peer: int, what: str) -> None:
-        for work in works:
-            if self.device.type == "cuda":  # a stream dependency; the process group's own
-                work.wait()  # timeout and watchdog bound it
-                continue
+    def _wait(self, works: Sequence[tuple[dist.Work, int, str]]) -> None:
+        """Wait for each `(work, peer, action)` in order: on CUDA a stream dependency (the
+        process group's own timeout and watchdog bound it), else under the watch."""
+        if self.device.type == "cuda":
+            for work, _, _ in works:
+                work.wait()
+            return
+        if self.watch is not None:
             # gloo's own limit comes after the watch's, which diagnoses the timeout
             limit = datetime.timedelta(seconds=self.timeout + BACKSTOP)
-            if self.watch is not None:
-                self.watch.wait(functools.partial(work.wait, limit), [peer], f"action {what}")
-                continue
+            waits = [(functools.partial(w.wait, limit), [p], f"action {a}") for w, p, a in works]
+            self.watch.wait_each(waits)
+            return
+        for work, peer, what in works:
             try:
                 work.wait(datetime.timedelta(seconds=self.timeout))
             except RuntimeError as exc:

@@ -36,20 +36,21 @@ from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Action, ActionKind, Message, Plan, Span, sends
 from graphpipe.ir.program import Comm, Op
 from graphpipe.runtime import backward
-from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport, tag_for
+from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport
 from graphpipe.runtime.failures import action_failure
 from graphpipe.runtime.mesh import prepare_backward, reduce_gradients
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import Precision
+from graphpipe.runtime.routes import Route, Step, compiled
 from graphpipe.runtime.shapes import Lowered
 from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
-from graphpipe.runtime.sync import final_backwards
 from graphpipe.runtime.tp import tp_context, whole_tensor
 from graphpipe.runtime.weights import WeightPolicy
 
 __all__ = ["Batch", "Executor", "StageRuntime"]
 
 TOKEN: list[Spec] = [((1,), torch.uint8)]
+PROGRAMS_KEPT = 8  # resolved programs an executor keeps (training, evaluation, async calls)
 
 
 @dataclass
@@ -136,6 +137,8 @@ class Executor:
         self._is_final = False
         self.training = True
         self.nancheck = nancheck
+        self._compiled: dict[int, tuple[Sequence[Op], list[Step]]] = {}
+        self._owed: dict[tuple[int, int], int] = {}  # (stage, j) -> gradient sends of its B
         self._handlers: dict[str, Callable[[Action, Batch], None]] = {
             "F": self._forward,
             "B": self._backward,
@@ -157,21 +160,21 @@ class Executor:
 
     def _run(self, ops: Sequence[Op], batch: Batch) -> None:
         self._note_shapes(batch)
-        finals = final_backwards(ops)
-        for i, op in enumerate(ops):
-            self._is_final = i in finals
+        for step in self._steps(ops):
+            op = step.op
+            self._is_final = step.final
             try:
                 if isinstance(op, Comm):
                     start = time.perf_counter()
-                    self._issue(op, batch)
+                    self._issue(step.routes, batch)
                     self._tick("post", start)
                     continue
-                if op.mb is not None and op.kind.communicates:
+                if step.awaits:
                     start = time.perf_counter()
                     self._await(op)  # waiting for peers is not part of the action's time
                     self._tick("wait", start)
                 start = time.perf_counter()
-                with torch.profiler.record_function(f"graphpipe::{op}"):
+                with torch.profiler.record_function(step.label):
                     self._handlers[op.kind](op, batch)
             except PipelineError:
                 raise  # posted where it was raised
@@ -181,10 +184,22 @@ class Executor:
             except Exception as exc:  # the stage's own error: posted, so no peer waits for it
                 raise self._failed(op, exc) from exc
             if self.record:
-                self.spans.append(Span(self.rank, str(op), start, time.perf_counter()))
+                self.spans.append(Span(self.rank, step.text, start, time.perf_counter()))
         start = time.perf_counter()
         self.transport.finish_sends()
         self._tick("wait", start)
+
+    def _steps(self, ops: Sequence[Op]) -> list[Step]:
+        """`ops` resolved (`graphpipe.runtime.routes`), once per program: a flushed schedule
+        runs the same one every call, an asynchronous one a few."""
+        known = self._compiled.get(id(ops))
+        if known is not None and known[0] is ops:
+            return known[1]
+        if len(self._compiled) >= PROGRAMS_KEPT:
+            self._compiled.clear()
+        steps = compiled(self.plan, self.rank, ops)
+        self._compiled[id(ops)] = (ops, steps)  # holding `ops` keeps its id from being reused
+        return steps
 
     def _note_shapes(self, batch: Batch) -> None:
         """Keep each micro-batch's shapes and share while it is in flight: an asynchronous
@@ -223,15 +238,6 @@ class Executor:
     def _mb(self, stage: int, j: int) -> _MicroBatch:
         return self.state.setdefault((stage, j), _MicroBatch())
 
-    def _edge(self, src: int, dst: int) -> tuple[int, Any]:
-        for i, e in enumerate(self.edges):
-            if e.src == src and e.dst == dst:
-                return i, e
-        raise PipelineError(f"no stage edge S{src}->S{dst} in the plan")
-
-    def _peer(self, stage: int, j: int) -> int:
-        return self.plan.stages[stage].device_for(j)
-
     def _specs(self, stage: int, names: Sequence[str], j: int) -> list[Spec]:
         lowered = self._lowered(j)
         specs = self.stages[stage].specs if lowered is None else lowered.specs
@@ -242,69 +248,53 @@ class Executor:
         assert a.mb is not None
         mb = self._mb(a.stage, a.mb)
         pending = mb.forward_recvs if a.kind.direction == "F" else mb.backward_recvs
-        mb.arrived.extend((i, self.transport.wait(p)) for i, p in pending)
+        arrived = self.transport.wait_all([p for _, p in pending])
+        mb.arrived.extend((i, tensors) for (i, _), tensors in zip(pending, arrived, strict=True))
         pending.clear()
 
     # -- communication ------------------------------------------------------------------------
 
-    def _issue(self, group: Comm, batch: Batch) -> None:
-        """Post every send and receive of `group` as one batch. A message between two stages
-        of this rank is a local copy, made before the batch's receives are read."""
-        local = [a for a in group.actions if self._peer(a.peer, a.mb) == self.rank]  # type: ignore[arg-type]
-        for a in local:
-            if a.kind.is_send:
-                out = self._outgoing(a)
-                self._mailbox[a.message] = [t.detach().clone() for t in out.tensors]
-        remote = [a for a in group.actions if a not in local]
-        outgoing = [self._outgoing(a) for a in remote if a.kind.is_send]
-        receives = [a for a in remote if a.kind.is_receive]
-        pending = self.transport.exchange(outgoing, [self._incoming(a) for a in receives])
-        for a, p in zip(receives, pending, strict=True):
-            mb = self._mb(a.stage, a.mb)  # type: ignore[arg-type]
-            (mb.forward_recvs if a.kind.direction == "F" else mb.backward_recvs).append(
-                (self._edge_of(a), p)
-            )
-        for a in local:
-            if a.kind.is_receive:
-                mb = self._mb(a.stage, a.mb)  # type: ignore[arg-type]
-                mb.arrived.append((self._edge_of(a), self._mailbox.pop(a.message)))
-        for a in group.actions:
-            if a.kind == ActionKind.SB:
-                assert a.mb is not None
-                self.state[(a.stage, a.mb)].sent_back += 1
-                self._forget_when_done(a.stage, a.mb)
+    def _issue(self, routes: Sequence[Route], batch: Batch) -> None:
+        """Post every send and receive of a communication group as one batch. A message
+        between two stages of this rank is a local copy, made before the batch's receives
+        are read."""
+        local = [r for r in routes if r.local]
+        for r in local:
+            if r.action.kind.is_send:
+                self._mailbox[r.message] = [t.detach().clone() for t in self._sent(r)]
+        remote = [r for r in routes if not r.local]
+        outgoing = [
+            Outgoing(self._sent(r) or [torch.zeros(1, dtype=torch.uint8)], r.peer, r.tag, r.what)
+            for r in remote
+            if r.action.kind.is_send
+        ]
+        receives = [r for r in remote if r.action.kind.is_receive]
+        pending = self.transport.exchange(outgoing, [self._incoming(r) for r in receives])
+        for r, p in zip(receives, pending, strict=True):
+            mb = self._mb(r.action.stage, r.message.mb)
+            forward = r.message.direction == "F"
+            (mb.forward_recvs if forward else mb.backward_recvs).append((r.edge, p))
+        for r in local:
+            if r.action.kind.is_receive:
+                mb = self._mb(r.action.stage, r.message.mb)
+                mb.arrived.append((r.edge, self._mailbox.pop(r.message)))
+        for r in routes:
+            if r.action.kind == ActionKind.SB:
+                stage, j = r.action.stage, r.message.mb
+                self.state[(stage, j)].sent_back += 1
+                self._forget_when_done(stage, j)
 
-    def _edge_of(self, a: Action) -> int:
-        """The index of the stage edge a receive is on."""
-        return self._edge(*a.message.edge)[0]
+    def _incoming(self, r: Route) -> Incoming:
+        """A remote receive, at its micro-batch's shapes."""
+        return Incoming(self._specs(r.action.stage, r.names, r.message.mb), r.peer, r.tag, r.what)
 
-    def _incoming(self, a: Action) -> Incoming:
-        assert a.mb is not None and a.peer is not None
-        if a.kind.direction == "F":
-            i, edge = self._edge(a.peer, a.stage)
-            specs = self._specs(a.stage, edge.tensors, a.mb)
-        else:
-            i, edge = self._edge(a.stage, a.peer)
-            specs = self._specs(a.stage, edge.grads, a.mb)
-        return Incoming(
-            specs, self._peer(a.peer, a.mb), tag_for(i, a.kind.direction == "B", a.mb), str(a)
-        )
-
-    def _outgoing(self, a: Action) -> Outgoing:
-        assert a.mb is not None and a.peer is not None
-        mb = self.state[(a.stage, a.mb)]
-        if a.kind.direction == "F":
-            i, edge = self._edge(a.stage, a.peer)
-            tensors = [mb.outputs[n].detach() for n in edge.tensors]
-        else:
-            i, edge = self._edge(a.peer, a.stage)
-            tensors = [_grad_or_zeros(mb.inputs[n]) for n in edge.grads]
-        return Outgoing(
-            tensors or [torch.zeros(1, dtype=torch.uint8)],
-            self._peer(a.peer, a.mb),
-            tag_for(i, a.kind.direction == "B", a.mb),
-            str(a),
-        )
+    def _sent(self, r: Route) -> list[torch.Tensor]:
+        """What a send carries: the stage's outputs forward, the gradients of its received
+        values backward."""
+        mb = self.state[(r.action.stage, r.message.mb)]
+        if r.message.direction == "F":
+            return [mb.outputs[n].detach() for n in r.names]
+        return [_grad_or_zeros(mb.inputs[n]) for n in r.names]
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -434,7 +424,9 @@ class Executor:
     def _forget_when_done(self, stage: int, j: int) -> None:
         """Drop micro-batch j once its backward ran and its gradients were sent back."""
         mb = self.state[(stage, j)]
-        owed = len(sends(self.plan, Action(stage, ActionKind.B, j)))
+        owed = self._owed.get((stage, j))
+        if owed is None:
+            owed = self._owed[(stage, j)] = len(sends(self.plan, Action(stage, ActionKind.B, j)))
         if mb.backward_done and mb.sent_back >= owed:
             del self.state[(stage, j)]
 

@@ -16,10 +16,10 @@ death of a rank that could not post its own. Under env:// without a launcher's s
 0 as dead, not the peer that stopped after it; and rank 0, when it fails, waits after its post
 until the others have posted theirs (`linger`), so that its post reaches them.
 
-Every wait of a rank (a receive, a send's completion, a collective) goes through `Watch.wait`:
-the blocking call runs on a waiter thread while this thread polls the board, so a failure
-anywhere stops every other rank at once with a `PipelineError` of kind ECHO that quotes the
-first cause (`origin`, `cause`, `quoted`).
+Every wait of a rank (a receive, a send's completion, a collective) goes through `Watch.wait`
+(several at once through `Watch.wait_each`): the blocking call runs on a waiter thread while
+this thread polls the board, so a failure anywhere stops every other rank at once with a
+`PipelineError` of kind ECHO that quotes the first cause (`origin`, `cause`, `quoted`).
 `RuntimeConfig.timeout` bounds each wait. A timeout is diagnosed by following who waits for
 whom on the board: the ranks at the end of that chain, which wait for nobody and posted nothing,
 are the ones named (busy or stalled), so no rank blames a live neighbour that is itself waiting.
@@ -29,7 +29,6 @@ On CUDA, waits are stream dependencies and the process group's timeout and watch
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 import queue
@@ -251,6 +250,34 @@ class FailureBoard:
         return sorted(r for r in ends if r not in posted), chain
 
 
+class _Call:
+    """A call handed to the waiter thread, and its outcome: `done` is held until it returns
+    or raises (a bare lock, lighter than a Future's condition)."""
+
+    __slots__ = ("done", "dropped", "error", "fn", "over", "result")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.over = False  # the caller has seen `done` released
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.dropped = False  # the caller gave up on it before it ran: not run
+
+    def ready(self, timeout: float) -> bool:
+        """Whether the call returned or raised, waiting up to `timeout` seconds for it."""
+        if not self.over:
+            self.over = self.done.acquire(timeout=timeout)
+        return self.over
+
+    def outcome(self) -> Any:
+        """What the call returned; what it raised is raised."""
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 class Watch:
     """Runs this rank's waits on a waiter thread and stops them when another rank fails.
 
@@ -261,23 +288,25 @@ class Watch:
 
     def __init__(self, board: FailureBoard, timeout: float) -> None:
         self.board, self.timeout = board, timeout
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
-        self._calls = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[list[_Call]] = queue.SimpleQueue()
         # a daemon thread: a wait abandoned after a failure never holds the process's exit
         threading.Thread(target=self._waiter, daemon=True, name="graphpipe-wait").start()
 
     def _waiter(self) -> None:
         while True:
-            call, future = self._calls.get()
-            try:
-                future.set_result(call())
-            except BaseException as exc:
-                future.set_exception(exc)
+            for call in self._calls.get():
+                try:
+                    if not call.dropped:
+                        call.result = call.fn()
+                except BaseException as exc:
+                    call.error = exc
+                call.done.release()
 
-    def _submit(self, call: Callable[[], T]) -> concurrent.futures.Future[T]:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._calls.put((call, future))
-        return future
+    def _submit(self, fns: Sequence[Callable[[], Any]]) -> list[_Call]:
+        """Hand `fns` to the waiter thread as one item (one wake-up), to run in order."""
+        calls = [_Call(fn) for fn in fns]
+        self._calls.put(calls)
+        return calls
 
     @property
     def rank(self) -> int:
@@ -294,29 +323,48 @@ class Watch:
                 that block the wait are named), or `call` failed (a peer closed its
                 connection: it died). The error is posted before it is raised.
         """
-        limit = self.timeout if timeout is None else timeout
-        future = self._submit(call)
+        return self._outcome(self._submit([call])[0], peers, what, timeout)
+
+    def wait_each(self, waits: Sequence[tuple[Callable[[], T], Sequence[int], str]]) -> list[T]:
+        """Several waits `(call, peers, what)`, one after the other, each as `wait` runs it
+        (its own timeout, its own error); handed to the waiter thread at once, as one item, so
+        that it runs them back to back: one wake-up for all, and no thread switch for those
+        complete when the caller comes to them.
+
+        Raises:
+            PipelineError: as `wait`, for the first that fails; the waits after it are
+                dropped (those the waiter thread has not begun are not run).
+        """
+        calls = self._submit([call for call, _, _ in waits])
+        done = []
         try:
-            return future.result(timeout=WAITING_AFTER)
-        except concurrent.futures.TimeoutError:
-            pass
+            for call, (_, peers, what) in zip(calls, waits, strict=True):
+                done.append(self._outcome(call, peers, what, None))
+        finally:
+            for call in calls[len(done) + 1 :]:
+                call.dropped = True
+        return done
+
+    def _outcome(self, call: _Call, peers: Sequence[int], what: str, timeout: float | None) -> Any:
+        """The outcome of the submitted `call`, waited for as `wait` says."""
+        limit = self.timeout if timeout is None else timeout
+        try:
+            if call.ready(WAITING_AFTER):
+                return call.outcome()
         except Exception as exc:
             raise self.failed(peers, what, exc) from exc
         self.board.set_waiting(peers, what)
         try:
-            return self._poll(future, peers, what, limit)
+            return self._poll(call, peers, what, limit)
         finally:
             self.board.clear_waiting()
 
-    def _poll(
-        self, future: concurrent.futures.Future[T], peers: Sequence[int], what: str, limit: float
-    ) -> T:
+    def _poll(self, call: _Call, peers: Sequence[int], what: str, limit: float) -> Any:
         deadline = time.monotonic() + limit - WAITING_AFTER
         while True:
             try:
-                return future.result(timeout=POLL)
-            except concurrent.futures.TimeoutError:
-                pass
+                if call.ready(POLL):
+                    return call.outcome()
             except Exception as exc:
                 raise self.failed(peers, what, exc) from exc
             other = self.board.first()

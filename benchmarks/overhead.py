@@ -1,0 +1,243 @@
+"""The runtime's own cost per action and per message, on emulated ranks.
+
+    python -m benchmarks.overhead                       # about 2 minutes on 2 cores
+    python -m benchmarks.overhead --profile prof/       # and each rank's cProfile, by schedule
+
+A chain of 2N layers on N = 4 emulated ranks (`graphpipe.runtime.emulate`), M = 8
+micro-batches of a 32-row batch, every schedule of issue 28 (gpipe, 1f1b, zb on one stage per
+rank; interleaved, zbv on two). Two layer costs:
+- zero: F = I = W = 0, so a step is nothing but the runtime's own work (posting and waiting
+  for messages, Python per action, autograd's bookkeeping, the optimizer step);
+- equal: F = I = W = 10 ms a layer (`benchmarks.peers`' setting), where a step is the order's
+  simulated step plus that work.
+Each figure is each rank's median of `--steps` steps (one warm-up, each step started by a
+barrier), the slowest rank. Overhead: the measured step minus the simulated step of the same
+order on the same plan (graphpipe's simulator; its links carry the emulated bytes, which take
+microseconds here). Per action: the overhead over the busiest rank's compute actions (F, B,
+I, W, U); per message: over its sends and receives. Both spread one total over two counts:
+they bound, not split, what each costs. CPU ms: the busiest rank's median CPU time per step
+(`time.process_time`, every thread of the process), which other jobs on the machine disturb
+less than the wall time.
+
+A last line times one wait handed to the watch's waiter thread (`graphpipe.runtime.failures`),
+alone and as one of 32 handed over together.
+
+With `--profile DIR`, every rank runs its timed steps under cProfile and writes
+`DIR/<costs>-<schedule>-rank<r>.prof` (read with `python -m pstats`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch import nn
+
+from benchmarks._common import log, machine
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.ir import Action, Plan
+from graphpipe.ir.program import Comm, Program
+from graphpipe.planning.partition import plan as make_plan
+from graphpipe.runtime.emulate import Emulate
+from graphpipe.runtime.failures import FailureBoard, Watch
+from graphpipe.runtime.launch import launch
+from graphpipe.scheduling.simulate import simulate
+
+M, BATCH, WIDTH = 8, 32, 16
+COSTS = {"zero": (0.0, 0.0, 0.0), "equal": (0.010, 0.010, 0.010)}  # F, I, W a layer, seconds
+SCHEDULES = {"gpipe": None, "1f1b": None, "zb": None, "interleaved": "loop", "zbv": "v"}
+HEADERS = [
+    "costs",
+    "schedule",
+    "stages",
+    "simulated ms",
+    "measured ms",
+    "/ simulated",
+    "CPU ms",
+    "actions",
+    "messages",
+    "per action ms",
+    "per message ms",
+]
+
+
+def _chain(layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+
+
+def timed_plan(ranks: int, costs: str, placement: str | None) -> Plan:
+    """The chain of 2N layers cut into N (or 2N, folded `placement`) stages, with the
+    setting's times."""
+    f, i, w = COSTS[costs]
+    layers = 2 * ranks
+    stages = ranks if placement is None else 2 * ranks
+    per = layers // stages
+    options: dict[str, Any] = {"virtual_stages": 2, "placement": placement} if placement else {}
+    pins = {str(k): k // per for k in range(layers)}
+    x = torch.randn(BATCH, WIDTH)
+    p = make_plan(_chain(layers), x, devices=ranks, micro_batches=M, pins=pins, **options)
+    timed = tuple(
+        replace(s, forward_time=per * f, backward_time=per * (i + w), time=per * (f + i + w))
+        for s in p.stages
+    )
+    return replace(p, stages=timed)
+
+
+def counts(program: Program) -> tuple[int, int]:
+    """The busiest rank's compute actions and messages (sends and receives)."""
+    actions = max(sum(isinstance(op, Action) for op in ops) for ops in program.ranks)
+    messages = max(
+        sum(len(op.actions) for op in ops if isinstance(op, Comm)) for ops in program.ranks
+    )
+    return actions, messages
+
+
+def _timed_steps(step: Any, steps: int, profile: Path | None) -> tuple[float, float]:
+    """This rank's median step over `steps` steps after one warm-up, each after a barrier,
+    and its median CPU seconds per step (every thread of the process: gloo's included)."""
+    step()
+    profiler = cProfile.Profile() if profile is not None else None
+    times, cpu = [], []
+    for _ in range(steps):
+        dist.barrier()
+        if profiler is not None:
+            profiler.enable()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step()
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+        if profiler is not None:
+            profiler.disable()
+    if profiler is not None and profile is not None:
+        profiler.dump_stats(str(profile))
+    return statistics.median(times), statistics.median(cpu)
+
+
+def _worker(
+    plans: dict[str, dict[str | None, Plan]], steps: int, profile: str | None
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every setting and schedule: this rank's median step and the program's counts."""
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for costs, by_placement in plans.items():
+        for name, placement in SCHEDULES.items():
+            p = by_placement[placement]
+            pm = gp_compile(
+                _chain(2 * dist.get_world_size()),
+                x,
+                loss_fn=F.mse_loss,
+                optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
+                schedule=name,
+                plan=p,
+                runtime=RuntimeConfig(timeout=120, emulate=Emulate()),
+            )
+            where = None
+            if profile is not None:
+                where = Path(profile) / f"{costs}-{name}-rank{dist.get_rank()}.prof"
+            step, cpu = _timed_steps(lambda pm=pm: pm.step(x, target=y), steps, where)
+            out[(costs, name)] = {"step": step, "cpu": cpu, "counts": counts(pm.program)}
+    return out
+
+
+def handoff() -> tuple[float, float]:
+    """Seconds per wait handed to the watch's waiter thread for a call already complete:
+    alone (`Watch.wait`), and as one of 32 handed over together (`Watch.wait_each`, as a
+    step's sends are); the best of 5 rounds, in one process on a board with no store."""
+    watch = Watch(FailureBoard(0, 1, None), 60.0)
+
+    def done() -> int:
+        return 1
+
+    def best(run: Any, waits: int, rounds: int = 5) -> float:
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - start) / waits)
+        return min(times)
+
+    alone = best(lambda: [watch.wait(done, [1], "a send") for _ in range(2000)], 2000)
+    batch = [(done, [1], "a send")] * 32
+    together = best(lambda: [watch.wait_each(batch) for _ in range(100)], 3200)
+    return alone, together
+
+
+def rows(ranks: int, steps: int, profile: str | None) -> list[list[str]]:
+    """One row per setting and schedule."""
+    plans = {c: {p: timed_plan(ranks, c, p) for p in (None, "loop", "v")} for c in COSTS}
+    if profile is not None:
+        Path(profile).mkdir(parents=True, exist_ok=True)
+    log(f"N={ranks}: {len(COSTS) * len(SCHEDULES)} runs")
+    results = launch(_worker, ranks, args=(plans, steps, profile), timeout=900)
+    table = []
+    for costs in COSTS:
+        for name, placement in SCHEDULES.items():
+            step = max(r[(costs, name)]["step"] for r in results)
+            cpu = max(r[(costs, name)]["cpu"] for r in results)
+            actions, messages = results[0][(costs, name)]["counts"]
+            ideal = simulate(plans[costs][placement], name).iteration_time
+            over = step - ideal
+            stages = f"{ranks}" if placement is None else f"{2 * ranks} ({placement})"
+            table.append(
+                [
+                    costs,
+                    name,
+                    stages,
+                    f"{ideal * 1e3:.1f}",
+                    f"{step * 1e3:.1f}",
+                    f"{step / ideal:.3f}" if ideal > 1e-3 else "-",
+                    f"{cpu * 1e3:.1f}",
+                    str(actions),
+                    str(messages),
+                    f"{over / actions * 1e3:.3f}",
+                    f"{over / messages * 1e3:.3f}",
+                ]
+            )
+    return table
+
+
+def report(ranks: int = 4, steps: int = 10, profile: str | None = None) -> str:
+    """The table as a markdown section."""
+    alone, together = handoff()
+    return (
+        "## Runtime overhead per action and per message, emulated ranks\n\n"
+        f"{machine()}\n\nCommand: `python -m benchmarks.overhead --ranks {ranks} --steps "
+        f"{steps}`. A chain of 2N layers on N = {ranks} ranks, M = {M}, batch {BATCH}; layer "
+        "costs (F, I, W) in ms: "
+        + ", ".join(f"{k} {tuple(round(t * 1e3) for t in v)}" for k, v in COSTS.items())
+        + f"; measured: each rank's median of {steps} steps, the slowest rank. Actions and "
+        "messages: the busiest rank's compute actions, and its sends and receives; per "
+        "action / per message: (measured - simulated) over them; CPU ms: the busiest rank's "
+        "median CPU time per step, all its threads.\n\n"
+        + tabulate(rows(ranks, steps, profile), headers=HEADERS, tablefmt="github")
+        + f"\n\nA wait handed to the watch's waiter thread (`graphpipe.runtime.failures`), "
+        f"for a call already complete: {alone * 1e6:.1f} us alone, {together * 1e6:.1f} us "
+        "each when 32 are handed over together (`Watch.wait_each`, as a step's sends are).\n"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile", default=None, help="a folder for each rank's cProfile")
+    args = parser.parse_args(argv)
+    print(report(args.ranks, args.steps, args.profile))
+
+
+if __name__ == "__main__":
+    main()
