@@ -113,3 +113,25 @@ def test_graphpipe_plan_prints_the_costs_and_the_layouts(capsys: pytest.CaptureF
     assert "layout: " not in capsys.readouterr().out  # 1f1b runs one stage per device only
     assert main(["plan", "models.nbranch", "--preset", "paper", "--devices", "2"]) == 0
     assert "op costs: FLOPs estimate" in capsys.readouterr().out  # a meta model
+
+
+class _Buckets(nn.Module):
+    """An index made by an in-place add before an embedding, as T5's relative-position
+    buckets are: timing the add again and again must not move the index the lookup reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = (x[:, 0] > 100).long()  # zeros
+        index.add_(2)  # the last row of the table
+        return self.table(index) * x[:, :1]
+
+
+def test_measuring_an_in_place_op_leaves_later_ops_their_values() -> None:
+    x = torch.randn(4, 3)
+    gm = trace(_Buckets(), x)
+    config = ProfileConfig(mode="measure", warmup=2, repeats=3)
+    prof = profile(gm, (x,), 4, config)  # without restoring: index 2 + 5 runs, out of range
+    assert {"add_", "table"} <= set(prof.times)

@@ -42,7 +42,8 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten
 
+from graphpipe._torch import tensor_version
 from graphpipe.errors import ConfigError
 from graphpipe.planning.devices import DEVICES, device_preset, roofline
 from graphpipe.tracing.annotate import TensorSpec, has_float_output, is_meta, trace_info
@@ -327,6 +329,26 @@ def _randomise(x: Any) -> Any:
     return x
 
 
+@contextmanager
+def _inputs_kept(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """A node's tensor inputs as they were before it was timed: an in-place op run again
+    and again writes into the values later nodes read (T5's relative-position buckets, added
+    to in place, outgrew their embedding table). Parameters are not copied."""
+    leaves, _ = tree_flatten((args, kwargs))
+    kept = [
+        (t, tensor_version(t), t.detach().clone())
+        for t in leaves
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, version, value in kept:
+                if tensor_version(t) != version:
+                    t.copy_(value)
+
+
 class _Recorder(fx.Interpreter):
     """Runs the graph once, keeping every node's inputs for per-node timing."""
 
@@ -430,9 +452,10 @@ def _measure(
     times = {n.name: NodeTime(0.0, 0.0) for n in local.graph.nodes}
     for i, node in enumerate(nodes):
         args, kwargs = recorder.inputs[node.name]
-        times[node.name] = _time_node(
-            _callable(local, node), args, kwargs, _on_grad_path(node), config, device
-        )
+        with _inputs_kept(args, kwargs):
+            times[node.name] = _time_node(
+                _callable(local, node), args, kwargs, _on_grad_path(node), config, device
+            )
         if (i + 1) % 50 == 0 or i + 1 == len(nodes):
             log(f"profiled {i + 1}/{len(nodes)} nodes on {device}")
     return Profile(b, "measure", str(device), times)
