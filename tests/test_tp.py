@@ -261,16 +261,8 @@ def test_a_tp2_checkpoint_loads_at_tp1_and_steps_the_same(
     launched: Callable[[int], list[dict[str, Any]]],
 ) -> None:
     """DCP reshards the tp shards (and Adam's) by name into a pp 4 pipeline without a mesh."""
-    results = launched(4)
-    for rank, result in enumerate(results):
-        got = result["resumed"]
-        for n, value in result["state"].items():  # the tp run's weights after its 3 steps
-            torch.testing.assert_close(got["loaded"][n], value, rtol=0, atol=0, msg=n)
-        tp2_loss, tp1_loss = got["losses"]
-        assert tp1_loss == pytest.approx(tp2_loss, rel=1e-5), f"rank {rank}"
-        tp2_after, tp1_after = got["after"]
-        for n, value in tp2_after.items():
-            torch.testing.assert_close(tp1_after[n], value, rtol=1e-5, atol=ATOL, msg=n)
+    for rank, result in enumerate(launched(4)):  # saved: the tp run's weights after 3 steps
+        _assert_resumed(rank, result["state"], result["resumed"])
 
 
 def test_a_tp1_checkpoint_loads_at_tp2_and_steps_the_same(
@@ -281,14 +273,21 @@ def test_a_tp1_checkpoint_loads_at_tp2_and_steps_the_same(
     run goes on."""
     for rank, result in enumerate(launched(4)):
         got = result["resumed"]["back"]
-        for n, value in got["saved"].items():
-            torch.testing.assert_close(got["loaded"][n], value, rtol=0, atol=0, msg=n)
-        tp1_loss, tp2_loss = got["losses"]
-        assert tp2_loss == pytest.approx(tp1_loss, rel=1e-5), f"rank {rank}"
-        tp1_after, tp2_after = got["after"]
-        for n, value in tp1_after.items():
-            torch.testing.assert_close(tp2_after[n], value, rtol=1e-5, atol=ATOL, msg=n)
+        _assert_resumed(rank, got["saved"], got)
+        for n, value in got["after"][0].items():
             assert not torch.equal(value, got["saved"][n]), f"{n} never moved"
+
+
+def _assert_resumed(rank: int, saved: dict[str, torch.Tensor], got: dict[str, Any]) -> None:
+    """The loaded tensors are the saved ones exactly; the next step's loss and tensors equal
+    the saving run's own next step (`got["losses"]`, `got["after"]`: saver's, then loader's)."""
+    for n, value in saved.items():
+        torch.testing.assert_close(got["loaded"][n], value, rtol=0, atol=0, msg=n)
+    saver_loss, loader_loss = got["losses"]
+    assert loader_loss == pytest.approx(saver_loss, rel=1e-5), f"rank {rank}"
+    saver_after, loader_after = got["after"]
+    for n, value in saver_after.items():
+        torch.testing.assert_close(loader_after[n], value, rtol=1e-5, atol=ATOL, msg=n)
 
 
 def test_a_meta_model_materialises_only_its_tp_shards_and_trains_as_one_process(
