@@ -67,7 +67,17 @@ def _multi_output(m: Block, x: torch.Tensor | None) -> list[torch.Tensor]:
     return [left * 2, right.exp()]
 
 
+def _cross(m: Block, x: torch.Tensor | None) -> list[torch.Tensor]:
+    """A decoder's residual around cross-attention: h, made from weights only, plus g(norm(h))
+    times the received x (T5's decoder in a stage that receives the encoder's output): the
+    sum's node reaches h's node directly and again through the product with x."""
+    h = m(torch.ones(4, D))
+    other = x if x is not None else torch.ones(4, D)
+    return [h + m.b(m.norm(h)) * other]
+
+
 CASES = {
+    "cross": _cross,
     "nested": _nested,
     "concat": _concat,
     "residual": _residual,

@@ -24,10 +24,14 @@ only), then makes the one call from the D-roots, with their original seeds, and 
 edges, with those shares. Deferring roots with their own seeds, not the gradient arriving at
 their node, is what keeps a stage that sends both b and f(b) from counting f's path twice.
 
-A boundary node whose D child is also the child of another boundary node below it (one
-Linear applied twice, so its bias accumulator has two parents on one path) cannot run its
-share alone: the engine would walk down to the other parent too. Such a node's backward is
-called directly, which recomputes its input gradient; it is rare and stays exact.
+A boundary node's share for a D slot is read by the engine at that slot, which is exact
+only when the slot has no other parent: the engine sums there everything arriving from the
+node's outputs, also along other paths (through N and back into D, as a decoder's residual
+`h + cross_attention(layer_norm(h))` reaches h's node both directly and through the query's
+projection; or one Linear applied twice, its bias accumulator fed twice), and the weight half
+pushes those paths' own shares again. A boundary node with a D slot that has several parents
+is therefore called directly, which recomputes its input gradients too; such slots are the
+residual stream's adds and reused weights, whose own backward is cheap or rare.
 
 Cost: the input half does the N work, the weight half the D work; nothing runs twice except
 the boundary nodes' own backward (a matmul's weight gradient is computed once, in W), and the
@@ -135,34 +139,20 @@ def _split(
         ]
         if slots:
             half.boundaries.append(_Boundary(node, slots))
-    _mark_direct(half.boundaries, in_n)
+    _mark_direct(half.boundaries, order)
     return half
 
 
-def _mark_direct(boundaries: list[_Boundary], in_n: set[int]) -> None:
-    """Mark the boundary nodes whose D child is also fed by another boundary node below them."""
-    feeders: dict[int, list[Any]] = {}
+def _mark_direct(boundaries: list[_Boundary], order: list[Any]) -> None:
+    """Mark the boundary nodes with a D slot that has more than one parent in the graph
+    (see the module docstring): the engine's reading at such a slot is not theirs alone."""
+    parents: dict[tuple[int, int], int] = {}
+    for node in order:
+        for c, nr in node.next_functions:
+            if c is not None:
+                parents[(id(c), nr)] = parents.get((id(c), nr), 0) + 1
     for b in boundaries:
-        for _, (c, _nr) in b.slots:
-            feeders.setdefault(id(c), []).append(b.node)
-    for b in boundaries:
-        others = {id(f) for _, (c, _nr) in b.slots for f in feeders[id(c)] if f is not b.node}
-        if others and _below(b.node, others, in_n):
-            b.direct = True
-
-
-def _below(start: Any, targets: set[int], in_n: set[int]) -> bool:
-    """Whether a node in `targets` is reachable from `start` through nodes of N."""
-    stack, seen = [start], {id(start)}
-    while stack:
-        for c, _ in stack.pop().next_functions:
-            if c is None or id(c) in seen or id(c) not in in_n:
-                continue
-            if id(c) in targets:
-                return True
-            seen.add(id(c))
-            stack.append(c)
-    return False
+        b.direct = any(parents[(id(c), nr)] > 1 for _, (c, nr) in b.slots)
 
 
 def _outputs(node: Any) -> int:
