@@ -11,14 +11,16 @@ from zoo import TwoBranch
 
 from graphpipe.errors import ConfigError
 from graphpipe.planning.partition import PlanConfig, partition
-from graphpipe.planning.profile import profile
+from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.tools.render import render, side_by_side
 from graphpipe.tracing.tracer import trace
 
 
 def _planned(model: nn.Module, x: torch.Tensor, devices: int):  # type: ignore[no-untyped-def]
     gm = trace(model, x)
-    return gm, partition(gm, profile(gm, (x,), 2), PlanConfig(devices=devices, replication=False))
+    flops = ProfileConfig(mode="flops")  # the same plan every run: one stage per device
+    config = PlanConfig(devices=devices, replication=False, layouts=("one",))
+    return gm, partition(gm, profile(gm, (x,), 2, flops), config)
 
 
 def _clusters(svg: str) -> int:
