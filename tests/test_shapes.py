@@ -359,15 +359,20 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, grads: dict[str, torch.T
     opt.zero_grad()
 
 
-def _reference(run: str, delay: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, each step's gradient at the weights of `delay` updates before: 0 is
-    gradient accumulation; 1 is PipeDream-2BW's W(t+1) = W(t) - step(grad f(W(t-1)))."""
+def _fresh(run: str) -> tuple[Case, Batches, nn.Module, torch.optim.Optimizer]:
+    """The run's case, its batches, a fresh model and its optimizer."""
     case_name, batches = RUNS[run]
     case = MODELS[case_name]
     model = case.build()
-    opt = optimizer(model.parameters())
+    return case, batches(), model, optimizer(model.parameters())
+
+
+def _reference(run: str, delay: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, each step's gradient at the weights of `delay` updates before: 0 is
+    gradient accumulation; 1 is PipeDream-2BW's W(t+1) = W(t) - step(grad f(W(t-1)))."""
+    case, batches, model, opt = _fresh(run)
     history, losses = [_snapshot(model)], []
-    for batch in batches()[1:]:
+    for batch in batches[1:]:
         loss, grads = _grads_at(model, history[max(0, len(history) - 1 - delay)], case, batch)
         _step(model, opt, grads)
         history.append(_snapshot(model))
@@ -382,12 +387,9 @@ def _stash_reference(
     parameter at the weights after max(0, j - w_i) updates of its stage i, and is an update
     of its own (its loss unscaled); a step's loss weights its micro-batches by their rows.
     One SGD over every stage: it updates each parameter by itself."""
-    case_name, batches = RUNS[run]
-    case = MODELS[case_name]
-    model = case.build()
-    opt = optimizer(model.parameters())
+    case, batches, model, opt = _fresh(run)
     history, losses = [_snapshot(model)], []
-    for batch in batches()[1:]:
+    for batch in batches[1:]:
         total = 0.0
         for inputs, target, share in _micro_batches(batch):
             j = len(history) - 1
