@@ -145,6 +145,7 @@ def _chain_on_tp() -> dict[str, Any]:
         mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")),
         tp_plan=CHAIN_TP,
         max_grad_norm=MAX_NORM,  # active every step: the norm over pp and tp's DTensors
+        schedule="zb",  # split backward: the weight halves add into DTensor gradients
         profile_config=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
     )
@@ -171,6 +172,7 @@ def _meta_chain_on_tp(shape: tuple[int, ...], names: tuple[str, ...]) -> dict[st
         pins=META_PINS,
         mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
         tp_plan=META_TP,
+        schedule="zb" if "dp" in names else "1f1b",  # zero bubble under FSDP2 x TP too
         profile_config=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
     )
@@ -375,18 +377,13 @@ def test_plain_attention_equals_torch_s(causal: bool) -> None:
 def test_what_tensor_parallelism_cannot_run_yet_is_refused_by_name() -> None:
     from graphpipe.runtime.spec import tp_refusals
 
-    said = tp_refusals(
-        tp=2, tp_plan=None, schedule="zb", precision="bf16", recompute=True, dp_shard=False
-    )
+    said = tp_refusals(tp=2, tp_plan=None, precision="bf16", recompute=True, dp_shard=False)
     assert [s.split(" ")[0] for s in said] == [
-        "schedule='zb'",
         "precision='bf16'",
         "recompute=True",
         "dp_shard=False",
     ]
     assert (
         "no 'tp' dimension"
-        in tp_refusals(
-            tp=1, tp_plan={}, schedule=None, precision=None, recompute=False, dp_shard=True
-        )[0]
+        in tp_refusals(tp=1, tp_plan={}, precision=None, recompute=False, dp_shard=True)[0]
     )

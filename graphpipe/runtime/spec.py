@@ -187,8 +187,8 @@ class RunSpec:
         tp = tp_degree(mesh) if isinstance(mesh, DeviceMesh) and dp is not None else 1
         problems.extend(
             tp_refusals(
-                tp=tp, tp_plan=tp_plan, schedule=resolved, precision=precision,
-                recompute=recompute, dp_shard=dp_shard,
+                tp=tp, tp_plan=tp_plan, precision=precision, recompute=recompute,
+                dp_shard=dp_shard,
             )
         )  # fmt: skip
         if mesh is not None or (dp or 1) > 1:
@@ -500,7 +500,6 @@ def tp_refusals(
     *,
     tp: int,
     tp_plan: Any,
-    schedule: str | None,
     precision: str | None,
     recompute: Any,
     dp_shard: bool,
@@ -515,8 +514,6 @@ def tp_refusals(
     out = []
     if tp_plan is not None and not isinstance(tp_plan, Mapping):
         out.append(f"tp_plan={tp_plan!r}: it must be a mapping of module path to style")
-    if schedule is not None and schedule_spec(schedule).split_backward:
-        out.append(f"schedule={schedule!r} splits the backward (zero bubble), {later}")
     if precision is not None:
         out.append(f"precision={precision!r} is {later}")
     if recompute:
