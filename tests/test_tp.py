@@ -146,6 +146,7 @@ def _chain_on_tp() -> dict[str, Any]:
         tp_plan=CHAIN_TP,
         max_grad_norm=MAX_NORM,  # active every step: the norm over pp and tp's DTensors
         schedule="zb",  # split backward: the weight halves add into DTensor gradients
+        recompute=True,  # every stage's forward again in the backward, on the DTensors
         profile_config=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
     )
@@ -153,7 +154,8 @@ def _chain_on_tp() -> dict[str, Any]:
     for step in range(CHAIN_STEPS):
         losses.append(pm.step(*chain_batch("chain", step)[0], target=chain_batch("chain", step)[1]))
         norms.append(pm.last_grad_norm)
-    return {"losses": losses, "norms": norms, "state": pm.state_dict()}
+    recomputed = [s.recompute for s in pm.plan.stages]
+    return {"losses": losses, "norms": norms, "state": pm.state_dict(), "recompute": recomputed}
 
 
 META_TP = {"0.0": "colwise", "1.0": "rowwise", "2.0": "colwise", "3.0": "rowwise"}
@@ -255,6 +257,7 @@ def test_an_fx_traced_chain_with_its_own_tp_plan_and_clipping_trains_as_one_proc
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
         assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {rank}"
         assert all(n > MAX_NORM for n in ref_norms)  # clipped at every step
+        assert got["recompute"] == [True, True]  # every stage's forward run again
         for n, value in ref_params.items():
             torch.testing.assert_close(got["state"][n], value, rtol=1e-5, atol=1e-6, msg=n)
 

@@ -187,8 +187,7 @@ class RunSpec:
         tp = tp_degree(mesh) if isinstance(mesh, DeviceMesh) and dp is not None else 1
         problems.extend(
             tp_refusals(
-                tp=tp, tp_plan=tp_plan, precision=precision, recompute=recompute,
-                dp_shard=dp_shard,
+                tp=tp, tp_plan=tp_plan, precision=precision, dp_shard=dp_shard,
             )
         )  # fmt: skip
         if mesh is not None or (dp or 1) > 1:
@@ -501,7 +500,6 @@ def tp_refusals(
     tp: int,
     tp_plan: Any,
     precision: str | None,
-    recompute: Any,
     dp_shard: bool,
 ) -> list[str]:
     """What tensor parallelism (a "tp" mesh dimension) cannot run yet, each named."""
@@ -516,8 +514,6 @@ def tp_refusals(
         out.append(f"tp_plan={tp_plan!r}: it must be a mapping of module path to style")
     if precision is not None:
         out.append(f"precision={precision!r} is {later}")
-    if recompute:
-        out.append(f"recompute={recompute!r} is {later}")
     if not dp_shard:
         out.append(f"dp_shard=False (HSDP) is {later}")
     return out
