@@ -119,30 +119,7 @@ def _plan_parser(commands: Any) -> None:
         help="link bandwidth per device (default: 12.5)",
     )
     plan.add_argument("--no-replication", action="store_true", help="forbid data-parallel stages")
-    plan.add_argument(
-        "--dp",
-        type=_dp_degree,
-        default=1,
-        metavar="K|auto",
-        help="data-parallel degree of the (pp, dp) mesh: every stage sharded over K ranks, "
-        "pp = devices / K; 'auto' tries every K and keeps the fastest (default: 1)",
-    )
-    plan.add_argument(
-        "--tp",
-        type=_positive,
-        default=1,
-        metavar="T",
-        help="tensor-parallel degree: every stage's planned layers split over T ranks, "
-        "pp = devices / (dp x T) (default: 1)",
-    )
-    plan.add_argument(
-        "--tp-plan",
-        type=_tp_plan,
-        default=None,
-        metavar="JSON",
-        help='with --tp: {"module path": "colwise" | "rowwise"} ("*" one path component; '
-        "default: the model's own base_model_tp_plan)",
-    )
+    _mesh_options(plan)
     plan.add_argument(
         "--interleave",
         action="store_true",
@@ -180,6 +157,34 @@ def _plan_parser(commands: Any) -> None:
         help="write the simulated timeline as a Chrome/Perfetto trace",
     )
     plan.set_defaults(func=_plan_command)
+
+
+def _mesh_options(plan: argparse.ArgumentParser) -> None:
+    """`graphpipe plan`'s mesh dimensions: --dp, --tp and --tp-plan."""
+    plan.add_argument(
+        "--dp",
+        type=_dp_degree,
+        default=1,
+        metavar="K|auto",
+        help="data-parallel degree of the (pp, dp) mesh: every stage sharded over K ranks, "
+        "pp = devices / K; 'auto' tries every K and keeps the fastest (default: 1)",
+    )
+    plan.add_argument(
+        "--tp",
+        type=_positive,
+        default=1,
+        metavar="T",
+        help="tensor-parallel degree: every stage's planned layers split over T ranks, "
+        "pp = devices / (dp x T) (default: 1)",
+    )
+    plan.add_argument(
+        "--tp-plan",
+        type=_tp_plan,
+        default=None,
+        metavar="JSON",
+        help='with --tp: {"module path": "colwise" | "rowwise"} ("*" one path component; '
+        "default: the model's own base_model_tp_plan)",
+    )
 
 
 def _run_parser(commands: Any) -> None:
