@@ -42,14 +42,14 @@ def _pipeline(precision: str) -> Any:
 def _received_dtypes(pm: Any) -> list[torch.dtype]:
     """Record the dtype of every floating tensor this rank receives."""
     seen: list[torch.dtype] = []
-    wait = pm._executor.transport.wait
+    wait_all = pm._executor.transport.wait_all  # the executor's one way to take receives
 
-    def recording(pending: Any) -> list[torch.Tensor]:
-        values = wait(pending)
-        seen.extend(v.dtype for v in values if v.is_floating_point())
-        return values
+    def recording(pendings: Any) -> list[list[torch.Tensor]]:
+        arrived = wait_all(pendings)
+        seen.extend(v.dtype for values in arrived for v in values if v.is_floating_point())
+        return arrived
 
-    pm._executor.transport.wait = recording
+    pm._executor.transport.wait_all = recording
     return seen
 
 
