@@ -52,12 +52,17 @@ def loop_step(plan: Plan, rank: int, k: int, kind: ActionKind) -> Step:
     return chunk * n + rank, kind, (k // (n * v)) * n + k % n
 
 
+def _loop_sizes(plan: Plan, mbs: list[int]) -> tuple[int, int, int]:
+    """A "loop" placement's devices N, stages per device v, and steps per device M * v."""
+    n = plan.num_devices
+    v = len(plan.stages) // n
+    return n, v, len(mbs) * v
+
+
 def interleaved(plan: Plan, mbs: list[int]) -> list[RankOrder]:
     """Megatron's interleaved 1F1B on a "loop" placement (`graphpipe.scheduling.generators`
     describes it)."""
-    n = plan.num_devices
-    v = len(plan.stages) // n
-    total = len(mbs) * v
+    n, v, total = _loop_sizes(plan, mbs)
     orders = []
     for rank in range(n):
         warmup = min(2 * (n - 1 - rank) + (v - 1) * n, total)
@@ -72,9 +77,7 @@ def interleaved(plan: Plan, mbs: list[int]) -> list[RankOrder]:
 def interleaved_zb(plan: Plan, mbs: list[int]) -> list[RankOrder]:
     """Interleaved zero bubble (ZB1P) on a "loop" placement (`graphpipe.scheduling.generators`
     describes it)."""
-    n = plan.num_devices
-    v = len(plan.stages) // n
-    total = len(mbs) * v
+    n, v, total = _loop_sizes(plan, mbs)
     orders = []
     for rank in range(n):
         warmup = min((n - 1 - rank) + (v - 1) * n, total)
