@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import resource
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from real_models import HF_CASES, M, optimizer, reference, step_data
 from torch import nn
 
+from benchmarks.mesh_memory import init_by_name
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError
 from graphpipe.runtime.launch import launch
@@ -39,16 +39,6 @@ def _big() -> nn.Module:
     return nn.Sequential(
         *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
     )
-
-
-def _init_by_name(model: nn.Module) -> None:
-    """Every real parameter drawn from a generator seeded by its name: the same values
-    whichever rank (or a plain process) initialises it."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not p.is_meta:
-                gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-                p.normal_(0.0, WIDTH**-0.5, generator=gen)
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +61,7 @@ def _big_worker() -> dict[str, Any]:
         optimizer=functools.partial(torch.optim.SGD, lr=0.1),
         micro_batches=M,
         replication=False,
-        init_weights=_init_by_name,
+        init_weights=init_by_name,
     )
     grown = _rss() - before
     assert pm.module is not None
@@ -91,7 +81,7 @@ def test_a_meta_model_materialises_only_each_ranks_stage() -> None:
         assert r["meta_left"] > 0  # the other stage's parameters were never allocated
     assert sum(r["stage"] for r in results) == total
     model = _big()
-    _init_by_name(model)
+    init_by_name(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     expected = []
     for step in range(2):

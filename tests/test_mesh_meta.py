@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import re
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from test_mesh_models import reference as llama_reference
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from benchmarks.mesh_memory import init_by_name
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.planning.profile import ProfileConfig
@@ -58,15 +58,6 @@ def chain(width: int = D, blocks: int = 4) -> nn.Module:
 def _meta_chain(width: int = D, blocks: int = 4) -> nn.Module:
     with torch.device("meta"):
         return chain(width, blocks)
-
-
-def init_by_name(model: nn.Module) -> None:
-    """Every real parameter drawn from a generator seeded by its name."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not p.is_meta:
-                gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
 
 
 def data(step: int, width: int = D) -> tuple[torch.Tensor, torch.Tensor]:
