@@ -26,7 +26,7 @@ from graphpipe.planning.assemble import assemble
 from graphpipe.planning.manual import groups_from_pins
 from graphpipe.planning.opgraph import graph_hash, op_graph
 from graphpipe.planning.partition import PlanConfig, cost_model, plan
-from graphpipe.planning.profile import profile
+from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.runtime.comm import Buffers, outgoing, unpack
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.sync import GradSync
@@ -291,7 +291,7 @@ def _replicated_plan() -> Any:
     """two_branch with stage 0 (both branches) on ranks 0 and 1, the head on rank 2."""
     model, inputs = ZOO["two_branch"]()
     gm = trace(model, inputs)
-    g = op_graph(gm, profile(gm, inputs, 2))
+    g = op_graph(gm, profile(gm, inputs, 2, ProfileConfig(mode="flops")))  # same on every rank
     (branches, _), (head, _) = groups_from_pins(g, {"a": 0, "b": 0, "cat": 1, "head": 1})
     config = PlanConfig(devices=3, micro_batches=M)
     return assemble(
