@@ -24,6 +24,7 @@ from graphpipe.planning.fold import bound_groups, folded_groups
 from graphpipe.planning.opgraph import op_graph, value_kind
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph, plan, score
 from graphpipe.planning.profile import ProfileConfig, profile
+from graphpipe.planning.schedule_memory import for_schedule
 from graphpipe.planning.search import search
 from graphpipe.planning.sptree import (
     Leaf,
@@ -38,6 +39,7 @@ from graphpipe.planning.sptree import (
 from graphpipe.planning.validate import validate_plan
 from graphpipe.runtime.launch import launch
 from graphpipe.scheduling.dryrun import check_run
+from graphpipe.scheduling.generators import make_schedule
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tracing.tracer import trace
 
@@ -285,6 +287,33 @@ def test_memory_budget_is_respected_and_infeasible_budget_is_an_error() -> None:
     assert max(s.memory_bytes for s in unlimited.stages) > 60000  # the budget changed the plan
     with pytest.raises(PlanError, match="memory budget"):
         partition_op_graph(g, cost(budget=100.0), PlanConfig(devices=4), "x")
+
+
+def test_a_named_schedule_is_planned_at_the_micro_batches_its_order_holds() -> None:
+    """Costed at 1F1B's counts, the best plan for 8 equal ops on 4 devices is two stages of
+    two replicas (2 and 1 in flight); under zb its first stage holds 4 per replica, over the
+    budget. Planned for zb, every stage is costed at what zb holds and the plan fits; gpipe
+    (8 held) fits nowhere and is refused by name."""
+    names = [f"op{i}" for i in range(8)]
+    g = synthetic(
+        list(itertools.pairwise(names)), dict.fromkeys(names, 3e-3), dict.fromkeys(names, 1000)
+    )
+    c = cost(micro_batches=8, budget=20000.0)
+
+    def planned(schedule: str | None) -> Any:
+        config = PlanConfig(devices=4, schedule=schedule, layouts=("one",))
+        return partition_op_graph(g, c, config, "x")
+
+    def peak_under_zb(p: Any) -> int:
+        return max(s.memory_bytes for s in for_schedule(p, make_schedule(p, "zb")).stages)
+
+    for_1f1b, for_zb = planned(None), planned("zb")
+    assert [s.replicas for s in for_1f1b.stages] == [2, 2]
+    assert peak_under_zb(for_1f1b) > 20000
+    assert len(for_zb.stages) == 4 and peak_under_zb(for_zb) <= 20000
+    assert max(simulate(for_zb, "zb").peak_memory) <= 20000
+    with pytest.raises(PlanError, match="schedule 'gpipe' holds 8 micro-batches in flight"):
+        planned("gpipe")
 
 
 # -- on real models ----------------------------------------------------------------------------

@@ -17,13 +17,15 @@ from torch import nn
 from torch._dynamo.utils import counters
 from zoo import ZOO, dict_loss
 
+from graphpipe.compile import _scheduled
 from graphpipe.compile import compile as gp_compile
-from graphpipe.errors import ConfigError
+from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir.cost import MemoryModel
 from graphpipe.planning.partition import plan
 from graphpipe.planning.recompute import choose_recompute
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.launch import launch
+from graphpipe.runtime.spec import RunSpec
 from graphpipe.scheduling.simulate import simulate
 
 TIMEOUT = 240
@@ -367,3 +369,38 @@ def test_auto_recompute_fits_a_device_over_its_budget() -> None:
         heaviest.backward_time + heaviest.forward_time
     )
     assert simulate(chosen, "1f1b").iteration_time > simulate(tight, "1f1b").iteration_time
+
+
+def test_auto_recompute_is_chosen_at_the_counts_of_the_schedules_order() -> None:
+    """At a budget that graph 1F1B's counts (2, 2, 1) just fit, zb2 holds 3 micro-batches on
+    every stage: compile chooses recompute="auto" at those counts (both branches recompute
+    and fit); without recomputation the dry run refuses zb2's peak; under 1f1b nothing
+    recomputes."""
+    model, inputs = ZOO["two_branch"]()
+    p = plan(model, inputs, devices=3, micro_batches=8, pins=PINS["two_branch"])
+    assert [s.in_flight for s in p.stages] == [2, 2, 1]
+    budget = max(s.memory_bytes for s in p.stages)
+    tight = replace(p, cost_model=replace(p.cost_model, memory=MemoryModel(budget)))
+
+    def scheduled(schedule: str, recompute: Any) -> Any:
+        spec = RunSpec.build(
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            micro_batches=8,
+            schedule=schedule,
+            plan=tight,
+            recompute=recompute,
+        )
+        return _scheduled(tight, spec)[0]
+
+    chosen = scheduled("zb2", "auto")
+    assert [(s.in_flight, s.recompute) for s in chosen.stages] == [
+        (3, True),
+        (3, True),
+        (3, False),
+    ]
+    assert max(s.memory_bytes for s in chosen.stages) <= budget
+    with pytest.raises(ScheduleError, match=f"rank 0 peaks at .* over the budget of {budget}"):
+        scheduled("zb2", False)
+    assert not any(s.recompute for s in scheduled("1f1b", "auto").stages)

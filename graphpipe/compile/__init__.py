@@ -46,9 +46,10 @@ from graphpipe.compile.steps import (
     checked_plan,
     ensure_process_group,
     plan_on_rank_0,
+    schedule_name,
     schedule_plan,
 )
-from graphpipe.ir import Plan
+from graphpipe.ir import Plan, Schedule
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
 from graphpipe.planning.schedule_memory import for_schedule
@@ -60,6 +61,7 @@ from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig, sch
 from graphpipe.runtime.tp import resolve_tp_plan
 from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.runtime.wiring import runtime_device
+from graphpipe.scheduling.generators import make_schedule
 from graphpipe.tracing.bind import check_output, flat_inputs, normalise
 from graphpipe.tracing.tracer import LeafSpec, trace
 
@@ -232,8 +234,7 @@ def compile(
     with _planned_at(model, gm, example_inputs, spec):
         the_plan = _plan(gm, inputs, spec)
     check_world(spec, the_plan)
-    sched = schedule_plan(the_plan, spec)
-    the_plan = for_schedule(the_plan, sched)  # memory predicted for the schedule's order
+    the_plan, sched = _scheduled(the_plan, spec)
     with posted("compile"):
         return PipelinedModel(model, gm, inputs, the_plan, sched, spec)
 
@@ -279,9 +280,19 @@ def _planned_at(
 
 
 def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:
-    """The given plan checked against the trace, or rank 0's, with its recomputation."""
+    """The given plan checked against the trace, or rank 0's."""
     if spec.plan is not None:
-        made = checked_plan(spec.plan, gm, spec.data_parallel, spec.tensor_parallel)
-    else:
-        made = plan_on_rank_0(gm, inputs, spec)
-    return choose_recompute(made, spec.recompute)
+        return checked_plan(spec.plan, gm, spec.data_parallel, spec.tensor_parallel)
+    return plan_on_rank_0(gm, inputs, spec)
+
+
+def _scheduled(plan: Plan, spec: RunSpec) -> tuple[Plan, Schedule]:
+    """The plan with its memory predicted for its schedule's order (`for_schedule`) and its
+    recomputation chosen at those counts, with its schedule (dry-run checked: a simulated
+    peak over the memory budget is refused there)."""
+    if spec.recompute is not False:
+        name = schedule_name(plan, spec)
+        held = for_schedule(plan, make_schedule(plan, name, spec.micro_batches))
+        plan = choose_recompute(held, spec.recompute)
+    sched = schedule_plan(plan, spec)
+    return for_schedule(plan, sched), sched

@@ -104,6 +104,15 @@ def check_world(spec: RunSpec, plan: Plan | None) -> None:
         )
 
 
+def schedule_name(plan: Plan, spec: RunSpec) -> str:
+    """The schedule `plan` runs under (`schedule_plan`): the spec's, or the planner's choice."""
+    name = spec.schedule
+    if not spec.schedule_given and name == DEFAULT_SCHEDULE:  # no name, nor a policy's
+        chosen = plan.info.get("layouts", {}).get("schedule")
+        name = chosen or (FOLDED if plan.shared_devices() else name)
+    return name
+
+
 def schedule_plan(plan: Plan, spec: RunSpec) -> Schedule:
     """The schedule for `plan`, checked by a dry run: the spec's when the user named one;
     else the one the planner chose with the plan's layout (`planning.layouts`: 1f1b on one
@@ -115,10 +124,7 @@ def schedule_plan(plan: Plan, spec: RunSpec) -> Schedule:
     Raises:
         ScheduleError: the schedule cannot run the plan.
     """
-    name = spec.schedule
-    if not spec.schedule_given and name == DEFAULT_SCHEDULE:  # no name, nor a policy's
-        chosen = plan.info.get("layouts", {}).get("schedule")
-        name = chosen or (FOLDED if plan.shared_devices() else name)
+    name = schedule_name(plan, spec)
     schedule = make_schedule(plan, name, spec.micro_batches)
     check_run(plan, name, spec.micro_batches)
     return schedule

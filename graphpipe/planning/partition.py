@@ -68,6 +68,7 @@ from graphpipe.planning.mesh import (
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph, wire_bytes
 from graphpipe.planning.place import PLACEMENTS, place_stages
 from graphpipe.planning.profile import Profile, ProfileConfig, profile
+from graphpipe.planning.schedule_memory import held_floor
 from graphpipe.planning.search import search
 from graphpipe.planning.sptree import coarsen, condense, decompose, linearise
 from graphpipe.planning.validate import validate_plan
@@ -374,7 +375,9 @@ def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, diges
             g, groups_from_pins(g, config.pins), cost, config.devices, "manual", digest
         )
     elif config.partitioner == "sequential":
-        result = _searched(g, cost, config, "sequential", digest)
+        result = _for_schedule(
+            lambda floor: _searched(g, cost, config, "sequential", digest, floor), config
+        )
     elif config.interleave:
         base = _best_of_graph_and_sequential(g, cost, config, digest)
         result = _interleaved_or(base, g, cost, config, digest)
@@ -389,7 +392,9 @@ def _chosen_layout(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: s
     one stage per device the only layout left, the plan of the search, unsimulated."""
     layouts = usable(config.layouts, config.schedule, config.split_backward)
     if layouts == ["one"] or (config.devices == 1 and "one" in layouts):
-        return _best_of_graph_and_sequential(g, cost, config, digest)
+        return _for_schedule(
+            lambda floor: _best_of_graph_and_sequential(g, cost, config, digest, floor), config
+        )
     start = time.perf_counter()
     n = config.devices
     single = replace(config, replication=False, layouts=("one",), schedule=None)
@@ -409,6 +414,32 @@ def _chosen_layout(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: s
     }
     chosen = choose({x: builders[x] for x in layouts}, g, config.schedule, config.split_backward)
     return replace(chosen, partitioner=config.partitioner, search_time=time.perf_counter() - start)
+
+
+def _for_schedule(make: Callable[[int], Plan], config: PlanConfig) -> Plan:
+    """`make(0)` (the search at graph 1F1B's in-flight counts), searched again with
+    `held_floor` where the run's named schedule holds more micro-batches than fit the
+    memory budget (`schedule_memory.held_floor`), until the count stops growing (a deeper
+    plan can hold more under zb; at most 3 searches). compile checks the plan it runs.
+
+    Raises:
+        PlanError: no plan fits when every stage holds what the schedule's order holds,
+            naming the schedule and the count.
+    """
+    plan, floor = make(0), 0
+    for _ in range(2):
+        more = held_floor(plan, config.schedule)
+        if more <= floor:
+            break
+        floor = more
+        try:
+            plan = make(floor)
+        except PlanError as exc:
+            raise PlanError(
+                f"schedule {config.schedule!r} holds {floor} micro-batches in flight per "
+                f"stage, and at that count {exc} Or run schedule='1f1b' (fewer in flight)."
+            ) from exc
+    return plan
 
 
 def _interleaved_or(
@@ -472,7 +503,9 @@ def cost_model(
     )
 
 
-def _searched(g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, digest: str) -> Plan:
+def _searched(
+    g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, digest: str, held_floor: int = 0
+) -> Plan:
     start = time.perf_counter()
     total = sum(d["forward"] + d["backward"] for _, d in g.nodes(data=True))
     units = coarsen(g, total / (2 * config.devices), folded_groups(g))
@@ -488,6 +521,7 @@ def _searched(g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, dig
         max_replicas=limit,
         objective=config.objective,
         chain=kind == "sequential",
+        held_floor=held_floor,
     )
     groups = [(frozenset(n for u in p.units for n in u), p.replicas) for p in result.pieces]
     info = {
@@ -517,11 +551,11 @@ def score(plan: Plan, objective: str) -> tuple[float, int]:
 
 
 def _best_of_graph_and_sequential(
-    g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str
+    g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str, held_floor: int = 0
 ) -> Plan:
-    graph_plan = _searched(g, cost, config, "graph", digest)
+    graph_plan = _searched(g, cost, config, "graph", digest, held_floor)
     try:
-        seq_plan = _searched(g, cost, config, "sequential", digest)
+        seq_plan = _searched(g, cost, config, "sequential", digest, held_floor)
     except PlanError as exc:  # a graph plan can fit where no sequential one does
         return replace(
             graph_plan,

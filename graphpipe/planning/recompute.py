@@ -24,6 +24,7 @@ from dataclasses import replace
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan, Stage
 from graphpipe.planning.assemble import bottleneck
+from graphpipe.planning.schedule_memory import over_budget
 
 __all__ = ["RecomputeSpec", "choose_recompute", "with_recompute"]
 
@@ -62,21 +63,15 @@ def with_recompute(plan: Plan, stages: Sequence[int]) -> Plan:
     return replace(plan, stages=new, bottleneck=bottleneck(new, plan.edges, plan.cost_model))
 
 
-def _over_budget(plan: Plan, budget: float) -> list[int]:
-    return [
-        d
-        for d in range(plan.num_devices)
-        if sum(s.memory_bytes for s in plan.stages_on(d)) > budget
-    ]
-
-
 def choose_recompute(plan: Plan, spec: RecomputeSpec) -> Plan:
     """Apply `spec`: False (none), True (every stage), "auto" or stage indices.
 
     "auto": on each device whose stages' predicted memory exceeds the budget, recompute
     its stages, the one that saves most first, until it fits (or all do); nothing without a
-    budget. The search itself does not trade recomputation for depth: a model that fits no
-    plan without recomputing is still refused by the planner.
+    budget. Each stage is costed at its plan's in-flight count: compile raises the counts to
+    those of the schedule's order first (`schedule_memory.for_schedule`). The search itself
+    does not trade recomputation for depth: a model that fits no plan without recomputing
+    is still refused by the planner.
 
     Raises:
         ConfigError: an unknown spec or stage index, naming it.
@@ -97,17 +92,14 @@ def choose_recompute(plan: Plan, spec: RecomputeSpec) -> Plan:
 
 
 def _auto(plan: Plan) -> Plan:
-    budget = plan.cost_model.memory.budget
-    if budget is None:
-        return plan
-    for device in _over_budget(plan, budget):
+    for device in [d for d, _ in over_budget(plan)]:
         saving = {
             s.index: s.memory_bytes - _recomputed(plan, s).memory_bytes
             for s in plan.stages_on(device)
             if not s.recompute
         }
         for index in sorted(saving, key=lambda i: -saving[i]):
-            if device not in _over_budget(plan, budget):
+            if device not in [d for d, _ in over_budget(plan)]:
                 break
             plan = with_recompute(plan, [index])
     return plan

@@ -5,7 +5,9 @@ The planner costs every stage with the graph 1F1B count of micro-batches in flig
 hold more: zb on later stages, zb2 and gpipe everywhere, zbv on some stages past M = 2N.
 `for_schedule` raises each stage's count to what the schedule's order holds
 (`graphpipe.scheduling.generators.in_flight`) and re-costs its memory; compile applies it to
-the plan it runs. The planner's own search still costs 1F1B's counts.
+the plan it runs. The planner's search costs 1F1B's counts, and where a named schedule's
+order holds more than fits the budget, searches again with every stage holding what that
+order holds (`held_floor`, `search.search`'s `held_floor`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from graphpipe.errors import ScheduleError
 from graphpipe.ir import Plan, Schedule, schedule_spec
-from graphpipe.scheduling.generators import in_flight
+from graphpipe.scheduling.generators import in_flight, make_schedule
 
-__all__ = ["for_schedule"]
+__all__ = ["for_schedule", "held_floor", "over_budget"]
 
 
 def for_schedule(plan: Plan, schedule: Schedule) -> Plan:
@@ -43,3 +46,35 @@ def for_schedule(plan: Plan, schedule: Schedule) -> Plan:
         memory = cost.stage_memory(s.param_bytes, s.activation_bytes, k, s.replicas)
         stages.append(replace(s, in_flight=k, memory_bytes=int(memory)))
     return replace(plan, stages=tuple(stages))
+
+
+def over_budget(plan: Plan) -> list[tuple[int, int]]:
+    """(device, predicted bytes) for each device whose stages' predicted memory together
+    exceed the plan's memory budget (none without a budget)."""
+    budget = plan.cost_model.memory.budget
+    if budget is None:
+        return []
+    used = [(d, sum(s.memory_bytes for s in plan.stages_on(d))) for d in range(plan.num_devices)]
+    return [(d, b) for d, b in used if b > budget]
+
+
+def held_floor(plan: Plan, schedule: str | None) -> int:
+    """0 when `plan` fits its memory budget under `schedule`'s order (or has no budget, or
+    the schedule is 1f1b, folded or asynchronous), else the most micro-batches one replica
+    of a stage holds in that order: the count to search again with (`search`'s
+    `held_floor`), so that every stage is costed at it.
+
+    A schedule that does not run the plan is left to the schedule's own check (0 here).
+    """
+    if schedule is None or plan.cost_model.memory.budget is None:
+        return 0
+    spec = schedule_spec(schedule, training=False)
+    if spec.asynchronous or spec.placement is not None:
+        return 0
+    try:
+        raised = for_schedule(plan, make_schedule(plan, schedule))
+    except ScheduleError:
+        return 0
+    if not over_budget(raised):
+        return 0
+    return max(math.ceil(s.in_flight / s.replicas) for s in raised.stages)

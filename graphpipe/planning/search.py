@@ -15,7 +15,8 @@ For a fixed tau, F(node, k, d) is the fewest devices that realise `node` as stag
 every stage's time (`CostModel.stage_time`) and every series cut's transfer time is <= tau,
 every replica fits in memory, and the subtree's sources keep <= d micro-batches in flight.
 A stage with downstream k has k + 1 in flight (the graph 1F1B warm-up), and r(P, i) is the
-fewest replicas that let piece P meet tau and memory with i in flight.
+fewest replicas that let piece P meet tau and memory with i in flight (with `held_floor`,
+at least that many per replica: the count a zb, zb2 or gpipe order holds on every stage).
 
     leaf:     F = r(leaf, k + 1)                              if k + 1 <= d
     series:   the node's units in topological order are positions 0..n-1; a child occupies a
@@ -135,6 +136,7 @@ def search(
     max_replicas: int | None = None,
     objective: str = "pipeline",
     chain: bool = False,
+    held_floor: int = 0,
 ) -> SearchResult:
     """Find the stage graph with the smallest bottleneck, then the fewest in-flight micro-batches.
 
@@ -152,6 +154,9 @@ def search(
             pipeline, trading a slower bottleneck for a shallower graph where that pays.
         chain: The stages will form a chain (the sequential baseline), so a plan's depth is
             its number of stages.
+        held_floor: Micro-batches each replica of every stage holds at least (capped by
+            M / replicas), for a schedule whose order holds more than graph 1F1B's count
+            (zb, zb2, gpipe); 0 costs graph 1F1B's count alone.
 
     Returns:
         The optimal `SearchResult` for this tree and cost model.
@@ -159,7 +164,8 @@ def search(
     Raises:
         PlanError: no stage graph fits the memory budget, even with every device in use.
     """
-    return _Search(g, tree, cost, devices, max_replicas or devices, chain).run(objective)
+    found = _Search(g, tree, cost, devices, max_replicas or devices, chain, held_floor)
+    return found.run(objective)
 
 
 class _Search:
@@ -171,8 +177,10 @@ class _Search:
         devices: int,
         max_replicas: int,
         chain: bool,
+        held_floor: int = 0,
     ) -> None:
         self.g, self.cost, self.n, self.chain = g, cost, devices, chain
+        self.held_floor = held_floor
         self.iterations = 0
         self.tree = tree if isinstance(tree, Series) else Series((tree,))
         self.max_replicas = min(max_replicas, devices)
@@ -204,7 +212,8 @@ class _Search:
         for r in range(1, 2 if stats.stateful else self.max_replicas + 1):
             if self.cost.stage_time(stats.time, stats.pbytes, r) > limit:
                 continue
-            memory = self.cost.stage_memory(stats.pbytes, stats.act, in_flight, r)
+            held = max(in_flight, min(self.cost.micro_batches, self.held_floor * r))
+            memory = self.cost.stage_memory(stats.pbytes, stats.act, held, r)
             if self.cost.memory.fits(memory):
                 return r
         return INF
