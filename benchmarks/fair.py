@@ -1,4 +1,4 @@
-"""Fair planner benchmark: graph vs sequential, each choosing M and schedule under memory.
+"""Fair planner benchmark: graph vs sequential, each choosing M, layout and schedule under memory.
 
     python -m benchmarks.fair                        # 4 models x 4, 8, 16, 32 devices
     python -m benchmarks.fair --quick                # M in 1, 4, 16, 64; 8 and 32 devices
@@ -6,20 +6,22 @@
 
 The protocol is `graphpipe.tools.fair` (GraphPipe's, ASPLOS'25 section 6): the paper presets at
 their mini-batch B; op times from the roofline of an A100 (`--preset`) at each micro-batch
-size B / M; every strategy picks M (powers of two up to 64 dividing B), its variant (with and
-without replication, objective "pipeline" and "bottleneck") and its flushed schedule (gpipe,
-1f1b, zb) to minimise the simulated step within 80 GiB per device (`--budget`). Columns:
+size B / M; every strategy picks M (powers of two up to 64 dividing B), its layout (one stage per
+device; a chain of 2N stages folded loop or v, on both sides; graph: its finer stage DAGs
+folded), its variant (with and without replication, objective "pipeline" and "bottleneck")
+and its schedule (one per device: the flushed gpipe, 1f1b, zb, zb2; the folded layouts': those
+that run them) to minimise the simulated step within 80 GiB per device (`--budget`). Columns:
 
-    graph, sequential   M / schedule / depth / peak memory / step time of each side's choice
-                        (graph: "seq" when the graph side's best plan is a chain)
+    graph, sequential   M / layout / schedule / depth / peak memory / step time of each
+                        side's choice (graph: "seq" when the graph side's best plan is a chain)
     ratio               graph / sequential throughput (B fixed: sequential step / graph step)
     binding             above the paper's 1.6x, what holds the sequential plan back: memory
                         (unlimited memory would be this much faster), depth (the fill/drain
                         share of its pipeline) or all-reduce (its slowest stage's share)
     search s            seconds for the whole fair search of the row (both sides, every M,
-                        variant and schedule; the binding analysis excluded)
-    plan s              seconds for one `partition(graph)` call at the chosen M (item 4:
-                        target < 1 s at 32 devices)
+                        layout, variant and schedule; the binding analysis excluded)
+    plan s              seconds for one `partition(graph)` call at the chosen M, the
+                        planner choosing its layout (item 4: target < 1 s at 32 devices)
 """
 
 from __future__ import annotations
@@ -51,16 +53,17 @@ HEADERS = ["model", "N", "graph", "sequential", "ratio", "binding", "search s", 
 def _side(choice: Choice) -> str:
     kind = "" if choice.strategy == "sequential" or choice.stage_dag else " (seq)"
     return (
-        f"{choice.micro_batches} / {choice.schedule} / {choice.depth} / "
+        f"{choice.micro_batches} / {choice.layout} / {choice.schedule} / {choice.depth} / "
         f"{format_bytes(choice.peak_memory)} / {format_time(choice.step_time)}{kind}"
     )
 
 
 def _plan_time(w: Workload, gm: fx.GraphModule, n: int, m: int, preset: str) -> float:
-    """Seconds of one graph-partitioner call (roofline costs, M = m, unlimited memory)."""
+    """Seconds of one graph-partitioner call (roofline costs, M = m, unlimited memory, the
+    default layouts)."""
     b = w.batch_size // m
     prof = profile(gm, w.example_inputs, b, ProfileConfig(mode="roofline", preset=preset))
-    config = PlanConfig(n, m, layouts=("one",))  # as the protocol plans
+    config = PlanConfig(n, m)
     g, cost, digest = op_graph(gm, prof), cost_model(config, b, "roofline", preset), graph_hash(gm)
     start = time.perf_counter()
     partition_op_graph(g, cost, config, digest)
@@ -108,7 +111,7 @@ def report(
         f"## Fair planner protocol: graph vs sequential, each at its best M (simulated)\n\n"
         f"{machine()}\n\nCommand: `{command}`. Roofline preset {config.preset}, "
         f"{budget} per device, M in {config.micro_batches}. Each side: "
-        f"M / schedule / depth / peak memory / step.\n\n{table}\n"
+        f"M / layout / schedule / depth / peak memory / step.\n\n{table}\n"
     )
 
 
