@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
@@ -270,9 +270,10 @@ def _choose_all(
         if (batch // m) % config.dp:
             continue  # the micro-batch does not split over the dp ranks
         plans = _plans(gm, inputs, devices, m, config, strategies)
+        simulated: dict[Hashable, list[Run]] = {}  # variants and strategies share plans
         for strategy in strategies:
             for candidate in plans[strategy]:
-                for choice in _runs(candidate, strategy, config):
+                for choice in _runs(candidate, strategy, config, simulated):
                     runs += 1
                     current = best[strategy]
                     if current is None or choice.step_time < current.step_time:
@@ -377,16 +378,20 @@ def _folded(
     out: dict[str, list[Candidate]] = {"graph": [], "sequential": []}
     if devices == 1 and "one" in config.layouts:
         return out  # one stage on the one device, as the planner keeps
-    single = PlanConfig(
-        devices, m, "graph", config.budget, link=config.link, replication=False, layouts=("one",)
-    )
+    single = PlanConfig(devices, m, "graph", link=config.link, replication=False, layouts=("one",))
     cost = cost_model(single, b, "roofline", config.preset)
     chain = functools.cache(
         functools.partial(even_chain, g, cost, 2 * devices, single.max_units, digest)
     )
 
-    def finer(n: int) -> Plan:
-        return partition_op_graph(g, cost, replace(single, devices=n), digest)
+    def finer(n: int) -> Plan:  # as `_one_per_device`: within the budget only if over it
+        plan = partition_op_graph(g, cost, replace(single, devices=n), digest)
+        if _fits(plan, config.budget):
+            return plan
+        within = replace(single, devices=n, memory_budget=config.budget)
+        return partition_op_graph(
+            g, cost_model(within, b, "roofline", config.preset), within, digest
+        )
 
     builders: dict[str, Callable[[], list[Plan]]] = {
         "loop": lambda: [folded_chain(chain, devices, "loop")],
@@ -417,33 +422,48 @@ def _fits(plan: Plan, budget: float | None) -> bool:
     return budget is None or max(s.memory_bytes for s in plan.stages) <= budget
 
 
-def _runs(candidate: Candidate, strategy: str, config: FairConfig) -> list[Choice]:
-    """The plan under every schedule that runs its layout (one stage per device: the config's
-    flushed schedules; the others: `layout_schedules`) within the budget."""
+Run = tuple[str, int, float]  # a schedule, its simulated peak bytes and step seconds
+
+
+def _runs(
+    candidate: Candidate, strategy: str, config: FairConfig, simulated: dict[Hashable, list[Run]]
+) -> list[Choice]:
+    """The plan under every schedule that runs its layout within the budget, each simulated
+    once per plan (`simulated`: the runs of the plans seen, by their stages and costs)."""
     plan, variant, layout = candidate
-    names = config.schedules if layout == "one" else layout_schedules(layout, None)
-    choices, m = [], plan.micro_batches
-    for name in names:
-        try:
-            run = simulate(plan, name)
-        except (ScheduleError, PlanError):
-            continue  # a schedule the plan does not admit
-        peak = max(run.peak_memory)
-        if config.budget is not None and peak > config.budget:
-            continue
-        choice = Choice(
+    key = (plan.stages, plan.edges, plan.num_devices, plan.cost_model, layout)
+    if key not in simulated:
+        simulated[key] = _simulated(plan, layout, config)
+    return [
+        Choice(
             strategy,
-            m,
+            plan.micro_batches,
             name,
             layout,
             variant[0],
             variant[1],
             plan.depth,
             peak,
-            run.iteration_time,
+            step,
             plan,
             0,
             0.0,
         )
-        choices.append(choice)
-    return choices
+        for name, peak, step in simulated[key]
+    ]
+
+
+def _simulated(plan: Plan, layout: str, config: FairConfig) -> list[Run]:
+    """The plan under every schedule that runs its layout (one stage per device: the config's
+    flushed schedules; the others: `layout_schedules`), those within the budget."""
+    names = config.schedules if layout == "one" else layout_schedules(layout, None)
+    runs = []
+    for name in names:
+        try:
+            run = simulate(plan, name)
+        except (ScheduleError, PlanError):
+            continue  # a schedule the plan does not admit
+        peak = max(run.peak_memory)
+        if config.budget is None or peak <= config.budget:
+            runs.append((name, peak, run.iteration_time))
+    return runs
