@@ -128,13 +128,16 @@ FOLDING = FairConfig(
 def test_both_sides_count_folded_layouts_within_the_budget() -> None:
     gm, x = _equal_chain()
     one = choose(gm, x, 4, "sequential", replace(FOLDING, layouts=("one",)))
-    result = compare(gm, x, 4, FOLDING)
+    result = compare(gm, x, 4, FOLDING, explain_above=0.0)
     folded = result.sequential
     # 4 devices at M <= 8: one stage per device pays a fill/drain that a chain of 8 stages
     # folded loop or v shrinks (zbv at M = 2: 570 us against zb's 607 us)
     assert one.layout == "one" and folded.layout in ("loop", "v")
     assert folded.step_time < 0.97 * one.step_time
     assert result.graph.step_time <= folded.step_time
+    # its fill/drain: 3 hops of half a device's work each, against 2M halves
+    share = 3 / (2 * folded.micro_batches + 3)
+    assert result.binding == f"depth: 8 stages (2 per device) at M=2, fill/drain {share:.0%}"
     tight = choose(gm, x, 4, "sequential", replace(FOLDING, budget=folded.peak_memory - 1))
     assert tight.peak_memory < folded.peak_memory  # not that run: it peaks over the budget
     assert tight.step_time > folded.step_time

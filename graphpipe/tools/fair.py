@@ -235,20 +235,24 @@ def binding(
 
     memory      the step it would reach with unlimited memory, as a speed-up (only
                 computed when a budget is set: the whole search again, unbudgeted)
-    depth       the fill and drain share of its pipeline, (depth - 1) / (M + depth - 1)
+    depth       the fill and drain share of its pipeline, (depth - 1) / (M + depth - 1); for
+                a chain folded v stages per device (loop, v), whose hops take 1/v of a
+                device's work per micro-batch, (depth/v - 1) / (v M + depth/v - 1)
     all-reduce  its slowest stage's gradient all-reduce (with dp, and the reduce-scatter or
                 all-reduce over the dp ranks: `CostModel.update_sync`), as a share of the step
     """
-    figures = {"depth": (seq.depth - 1) / (seq.micro_batches + seq.depth - 1)}
     cost, m = seq.plan.cost_model, seq.micro_batches
+    v = 1 if seq.layout == "one" else len(seq.plan.stages) // seq.plan.num_devices
+    figures = {"depth": (seq.depth / v - 1) / (v * m + seq.depth / v - 1)}
     allreduce = max(cost.update_sync(s.param_bytes, s.replicas) for s in seq.plan.stages)
     figures["all-reduce"] = allreduce / seq.step_time
     if config.budget is not None:
         free = choose(gm, example_inputs, devices, "sequential", replace(config, budget=None))
         figures["memory"] = seq.step_time / free.step_time - 1
     worst = max(figures, key=lambda k: figures[k])
+    per = "" if v == 1 else f" ({v} per device)"
     notes = {
-        "depth": f"depth: {seq.depth} stages at M={m}, fill/drain {figures['depth']:.0%}",
+        "depth": f"depth: {seq.depth} stages{per} at M={m}, fill/drain {figures['depth']:.0%}",
         "all-reduce": f"all-reduce: {figures['all-reduce']:.0%} of the step",
         "memory": f"memory: unlimited is {figures.get('memory', 0) + 1:.2f}x faster",
     }
