@@ -1,30 +1,34 @@
-"""Fair planner benchmark: graph vs sequential, each choosing M and schedule under memory.
+"""Fair planner benchmark: graph vs sequential, each choosing M, layout and schedule under memory.
 
     python -m benchmarks.fair                        # 4 models x 4, 8, 16, 32 devices
     python -m benchmarks.fair --quick                # M in 1, 4, 16, 64; 8 and 32 devices
     python -m benchmarks.fair --models dlrm --devices 32 --preset h100
+    python -m benchmarks.fair --layouts one           # one stage per device on both sides
 
 The protocol is `graphpipe.tools.fair` (GraphPipe's, ASPLOS'25 section 6): the paper presets at
 their mini-batch B; op times from the roofline of an A100 (`--preset`) at each micro-batch
-size B / M; every strategy picks M (powers of two up to 64 dividing B), its variant (with and
-without replication, objective "pipeline" and "bottleneck") and its flushed schedule (gpipe,
-1f1b, zb) to minimise the simulated step within 80 GiB per device (`--budget`). Columns:
+size B / M; every strategy picks M (powers of two up to 64 dividing B), its layout (one stage per
+device; a chain of 2N stages folded loop or v, on both sides; graph: its finer stage DAGs
+folded), its variant (with and without replication, objective "pipeline" and "bottleneck")
+and its schedule (one per device: the flushed gpipe, 1f1b, zb, zb2; the folded layouts': those
+that run them) to minimise the simulated step within 80 GiB per device (`--budget`). Columns:
 
-    graph, sequential   M / schedule / depth / peak memory / step time of each side's choice
-                        (graph: "seq" when the graph side's best plan is a chain)
+    graph, sequential   M / layout / schedule / depth / peak memory / step time of each
+                        side's choice (graph: "seq" when the graph side's best plan is a chain)
     ratio               graph / sequential throughput (B fixed: sequential step / graph step)
     binding             above the paper's 1.6x, what holds the sequential plan back: memory
                         (unlimited memory would be this much faster), depth (the fill/drain
                         share of its pipeline) or all-reduce (its slowest stage's share)
     search s            seconds for the whole fair search of the row (both sides, every M,
-                        variant and schedule; the binding analysis excluded)
-    plan s              seconds for one `partition(graph)` call at the chosen M (item 4:
-                        target < 1 s at 32 devices)
+                        layout, variant and schedule; the binding analysis excluded)
+    plan s              seconds for one `partition(graph)` call at the chosen M, the
+                        planner choosing its layout (item 4: target < 1 s at 32 devices)
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 
@@ -33,6 +37,7 @@ from torch import fx
 
 from benchmarks._common import log, machine
 from graphpipe._units import format_bytes, format_time
+from graphpipe.planning.layouts import LAYOUTS
 from graphpipe.planning.opgraph import graph_hash, op_graph
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
 from graphpipe.planning.profile import ProfileConfig, profile
@@ -51,16 +56,17 @@ HEADERS = ["model", "N", "graph", "sequential", "ratio", "binding", "search s", 
 def _side(choice: Choice) -> str:
     kind = "" if choice.strategy == "sequential" or choice.stage_dag else " (seq)"
     return (
-        f"{choice.micro_batches} / {choice.schedule} / {choice.depth} / "
+        f"{choice.micro_batches} / {choice.layout} / {choice.schedule} / {choice.depth} / "
         f"{format_bytes(choice.peak_memory)} / {format_time(choice.step_time)}{kind}"
     )
 
 
-def _plan_time(w: Workload, gm: fx.GraphModule, n: int, m: int, preset: str) -> float:
-    """Seconds of one graph-partitioner call (roofline costs, M = m, unlimited memory)."""
-    b = w.batch_size // m
+def _plan_time(w: Workload, gm: fx.GraphModule, n: int, m: int, rules: FairConfig) -> float:
+    """Seconds of one graph-partitioner call (roofline costs, M = m, unlimited memory), the
+    planner choosing among the protocol's layouts."""
+    b, preset = w.batch_size // m, rules.preset
     prof = profile(gm, w.example_inputs, b, ProfileConfig(mode="roofline", preset=preset))
-    config = PlanConfig(n, m, layouts=("one",))  # as the protocol plans
+    config = PlanConfig(n, m, layouts=rules.layouts)
     g, cost, digest = op_graph(gm, prof), cost_model(config, b, "roofline", preset), graph_hash(gm)
     start = time.perf_counter()
     partition_op_graph(g, cost, config, digest)
@@ -78,7 +84,7 @@ def rows(models: Sequence[str], devices: Sequence[int], config: FairConfig) -> l
             start = time.perf_counter()
             result = compare(gm, w.example_inputs, n, config, explain_above=PAPER_RATIO)
             log(f"  {time.perf_counter() - start:.1f} s, ratio {result.ratio:.2f}")
-            plan_s = _plan_time(w, gm, n, result.graph.micro_batches, config.preset)
+            plan_s = _plan_time(w, gm, n, result.graph.micro_batches, config)
             table.append(
                 [
                     name,
@@ -107,8 +113,8 @@ def report(
     return (
         f"## Fair planner protocol: graph vs sequential, each at its best M (simulated)\n\n"
         f"{machine()}\n\nCommand: `{command}`. Roofline preset {config.preset}, "
-        f"{budget} per device, M in {config.micro_batches}. Each side: "
-        f"M / schedule / depth / peak memory / step.\n\n{table}\n"
+        f"{budget} per device, M in {config.micro_batches}, layouts {config.layouts}. Each side: "
+        f"M / layout / schedule / depth / peak memory / step.\n\n{table}\n"
     )
 
 
@@ -120,11 +126,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--preset", default="a100", help="roofline device preset")
     parser.add_argument("--budget", type=float, default=80, help="GiB per device")
     parser.add_argument("--quick", action="store_true", help="fewer M values and device counts")
+    parser.add_argument("--layouts", nargs="+", default=LAYOUTS, choices=LAYOUTS)
     args = parser.parse_args(argv)
     devices = args.devices or (QUICK_DEVICES if args.quick else DEVICES)
     counts = QUICK_MICRO_BATCHES if args.quick else FairConfig.micro_batches
-    config = FairConfig(budget=args.budget * GIB, preset=args.preset, micro_batches=counts)
-    print(report(args.models, devices, config))
+    config = FairConfig(
+        budget=args.budget * GIB,
+        preset=args.preset,
+        micro_batches=counts,
+        layouts=tuple(args.layouts),
+    )
+    words = sys.argv[1:] if argv is None else list(argv)
+    print(report(args.models, devices, config, " ".join(["python -m benchmarks.fair", *words])))
 
 
 if __name__ == "__main__":

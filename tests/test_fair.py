@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
 from graphpipe.errors import ConfigError, PlanError
+from graphpipe.ir.cost import LinkModel
 from graphpipe.planning.devices import DEVICES, Device, roofline
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.tools.fair import Choice, FairConfig, choose, compare, micro_batch_counts
@@ -64,6 +67,10 @@ def test_bad_presets_and_devices_are_named() -> None:
         Device("x", 1e12, 1e12, 1e9, efficiency=1.5)
     with pytest.raises(ConfigError, match="'pipedream'"):
         choose(*_tiny("dlrm"), devices=2, strategy="pipedream")
+    with pytest.raises(ConfigError, match=r"unknown: \['zigzag'\]"):
+        FairConfig(layouts=("one", "zigzag"))
+    with pytest.raises(ConfigError, match="dp = 2 only the layout 'one'"):
+        FairConfig(layouts=("v",), dp=2)
 
 
 def test_micro_batch_counts_are_the_powers_of_two_dividing_the_batch() -> None:
@@ -102,3 +109,35 @@ def test_graph_is_never_slower_than_sequential_and_wins_on_a_branchy_model() -> 
     assert result.ratio > 1.1  # 1.2x: two stages deep against three
     assert result.sequential.depth > result.graph.depth
     assert result.binding.startswith("depth")
+
+
+def _equal_chain() -> tuple[torch.fx.GraphModule, tuple[torch.Tensor, ...]]:
+    """8 equal Linear(2048) + ReLU layers, B = 1024: compute-bound on the A100 roofline."""
+    torch.manual_seed(0)
+    x = torch.randn(1024, 2048)
+    layers = [m for _ in range(8) for m in (nn.Linear(2048, 2048), nn.ReLU())]
+    return trace(nn.Sequential(*layers), x), (x,)
+
+
+# a fast link, so that the chain's 2N stages pay little more in transfers than its N
+FOLDING = FairConfig(
+    budget=None, micro_batches=(1, 2, 4, 8), link=LinkModel(bandwidth=1e12, latency=1e-6)
+)
+
+
+def test_both_sides_count_folded_layouts_within_the_budget() -> None:
+    gm, x = _equal_chain()
+    one = choose(gm, x, 4, "sequential", replace(FOLDING, layouts=("one",)))
+    result = compare(gm, x, 4, FOLDING, explain_above=0.0)
+    folded = result.sequential
+    # 4 devices at M <= 8: one stage per device pays a fill/drain that a chain of 8 stages
+    # folded loop or v shrinks (zbv at M = 2: 570 us against zb's 607 us)
+    assert one.layout == "one" and folded.layout in ("loop", "v")
+    assert folded.step_time < 0.97 * one.step_time
+    assert result.graph.step_time <= folded.step_time
+    # its fill/drain: 3 hops of half a device's work each, against 2M halves
+    share = 3 / (2 * folded.micro_batches + 3)
+    assert result.binding == f"depth: 8 stages (2 per device) at M=2, fill/drain {share:.0%}"
+    tight = choose(gm, x, 4, "sequential", replace(FOLDING, budget=folded.peak_memory - 1))
+    assert tight.peak_memory < folded.peak_memory  # not that run: it peaks over the budget
+    assert tight.step_time > folded.step_time
