@@ -29,6 +29,8 @@ CHAINS = {  # four chain stages each, so two ranks hold two stages
     "tied": {"embed": 0, "body.0": 1, "body.1": 2, "body.2": 3, "out": 3},
     # under "loop" the late input is read by stage 2, on rank 0 with stage 0
     "late_input": {"layers.0": 0, "layers.1": 1, "layers.2": 2, "head": 3},
+    # a skip edge from stage 0 to stage 3: across the ranks under "loop", on rank 0 under "v"
+    "skip_across": {"layers.0": 0, "layers.1": 1, "layers.2": 2, "layers.3": 3},
 }
 FOLDED = {  # three stages on two ranks: a later stage joins an earlier one's rank
     # the join (cat, head) on rank 0 with branch a, while branch b runs on rank 1

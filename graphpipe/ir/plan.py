@@ -343,6 +343,25 @@ def transfer_time(plan: Plan, edge: StageEdge, direction: str) -> float:
     return plan.cost_model.link.transfer(edge.bytes if direction == "F" else edge.grad_bytes)
 
 
+def chain_in_order(plan: Plan) -> bool:
+    """Whether the stages form a chain in index order: stage i feeds stage i + 1 for every
+    i, and every other edge goes forward (a skip: a residual, a mask or a tied weight's
+    value read by a later stage). An order that runs stage i's forward after stage i - 1's
+    and its backward after stage i + 1's then meets every edge's dependency, so the loop and
+    v placements and their schedules take such plans.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> chain_in_order(NS(stages=(0, 1, 2), edges=[NS(src=0, dst=1), NS(src=1, dst=2)]))
+        True
+        >>> chain_in_order(NS(stages=(0, 1, 2), edges=[NS(src=0, dst=1), NS(src=0, dst=2)]))
+        False
+    """
+    pairs = {(e.src, e.dst) for e in plan.edges}
+    linked = all((i, i + 1) in pairs for i in range(len(plan.stages) - 1))
+    return linked and all(src < dst for src, dst in pairs)
+
+
 def device_of(stage: int, devices: int, placement: str) -> int:
     """The device of chain stage `stage` under a "loop" or "v" placement on `devices` devices
     (see `graphpipe.planning.place`)."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from graphpipe.errors import ConfigError, PlanError
-from graphpipe.ir import Plan, device_of
+from graphpipe.ir import Plan, chain_in_order, device_of
 
 __all__ = ["PLACEMENTS", "device_of", "on_devices", "place_stages"]
 
@@ -26,7 +26,8 @@ PLACEMENTS = ("loop", "v")
 
 
 def place_stages(plan: Plan, devices: int, placement: str) -> Plan:
-    """`plan` (a chain of single-device stages) with its stages folded onto `devices` devices.
+    """`plan` (a chain of single-device stages, skips allowed: `chain_in_order`) with its
+    stages folded onto `devices` devices.
 
     Raises:
         ConfigError: an unknown placement.
@@ -36,10 +37,10 @@ def place_stages(plan: Plan, devices: int, placement: str) -> Plan:
     if placement not in PLACEMENTS:
         raise ConfigError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     count = len(plan.stages)
-    chain = all(e.dst == e.src + 1 for e in plan.edges) and len(plan.edges) == count - 1
-    if not chain or any(s.replicas != 1 for s in plan.stages):
+    if not chain_in_order(plan) or any(s.replicas != 1 for s in plan.stages):
         raise PlanError(
-            f"a {placement!r} placement needs a chain of single-device stages; this plan has "
+            f"a {placement!r} placement needs a chain of single-device stages (stage i feeding "
+            f"i + 1, other edges forward); this plan has "
             f"edges {[(e.src, e.dst) for e in plan.edges]} and replicas "
             f"{[s.replicas for s in plan.stages]}"
         )

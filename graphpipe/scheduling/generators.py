@@ -114,6 +114,7 @@ from graphpipe.ir import (
     Plan,
     Schedule,
     ScheduleSpec,
+    chain_in_order,
     device_of,
     edges_to_sink,
     schedule_spec,
@@ -274,13 +275,8 @@ def _check(plan: Plan, name: str, m: int) -> ScheduleSpec:
 
 def _check_placed(plan: Plan, spec: ScheduleSpec, m: int) -> None:
     placement, n = str(spec.placement), plan.num_devices
-    wrong = [
-        s.index
-        for s in plan.stages
-        if s.devices != (device_of(s.index, n, placement),)
-        or any(e.dst != e.src + 1 for e in plan.edges)
-    ]
-    if wrong or len(plan.edges) != len(plan.stages) - 1:
+    wrong = [s.index for s in plan.stages if s.devices != (device_of(s.index, n, placement),)]
+    if wrong or not chain_in_order(plan):
         raise ScheduleError(
             f"schedule {spec.name!r} needs a chain of stages placed {placement!r} "
             f"(PlanConfig(virtual_stages=..., placement={placement!r})); stages {wrong} are "
