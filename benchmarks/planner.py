@@ -178,8 +178,9 @@ def layout_report(devices: Sequence[int] = LAYOUT_DEVICES) -> str:
         '`layouts=("one",)` (the planner before the choice); "search s, all": the default. '
         "FLOP costs (chain8: 8 Linear 512 x 512 at 10 GFLOP/s, batch 64, M = 8; the models' "
         'tiny and paper presets at their own M); "-": the layout has no plan (a chain of 2N '
-        "stages needs 2N units and tensors between neighbours only; folded DAGs need "
-        f"branches).\n\n{table}\n"
+        "stages needs 2N units, each stage feeding the next (skips to later stages "
+        "allowed), and loop a multiple of N micro-batches; folded DAGs need branches)."
+        f"\n\n{table}\n"
     )
 
 
