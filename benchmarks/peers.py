@@ -9,7 +9,10 @@ sleeps on both sides, so N processes act as N devices on a 2-core machine:
   its plan's forward time, and the input and weight halves of its backward;
 - torch: each stage is one stand-in module (`Sleeper`) whose forward sleeps the stage's F,
   whose input gradient sleeps its I and whose weight gradient its W, in torch's own schedule
-  runtime (its split backward runs them apart, as it runs real stages).
+  runtime (its split backward runs them apart, as it runs real stages). The first stage's
+  input needs no gradient, so no input half runs there: its weight gradient sleeps I + W,
+  as graphpipe's emulated first stage does (before 2026-11-26 09:20 it slept W alone, so
+  torch's first stage did I less work than the plan and graphpipe's).
 Two layer costs: equal (F = I = W = 10 ms a layer) and unequal (F = 6, I = W = 12 ms: the
 cost model fixes I = W, `graphpipe.ir.plan.WEIGHT_SHARE`). Every torch schedule runs beside
 every graphpipe schedule: one stage per rank (GPipe, 1F1B, ZB-H1 as torch's interleaved zero
@@ -228,7 +231,9 @@ def _torch_schedule(case: Case, label: str) -> tuple[Any, list[Sleeper], list[in
     per = case.layers // stages
     f, i, w = (per * t for t in COSTS[case.costs])
     ids = _stage_ids(rank, n, placement)
-    parts = [Sleeper(f, i, w) for _ in ids]
+    # the first stage's input needs no gradient, so torch runs no input half there: its
+    # weight gradient sleeps the whole backward, as graphpipe's emulated stage 0 does
+    parts = [Sleeper(f, i, w + i * (s == 0)) for s in ids]
     cpu = torch.device("cpu")
     pipe = [pipelining.PipelineStage(p, s, stages, cpu) for p, s in zip(parts, ids, strict=True)]
     cls = getattr(pipelining, name)
