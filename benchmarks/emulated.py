@@ -178,8 +178,9 @@ def measured(config: str, choice: Choice, emulate: Emulate, steps: int) -> float
     """Seconds per step of a fair choice run emulated on its devices (the slowest rank's
     median)."""
     args = (config, choice.plan.to_json(), choice.schedule, emulate, steps)
-    with mock.patch.dict(os.environ, KEEP_FREED):  # the ranks inherit it
-        return max(launch(_steps, choice.plan.num_devices, args=args, timeout=1800))
+    with mock.patch.dict(os.environ, KEEP_FREED):  # spawned ranks' glibc reads it at start
+        ranks = choice.plan.num_devices
+        return max(launch(_steps, ranks, args=args, timeout=1800, start_method="spawn"))
 
 
 # -- the simulator's prediction --------------------------------------------------------------

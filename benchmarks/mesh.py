@@ -275,8 +275,8 @@ def measured(plans: Sequence[Plan], time_scale: float, steps: int) -> tuple[Link
     """
     ranks = plans[0].num_devices * plans[0].cost_model.dp.degree
     args = ([p.to_json() for p in plans], time_scale, steps)
-    with mock.patch.dict(os.environ, KEEP_FREED):  # the ranks inherit it
-        results = launch(_emulated, ranks, args=args, timeout=1200)
+    with mock.patch.dict(os.environ, KEEP_FREED):  # spawned ranks' glibc reads it at start
+        results = launch(_emulated, ranks, args=args, timeout=1200, start_method="spawn")
     seconds = [max(r[1][i] for r in results) for i in range(len(plans))]
     return results[0][0], seconds
 

@@ -21,7 +21,9 @@ after step. glibc by default gives freed blocks of tens of MB back to the operat
 every large message arrives in new memory whose pages fault in, host work that no device does
 (and that 8 ranks on 2 cores feel). Start emulated ranks with `MALLOC_MMAP_THRESHOLD_=33554432`
 and `MALLOC_TRIM_THRESHOLD_=4294967296` in their environment, as `benchmarks/emulated.py`
-does; `mallopt` after start-up does not remove the faults (measured).
+does (with `launch(..., start_method="spawn")`: glibc reads them when a process starts, and a
+worker forked from the fork server starts with the server's); `mallopt` after start-up does
+not remove the faults (measured).
 
 Sizes: a value crossing stages keeps its dtype and is sent as a flat tensor of
 `round(numel / byte_scale)` elements (at least one; a `byte_scale` below 1 makes it larger,
