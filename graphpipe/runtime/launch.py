@@ -60,6 +60,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -154,7 +155,7 @@ def launch(
     }
     started = mp.start_processes(
         _worker,
-        args=(env, fn, tuple(args), results, backend, threads, comm_timeout, os.getpid()),
+        args=(env, fn, tuple(args), results, backend, threads, comm_timeout, _Launcher()),
         nprocs=nprocs,
         join=False,  # reaped by _supervise: torch's join stops the others at a first failure
         daemon=True,
@@ -180,11 +181,12 @@ def _worker(
     backend: str,
     threads: int,
     comm_timeout: float,
-    parent: int,
+    launcher: _Inherited,
 ) -> None:
     os.environ.clear()  # the launcher's environment, not the fork server's
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
-    threading.Thread(target=_orphan_watch, args=(parent,), daemon=True).start()
+    launcher.install()
+    threading.Thread(target=_orphan_watch, args=(launcher.pid,), daemon=True).start()
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(
@@ -205,6 +207,43 @@ def _worker(
         os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class _Launcher:
+    """The launcher as a worker needs it: its pid (to stop when it is gone) and its stdout
+    and stderr, which a worker forked from the fork server does not inherit (it would
+    write where the server's went). Pickled as the process starts, the streams travel as
+    file descriptors handed to the child (multiprocessing's `DupFd`, for either start
+    method); a closed stream stays the worker's own."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        streams = [reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
+        return (_Inherited, (os.getpid(), *streams))
+
+
+@dataclass
+class _Inherited:
+    """`_Launcher` in the worker: the launcher's pid and its streams' descriptors here."""
+
+    pid: int
+    stdout: Any
+    stderr: Any
+
+    def install(self) -> None:
+        """Point this process's fds 1 and 2 at the launcher's stdout and stderr."""
+        for target, handed in ((1, self.stdout), (2, self.stderr)):
+            if handed is not None:
+                fd = handed.detach()
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _kind_of(exc: BaseException) -> FailureKind:
