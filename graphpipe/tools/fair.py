@@ -312,33 +312,40 @@ def _plans(
     roofline = ProfileConfig(mode="roofline", preset=config.preset)
     g, digest = op_graph(gm, profile(gm, inputs, b, roofline)), graph_hash(gm)
     sliced = g if k == 1 else op_graph(gm, profile(gm, inputs, b // k, roofline))
+    at = _AtM(g, b, digest, devices, m, config, tuple(strategies))
     out: dict[str, list[Candidate]] = {"graph": [], "sequential": []}
     if "one" in config.layouts:
-        out = _one_per_device(g, sliced, b, digest, devices, m, config, strategies)
+        out = _one_per_device(at, sliced)
     if k == 1:
-        for strategy, found in _folded(g, b, digest, devices, m, config, strategies).items():
+        for strategy, found in _folded(at).items():
             out[strategy] += found
     return out
 
 
-def _one_per_device(
-    g: nx.DiGraph,
-    sliced: nx.DiGraph,
-    b: int,
-    digest: str,
-    devices: int,
-    m: int,
-    config: FairConfig,
-    strategies: Sequence[str],
-) -> dict[str, list[Candidate]]:
+@dataclass(frozen=True)
+class _AtM:
+    """What one M's plans are made from: the op graph at micro-batch size b, its hash, the
+    devices, M, the rules and the strategies compared."""
+
+    g: nx.DiGraph
+    b: int
+    digest: str
+    devices: int
+    m: int
+    config: FairConfig
+    strategies: tuple[str, ...]
+
+
+def _one_per_device(at: _AtM, sliced: nx.DiGraph) -> dict[str, list[Candidate]]:
     """The one-stage-per-device plans of every variant; a variant with no plan (too few ops,
     nothing fits) is left out. Planned without the budget, then within it if over."""
+    g, b, digest, devices, m, config = at.g, at.b, at.digest, at.devices, at.m, at.config
     k = config.dp
     variants = (
         config.variants if k == 1 else tuple(dict.fromkeys((False, o) for _, o in config.variants))
     )
     out: dict[str, list[Candidate]] = {"graph": [], "sequential": []}
-    for kind in ("sequential", "graph") if "graph" in strategies else ("sequential",):
+    for kind in ("sequential", "graph") if "graph" in at.strategies else ("sequential",):
         for variant in variants:
             for budget in (None, config.budget) if config.budget is not None else (None,):
                 plan_config = PlanConfig(
@@ -366,19 +373,12 @@ def _one_per_device(
     return out
 
 
-def _folded(
-    g: nx.DiGraph,
-    b: int,
-    digest: str,
-    devices: int,
-    m: int,
-    config: FairConfig,
-    strategies: Sequence[str],
-) -> dict[str, list[Candidate]]:
+def _folded(at: _AtM) -> dict[str, list[Candidate]]:
     """The plans of the folded layouts in `config.layouts`, as the planner builds them
     (`planning.layouts`): one chain of 2N stages (`even_chain`) folded "loop" and "v", for
     both strategies; the graph partitioner's finer stage DAGs (`finer_dags`), for graph only.
     A layout with no plan (too few units, a chain for "graph") is left out."""
+    g, b, digest, devices, m, config = at.g, at.b, at.digest, at.devices, at.m, at.config
     out: dict[str, list[Candidate]] = {"graph": [], "sequential": []}
     if devices == 1 and "one" in config.layouts:
         return out  # one stage on the one device, as the planner keeps
@@ -402,7 +402,7 @@ def _folded(
         "v": lambda: [folded_chain(chain, devices, "v")],
         "graph": lambda: finer_dags(g, finer, devices),
     }
-    graph_only = ("graph",) if "graph" in strategies else ()
+    graph_only = ("graph",) if "graph" in at.strategies else ()
     for layout in (x for x in config.layouts if x != "one"):
         owners = graph_only if layout == "graph" else ("graph", "sequential")
         if not owners:
