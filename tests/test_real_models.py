@@ -9,7 +9,9 @@ under gpipe, 1f1b and zb. After 3 steps the losses, every parameter and every bu
 single-process gradient accumulation over the same micro-batches, and the pipeline's state
 dict loads into the plain model with strict=True.
 
-One launch per world size runs every case, to pay the process start-up once.
+One launch per world size runs every case, to pay the process start-up once. At 2 ranks,
+GPT-2, T5, Llama and the Inception CNN also run folded, two stages per rank (the planner's
+chain of 4 stages under zbv, interleaved_zb and dualpipev), their skips reaching later stages.
 """
 
 from __future__ import annotations
@@ -22,18 +24,23 @@ from real_models import CASES, CNN_CASES, M, optimizer, reference, step_data
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
+from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
 
 SCHEDULES = ("gpipe", "1f1b", "zb")
+# two stages per rank at 2 ranks: the planner's chain of 4 stages folded loop or v, whose
+# skips (masks, the encoder's output, GPT-2's tied weight on stages 0 and 3) reach later stages
+FOLDED = (("gpt2", "zbv"), ("t5", "interleaved_zb"), ("llama", "dualpipev"), ("inception", "zbv"))
 STEPS = 3
 TIMEOUT = 420  # seconds for one launch: 7 models x 3 schedules
 
 
-def _run(name: str, schedule: str, world: int) -> dict[str, Any]:
+def _run(name: str, schedule: str, world: int, **extra: Any) -> dict[str, Any]:
     case = CASES[name]
     example, _ = step_data(case, 0)
     # tiny models would otherwise be replicated whole (data parallelism, not a pipeline)
     options: dict[str, Any] = {"pins": case.pins[world]} if case.pins else {"replication": False}
+    options.update(extra)
     pm = gp_compile(
         case.build(),
         {**example, **case.constants},
@@ -55,6 +62,8 @@ def _run(name: str, schedule: str, world: int) -> dict[str, Any]:
         "state": state if pm.rank == 0 else None,
         "held": held,
         "edges": [list(e.tensors) for e in pm.plan.edges],
+        "skips": sum(e.dst > e.src + 1 for e in pm.plan.edges),  # reaching past the next
+        "stages": len(pm._stage_indices),
     }
 
 
@@ -62,9 +71,19 @@ def _worker(world: int) -> dict[tuple[str, str], dict[str, Any]]:
     return {(n, s): _run(n, s, world) for n in CASES for s in SCHEDULES}
 
 
+def _folded_worker() -> dict[tuple[str, str], dict[str, Any]]:
+    flops = ProfileConfig(mode="flops")  # the same cut, with its skip, on every run
+    return {(n, s): _run(n, s, 2, profile_config=flops) for n, s in FOLDED}
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["2_ranks", "3_ranks"])
 def runs(request: pytest.FixtureRequest) -> list[dict[tuple[str, str], dict[str, Any]]]:
     return launch(_worker, request.param, args=(request.param,), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def folded_runs() -> list[dict[tuple[str, str], dict[str, Any]]]:
+    return launch(_folded_worker, 2, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +99,27 @@ def test_pipelined_training_equals_one_process(
     name: str,
     schedule: str,
 ) -> None:
-    result = runs[0][(name, schedule)]
-    ref_losses, ref_model = references[name]
+    _assert_equal(runs[0][(name, schedule)], references[name], name)
+
+
+@pytest.mark.parametrize(("name", "schedule"), FOLDED)
+def test_real_models_folded_two_stages_per_rank_train_as_one_process(
+    folded_runs: list[dict[tuple[str, str], dict[str, Any]]],
+    references: dict[str, tuple[list[float], torch.nn.Module]],
+    name: str,
+    schedule: str,
+) -> None:
+    result = folded_runs[0][(name, schedule)]
+    assert [r[(name, schedule)]["stages"] for r in folded_runs] == [2, 2]
+    assert result["skips"] >= 1  # an edge reaches past the next stage
+    _assert_equal(result, references[name], name)
+
+
+def _assert_equal(
+    result: dict[str, Any], reference_run: tuple[list[float], torch.nn.Module], name: str
+) -> None:
+    """Losses and every parameter and buffer equal one process; the state loads strictly."""
+    ref_losses, ref_model = reference_run
     torch.testing.assert_close(result["losses"], ref_losses, rtol=1e-5, atol=1e-7)
     expected, state = ref_model.state_dict(), result["state"]
     assert list(state) == list(expected)  # every name, tied aliases included, in order
