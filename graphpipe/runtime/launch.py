@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing
 import os
 import pickle
 import queue
@@ -71,9 +72,13 @@ from graphpipe._torch import AGENT_STORE_ENV
 from graphpipe.errors import ConfigError, FailureKind, PipelineError
 from graphpipe.runtime.failures import FailureBoard
 
-__all__ = ["PRELOAD", "START_METHODS", "launch"]
+__all__ = ["DEFAULT_START_METHOD", "PRELOAD", "START_METHODS", "launch"]
 
 START_METHODS = ("forkserver", "spawn")
+# where the platform has no fork server (Windows), a fresh interpreter per worker
+DEFAULT_START_METHOD = (
+    "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+)
 # imported once by the fork server: the launcher's main module (as "spawn" imports it in
 # every worker: a function defined there unpickles) and the heavy imports every worker
 # needs, none that reads the environment of a particular launch (graphpipe reads only
@@ -104,7 +109,7 @@ def launch(
     backend: str | None = None,
     threads: int = 1,
     comm_timeout: float = 60.0,
-    start_method: str = "forkserver",
+    start_method: str = DEFAULT_START_METHOD,
 ) -> list[Any]:
     """Run `fn(*args)` on `nprocs` processes and return their results, by rank.
 
@@ -117,8 +122,9 @@ def launch(
         backend: "gloo" or "nccl" (default: nccl when CUDA is available).
         threads: torch intra-op threads per process.
         comm_timeout: The process group's timeout for collectives.
-        start_method: "forkserver" (workers fork from a server that imported torch once;
-            see the module docstring) or "spawn" (a fresh interpreter each).
+        start_method: "forkserver" (the default where the platform has it: workers fork
+            from a server that imported torch once; see the module docstring) or "spawn" (a
+            fresh interpreter each).
 
     Returns:
         What `fn` returned on each rank.
