@@ -37,6 +37,7 @@ from graphpipe.ir.plan import (
     device_of,
     edges_to_sink,
     freed,
+    over_budget,
     transfer_time,
     weight_share,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "edges_to_sink",
     "freed",
     "message_time",
+    "over_budget",
     "parse_ops",
     "parse_ranks",
     "policy_spec",

@@ -343,6 +343,16 @@ def transfer_time(plan: Plan, edge: StageEdge, direction: str) -> float:
     return plan.cost_model.link.transfer(edge.bytes if direction == "F" else edge.grad_bytes)
 
 
+def over_budget(plan: Plan) -> list[tuple[int, int]]:
+    """(device, predicted bytes) for each device whose stages' predicted memory together
+    exceed the plan's memory budget, in device order (none without a budget)."""
+    budget = plan.cost_model.memory.budget
+    if budget is None:
+        return []
+    used = [(d, sum(s.memory_bytes for s in plan.stages_on(d))) for d in range(plan.num_devices)]
+    return [(d, b) for d, b in used if b > budget]
+
+
 def chain_in_order(plan: Plan) -> bool:
     """Whether the stages form a chain in index order: stage i feeds stage i + 1 for every
     i, and every other edge goes forward (a skip: a residual, a mask or a tied weight's

@@ -22,9 +22,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from graphpipe.errors import ConfigError
-from graphpipe.ir import Plan, Stage
+from graphpipe.ir import Plan, Stage, over_budget
 from graphpipe.planning.assemble import bottleneck
-from graphpipe.planning.schedule_memory import over_budget
 
 __all__ = ["RecomputeSpec", "choose_recompute", "with_recompute"]
 
@@ -92,14 +91,14 @@ def choose_recompute(plan: Plan, spec: RecomputeSpec) -> Plan:
 
 
 def _auto(plan: Plan) -> Plan:
-    for device in [d for d, _ in over_budget(plan)]:
+    for device, _ in over_budget(plan):
         saving = {
             s.index: s.memory_bytes - _recomputed(plan, s).memory_bytes
             for s in plan.stages_on(device)
             if not s.recompute
         }
         for index in sorted(saving, key=lambda i: -saving[i]):
-            if device not in [d for d, _ in over_budget(plan)]:
+            if device not in dict(over_budget(plan)):
                 break
             plan = with_recompute(plan, [index])
     return plan

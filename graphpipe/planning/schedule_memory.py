@@ -16,10 +16,10 @@ import math
 from dataclasses import replace
 
 from graphpipe.errors import ScheduleError
-from graphpipe.ir import Plan, Schedule, schedule_spec
+from graphpipe.ir import Plan, Schedule, over_budget, schedule_spec
 from graphpipe.scheduling.generators import in_flight, make_schedule
 
-__all__ = ["for_schedule", "held_floor", "over_budget"]
+__all__ = ["for_schedule", "held_floor"]
 
 
 def for_schedule(plan: Plan, schedule: Schedule) -> Plan:
@@ -46,16 +46,6 @@ def for_schedule(plan: Plan, schedule: Schedule) -> Plan:
         memory = cost.stage_memory(s.param_bytes, s.activation_bytes, k, s.replicas)
         stages.append(replace(s, in_flight=k, memory_bytes=int(memory)))
     return replace(plan, stages=tuple(stages))
-
-
-def over_budget(plan: Plan) -> list[tuple[int, int]]:
-    """(device, predicted bytes) for each device whose stages' predicted memory together
-    exceed the plan's memory budget (none without a budget)."""
-    budget = plan.cost_model.memory.budget
-    if budget is None:
-        return []
-    used = [(d, sum(s.memory_bytes for s in plan.stages_on(d))) for d in range(plan.num_devices)]
-    return [(d, b) for d, b in used if b > budget]
 
 
 def held_floor(plan: Plan, schedule: str | None) -> int:

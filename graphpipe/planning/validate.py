@@ -23,7 +23,7 @@ import networkx as nx
 from torch import fx
 
 from graphpipe.errors import PlanError
-from graphpipe.ir import Plan
+from graphpipe.ir import Plan, over_budget
 from graphpipe.planning.opgraph import value_kind
 
 __all__ = ["validate_plan"]
@@ -103,7 +103,7 @@ def _shared_devices(plan: Plan) -> list[str]:
     replicated, and their memory together must fit the budget."""
     problems = []
     owners = Counter(d for s in plan.stages for d in s.devices)
-    budget = plan.cost_model.memory.budget
+    over = dict(over_budget(plan))
     for device, n in sorted(owners.items()):
         if n < 2:
             continue
@@ -115,11 +115,11 @@ def _shared_devices(plan: Plan) -> list[str]:
                 f"{replicated} are replicated; a device holding several stages needs them "
                 "unreplicated"
             )
-        total = sum(s.memory_bytes for s in held)
-        if budget is not None and total > budget:
+        if device in over:
             problems.append(
-                f"device {device} holds stages {[s.index for s in held]} needing {total} bytes "
-                f"together, over the budget of {budget:.0f}"
+                f"device {device} holds stages {[s.index for s in held]} needing "
+                f"{over[device]} bytes together, over the budget of "
+                f"{plan.cost_model.memory.budget:.0f}"
             )
     return problems
 
