@@ -146,13 +146,8 @@ def wire(
         sync.broadcast()  # tied copies and replicas start equal on every holder
     prefetch = dist.get_backend() == "gloo" if runtime.prefetch is None else runtime.prefetch
     program = lower(plan, schedule, prefetch=prefetch)
-    if device.type == "cuda":  # the first batched send must not be the first use of
-        warm = torch.zeros(1, device=device)  # NCCL's communicator
-        guarded("the all-reduce that starts NCCL", lambda: dist.all_reduce(warm))
+    fsdp_mesh = _ready_collectives(device, layout, spec)
     parts = _Parts(None, None, None, None, None)
-    fsdp_mesh = layout.fsdp_mesh(spec.dp_shard) if layout.fsdp else None  # every rank
-    if fsdp_mesh is not None:  # FSDP2's collectives, unguarded: their groups' own limit
-        set_collective_timeout(runtime.timeout, fsdp_mesh.get_all_groups())
     tp_plan = resolve_tp_plan(model, spec.tp_plan) if layout.tp_mesh is not None else None
     if mine:
         parts = _wire_stages(
@@ -204,6 +199,20 @@ def wire(
         shared=shared,
         layout=layout,
     )
+
+
+def _ready_collectives(device: torch.device, layout: MeshLayout, spec: RunSpec) -> Any:
+    """Ready what every rank's collectives need, in the same order on every rank: NCCL's
+    communicator (a first all-reduce: the first batched send must not be its first use),
+    then the FSDP2 mesh with its groups' timeout (FSDP2's collectives are unguarded: their
+    groups' own limit). Returns that mesh, or None without FSDP."""
+    if device.type == "cuda":
+        warm = torch.zeros(1, device=device)
+        guarded("the all-reduce that starts NCCL", lambda: dist.all_reduce(warm))
+    fsdp_mesh = layout.fsdp_mesh(spec.dp_shard) if layout.fsdp else None  # every rank
+    if fsdp_mesh is not None:
+        set_collective_timeout(spec.runtime.timeout, fsdp_mesh.get_all_groups())
+    return fsdp_mesh
 
 
 @dataclass(frozen=True)
