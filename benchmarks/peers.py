@@ -23,11 +23,24 @@ with its error (DualPipeV needs M >= 2N on both sides).
 The machine is shared and sleeps overshoot under load: read differences of a few percent
 between runs as noise.
 
+Host work, `--host` (both by default, each a run of its own per side): "serial" waits inside
+the stand-ins, so each framework's host work for an action (its Python, autograd's
+bookkeeping, making the outputs) runs before and after the action's compute, as on a CPU
+device. "overlapped" stands for a GPU, whose host runs ahead of the device: an action takes
+max(its host work, its compute) from its start. graphpipe: `Emulate(host="overlapped")`
+(`graphpipe.runtime.emulate`); torch: the stand-ins add their time to the rank's device time
+and each stage's `forward_one_chunk`, `backward_one_chunk` and `backward_weight_one_chunk`
+(torch's actions) waits it out from its start before returning. On both sides what lies
+between actions stays on the host's path: posting and waiting for messages, the optimizer.
+Both sides wait with graphpipe's `wait_until` (a sleep, then a yielding spin for its last
+0.3 ms), so a 10 ms compute takes 10 ms, not the 10.1-10.2 ms a plain sleep takes here.
+
 Columns: each order's ideal, its simulated step over the stages' true times (graphpipe's
 simulator for both sides: torch's `pipeline_order` is read back into a graphpipe Schedule),
-the measured step (each rank's median over `--steps` steps after a warm-up, each step started
-by a barrier; the slowest rank), and measured over ideal. The last lines give each side's best
-and their ratio (torch's best over graphpipe's: above 1 graphpipe is faster).
+per host mode the measured step (each rank's median over `--steps` steps after a warm-up,
+each step started by a barrier; the slowest rank) and measured over ideal. The last line of
+each setting gives the ratio of the sides' bests per host mode (torch's best over
+graphpipe's: above 1 graphpipe is faster).
 """
 
 from __future__ import annotations
@@ -52,7 +65,7 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import GraphPipeError, ScheduleError
 from graphpipe.ir import Action, ActionKind, Plan, Schedule, with_messages
 from graphpipe.planning.partition import plan as make_plan
-from graphpipe.runtime.emulate import Emulate
+from graphpipe.runtime.emulate import Emulate, wait_until
 from graphpipe.runtime.launch import launch
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.scheduling.simulate import simulate
@@ -82,7 +95,7 @@ TORCH = {  # label -> (torch schedule class, placement)
 # torch's Schedule1F1B.pipeline_order is for display only (it names micro-batch M of M and
 # deadlocks when run); its runtime runs the textbook 1F1B, graphpipe's 1f1b on one chain
 TEXTBOOK = {"1F1B": "1f1b"}
-HEADERS = ["N", "costs", "side", "schedule", "stages", "ideal ms", "measured ms", "/ ideal"]
+HOSTS = ("serial", "overlapped")  # graphpipe.runtime.emulate.HOST_MODES
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,7 @@ class Case:
     ranks: int  # N
     costs: str  # a key of COSTS
     steps: int  # timed steps after one warm-up
+    host: str = "serial"  # the emulated host work: beside compute, or overlapped with it
 
     @property
     def layers(self) -> int:
@@ -159,7 +173,7 @@ def _graphpipe_worker(
                 optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
                 schedule=name,
                 plan=plans[case.costs][placement],
-                runtime=RuntimeConfig(timeout=120, emulate=Emulate()),
+                runtime=RuntimeConfig(timeout=120, emulate=Emulate(host=case.host)),
             )
             out[case.costs][name] = _timed_steps(lambda pm=pm: pm.step(x, target=y), case.steps)
     return out
@@ -177,9 +191,39 @@ def refusal(plan: Plan, name: str) -> str | None:
 # -- torch.distributed.pipelining ---------------------------------------------------------------
 
 
+class _Device:
+    """This process's emulated device time under host "overlapped" (`Case.host`): the
+    stand-ins add to it, and each torch action waits it out from its start."""
+
+    overlapped = False
+    owed = 0.0
+
+    @classmethod
+    def settle(cls, start: float) -> None:
+        """Wait until the action begun at `start` has had its device time."""
+        deadline, cls.owed = start + cls.owed, 0.0
+        wait_until(deadline)
+
+
 def _sleep(seconds: float) -> None:
-    if seconds > 0:
-        time.sleep(seconds)
+    """A stand-in's compute: waited out now (graphpipe's waits, `wait_until`), or owed."""
+    if _Device.overlapped:
+        _Device.owed += seconds
+    else:
+        wait_until(time.perf_counter() + seconds)
+
+
+def _settled(method: Any) -> Any:
+    """torch's stage action `method`, ending no earlier than its device time after its start."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = method(*args, **kwargs)
+        _Device.settle(start)
+        return out
+
+    return run
 
 
 class _Input(torch.autograd.Function):
@@ -236,6 +280,11 @@ def _torch_schedule(case: Case, label: str) -> tuple[Any, list[Sleeper], list[in
     parts = [Sleeper(f, i, w + i * (s == 0)) for s in ids]
     cpu = torch.device("cpu")
     pipe = [pipelining.PipelineStage(p, s, stages, cpu) for p, s in zip(parts, ids, strict=True)]
+    _Device.overlapped, _Device.owed = case.host == "overlapped", 0.0
+    if _Device.overlapped:
+        for stage in pipe:
+            for action in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, action, _settled(getattr(stage, action)))
     cls = getattr(pipelining, name)
     single = name in ("ScheduleGPipe", "Schedule1F1B")
     schedule = cls(pipe[0] if single else pipe, n_microbatches=M, loss_fn=F.mse_loss)
@@ -260,6 +309,7 @@ def _torch_run(case: Case, name: str) -> dict[str, Any]:
 
     def step() -> None:
         schedule.step(*args, **kwargs)
+        _Device.settle(time.perf_counter())  # nothing owed is left behind
         opt.step()
         opt.zero_grad()
 
@@ -293,79 +343,93 @@ def torch_order_schedule(plan: Plan, order: dict[int, list[str]]) -> Schedule:
 # -- report ----------------------------------------------------------------------------------------
 
 
-def rows(n: int, steps: int) -> list[list[str]]:
+def headers(hosts: Sequence[str]) -> list[str]:
+    """The table's columns: per host mode the measured step and its ratio to the ideal."""
+    per = [c for h in hosts for c in (f"{h} ms", f"{h} / ideal")]
+    return ["N", "costs", "side", "schedule", "stages", "ideal ms", *per]
+
+
+def rows(n: int, steps: int, hosts: Sequence[str] = HOSTS) -> list[list[str]]:
     """Both sides' rows on N ranks, every cost setting, each followed by the bests' ratio."""
-    cases = [Case(n, costs, steps) for costs in COSTS]
-    plans = {c.costs: {p: timed_plan(c, p) for p in (None, "loop", "v")} for c in cases}
-    log(f"N={n}: graphpipe")
-    ours = launch(_graphpipe_worker, n, args=(cases, plans), timeout=900)
-    log(f"N={n}: torch.distributed.pipelining")
-    theirs = launch(_torch_worker, n, args=(cases,), timeout=900)
+    plans = {c: {p: timed_plan(Case(n, c, steps), p) for p in (None, "loop", "v")} for c in COSTS}
+    ours, theirs = {}, {}
+    for host in hosts:
+        cases = [Case(n, costs, steps, host) for costs in COSTS]
+        log(f"N={n}, host {host}: graphpipe")
+        ours[host] = launch(_graphpipe_worker, n, args=(cases, plans), timeout=900)
+        log(f"N={n}, host {host}: torch.distributed.pipelining")
+        theirs[host] = launch(_torch_worker, n, args=(cases,), timeout=900)
     table = []
-    for case in cases:
-        table += _case_rows(case, plans[case.costs], ours, theirs)
+    for costs in COSTS:
+        table += _case_rows(Case(n, costs, steps), plans[costs], ours, theirs)
     return table
 
 
 def _case_rows(
-    case: Case, plans: dict[str | None, Plan], ours: list[Any], theirs: list[Any]
+    case: Case,
+    plans: dict[str | None, Plan],
+    ours: dict[str, list[Any]],
+    theirs: dict[str, list[Any]],
 ) -> list[list[str]]:
+    """One setting's rows: graphpipe's schedules, torch's, then the bests' ratio per host."""
+    hosts = list(ours)
     table: list[list[str]] = []
-    best: dict[str, float] = {}
+    best: dict[tuple[str, str], float] = {}
     for name, placement in GRAPHPIPE.items():
         why = refusal(plans[placement], name)
         if why:
-            table.append(_refused(case, "graphpipe", name, why))
+            table.append(_refused(case, "graphpipe", name, why, len(hosts)))
             continue
-        step = max(r[case.costs][name] for r in ours)
+        steps = [max(r[case.costs][name] for r in ours[h]) for h in hosts]
         ideal = simulate(plans[placement], name).iteration_time
-        table.append(_row(case, "graphpipe", name, placement, ideal, step))
-        best["graphpipe"] = min(best.get("graphpipe", step), step)
+        table.append(_row(case, "graphpipe", name, placement, ideal, steps))
+        for h, step in zip(hosts, steps, strict=True):
+            best[("graphpipe", h)] = min(best.get(("graphpipe", h), step), step)
     for name, (_, placement) in TORCH.items():
-        got = theirs[0][case.costs][name]
+        got = theirs[hosts[0]][0][case.costs][name]
         if "error" in got:
-            table.append(_refused(case, "torch", name, got["error"]))
+            table.append(_refused(case, "torch", name, got["error"], len(hosts)))
             continue
-        step = max(r[case.costs][name]["step"] for r in theirs)
+        steps = [max(r[case.costs][name]["step"] for r in theirs[h]) for h in hosts]
         order = TEXTBOOK.get(name) or torch_order_schedule(plans[placement], got["order"])
         ideal = simulate(plans[placement], order).iteration_time
-        table.append(_row(case, "torch", name, placement, ideal, step))
-        best["torch"] = min(best.get("torch", step), step)
-    mark = ratio(best["torch"], best["graphpipe"])
-    return [*table, [str(case.ranks), case.costs, "best", "torch / graphpipe", "", "", "", mark]]
+        table.append(_row(case, "torch", name, placement, ideal, steps))
+        for h, step in zip(hosts, steps, strict=True):
+            best[("torch", h)] = min(best.get(("torch", h), step), step)
+    marks = [c for h in hosts for c in ("", ratio(best[("torch", h)], best[("graphpipe", h)]))]
+    return [*table, [str(case.ranks), case.costs, "best", "torch / graphpipe", "", "", *marks]]
 
 
-def _refused(case: Case, side: str, name: str, why: str) -> list[str]:
-    return [str(case.ranks), case.costs, side, name, "-", "-", "-", why]
+def _refused(case: Case, side: str, name: str, why: str, hosts: int) -> list[str]:
+    return [str(case.ranks), case.costs, side, name, "-", "-", why, *["-"] * (2 * hosts - 1)]
 
 
 def _row(
-    case: Case, side: str, name: str, placement: str | None, ideal: float, step: float
+    case: Case,
+    side: str,
+    name: str,
+    placement: str | None,
+    ideal: float,
+    steps: Sequence[float],
 ) -> list[str]:
     stages = f"{case.ranks}" if placement is None else f"{2 * case.ranks} ({placement})"
-    return [
-        str(case.ranks),
-        case.costs,
-        side,
-        name,
-        stages,
-        f"{ideal * 1e3:.0f}",
-        f"{step * 1e3:.0f}",
-        f"{step / ideal:.2f}",
-    ]
+    measured = [c for step in steps for c in (f"{step * 1e3:.0f}", f"{step / ideal:.2f}")]
+    return [str(case.ranks), case.costs, side, name, stages, f"{ideal * 1e3:.0f}", *measured]
 
 
-def report(ranks: Sequence[int], steps: int) -> str:
+def report(ranks: Sequence[int], steps: int, hosts: Sequence[str] = HOSTS) -> str:
     """The table as a markdown section."""
-    table = [r for n in ranks for r in rows(n, steps)]
+    table = [r for n in ranks for r in rows(n, steps, hosts)]
     return (
         "## Against torch.distributed.pipelining, emulated ranks\n\n"
         f"{machine()}\n\nCommand: `python -m benchmarks.peers --ranks "
-        f"{' '.join(map(str, ranks))} --steps {steps}`. A chain of 2N layers, "
-        f"M = {M}, batch {BATCH}; costs per layer (F, I, W) in ms: "
+        f"{' '.join(map(str, ranks))} --steps {steps} --host {' '.join(hosts)}`. A chain of "
+        f"2N layers, M = {M}, batch {BATCH}; costs per layer (F, I, W) in ms: "
         + ", ".join(f"{k} {tuple(round(t * 1e3) for t in v)}" for k, v in COSTS.items())
-        + f"; measured: each rank's median of {steps} steps, the slowest rank.\n\n"
-        + tabulate(table, headers=HEADERS, tablefmt="github")
+        + f"; measured: each rank's median of {steps} steps, the slowest rank; host: the "
+        "emulated host work beside each action's compute (serial) or overlapped with it, as "
+        "a GPU's host runs ahead (the module docstring).\n\n"
+        + tabulate(table, headers=headers(hosts), tablefmt="github")
         + "\n"
     )
 
@@ -375,8 +439,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", nargs="+", type=int, default=[4])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--host", nargs="+", choices=HOSTS, default=list(HOSTS))
     args = parser.parse_args(argv)
-    print(report(args.ranks, args.steps))
+    print(report(args.ranks, args.steps, args.host))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.planning.partition import plan
-from graphpipe.runtime.emulate import Emulate, emulated_specs
+from graphpipe.runtime.emulate import DeviceTime, Emulate, emulated_specs
 from graphpipe.runtime.launch import launch
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.scheduling.simulate import simulate
@@ -95,6 +95,71 @@ def test_emulated_values_scale_by_the_byte_scale_and_bad_scales_are_refused() ->
         Emulate(time_scale=0)
     with pytest.raises(ConfigError, match="byte_scale=-1"):
         Emulate(byte_scale=-1)
+    with pytest.raises(ConfigError, match="'async'"):
+        Emulate(host="async")
+
+
+# -- host work: beside the compute, or overlapped with it -------------------------------------
+
+
+def test_device_time_is_waited_out_from_the_actions_start_so_host_work_within_it_is_free() -> None:
+    clock = DeviceTime()
+    start = time.perf_counter()
+    clock.owe(0.03)
+    clock.owe(0.02)  # the action's parts add up
+    time.sleep(0.02)  # host work while the device computes
+    clock.settle(start)
+    took = time.perf_counter() - start
+    assert 0.05 <= took < 0.065, took  # max(host, device), not 0.07
+    start = time.perf_counter()
+    clock.settle(start)  # settled: the next action owes nothing yet
+    assert time.perf_counter() - start < 0.005
+    start = time.perf_counter()
+    clock.owe(0.01)
+    time.sleep(0.03)  # host work longer than the device's
+    clock.settle(start)
+    assert 0.03 <= time.perf_counter() - start < 0.04
+
+
+HOST_WORK = 0.02  # seconds of host work in the loss of every micro-batch (an F on stage 1)
+
+
+def _slow_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    time.sleep(HOST_WORK)
+    return ((out - target) ** 2).mean()
+
+
+def _steps_by_host(the_plan: Plan) -> dict[str, float]:
+    """Seconds per 1f1b step with host work in every loss, for each host mode."""
+    model, x = _model()
+    out = {}
+    for host in ("serial", "overlapped"):
+        pm = gp_compile(
+            model,
+            x,
+            loss_fn=_slow_loss,
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            schedule="1f1b",
+            plan=the_plan,
+            runtime=RuntimeConfig(timeout=60, emulate=Emulate(time_scale=SCALE, host=host)),
+        )
+        pm.step(x, target=x)  # warm-up
+        start = time.perf_counter()
+        for _ in range(3):
+            pm.step(x, target=x)
+        out[host] = (time.perf_counter() - start) / 3
+    return out
+
+
+def test_overlapped_host_work_hides_inside_the_compute_and_serial_adds_to_it() -> None:
+    """The last stage's loss sleeps 20 ms per micro-batch, within its 40 ms forward: serial
+    emulation adds it to the forward, on the critical path of 1f1b (M x 20 ms more per step),
+    overlapped emulation hides it (the step in its simulated time)."""
+    the_plan = _timed_plan()
+    sim = simulate(the_plan, make_schedule(the_plan, "1f1b", M)).iteration_time * SCALE
+    for rank in launch(_steps_by_host, 3, args=(the_plan,), timeout=240)[:2]:
+        assert sim * 0.99 <= rank["overlapped"] <= sim * 1.1, (rank, sim)
+        assert rank["serial"] >= rank["overlapped"] + 0.75 * M * HOST_WORK, (rank, sim)
 
 
 # -- under a mesh: pp2 x dp2 ------------------------------------------------------------------

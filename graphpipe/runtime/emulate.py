@@ -46,10 +46,24 @@ losses mean nothing here: step times do.
 
 A stage with no floating input has no input half: its whole backward runs where the runtime
 puts the weight half (W), as in a real run.
+
+Host work: `Emulate(host="serial")` (the default) waits inside the stage, so the runtime's own
+host work for an action (its Python, autograd's bookkeeping, the loss) runs before and after
+the wait, as on a CPU device, whose compute is the host's. A GPU runs the host ahead of the
+device: the runtime launches an action's kernels and goes on with its Python while the device
+computes. `Emulate(host="overlapped")` stands for that: the stand-ins only add their time to
+the rank's `DeviceTime`, and the executor, once an action's host work is done, waits until the
+action's device time has passed since the action began (`DeviceTime.settle`). An action then
+takes max(its host work, its device time), not their sum. What is outside an action stays on
+the host's path in both: posting and waiting for messages (a gloo message needs the host), the
+step's collectives and the optimizer. Under a mesh the FSDP2 gathers of an emulated stage run
+inside its action, so "overlapped" also overlaps them with its compute (the cost model's
+max(compute, gathers)); "serial" runs them before the wait (see above).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -61,9 +75,18 @@ from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan, weight_share
 from graphpipe.runtime.stage import OUTPUT, StageIO
 
-__all__ = ["Emulate", "EmulatedStage", "emulated_specs"]
+__all__ = [
+    "HOST_MODES",
+    "DeviceTime",
+    "Emulate",
+    "EmulatedStage",
+    "emulated_specs",
+    "wait_until",
+]
 
 Spec = tuple[tuple[int, ...], torch.dtype]
+HOST_MODES = ("serial", "overlapped")
+SPIN = 0.0003  # seconds before a wait's end when it stops sleeping and yields (`wait_until`)
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,7 @@ class Emulate:
 
     time_scale: float = 1.0  # sleep this many times the plan's compute seconds
     byte_scale: float = 1.0  # values crossing stages and replicated weights shrink by this
+    host: str = "serial"  # the runtime's host work beside compute, or overlapped with it
 
     def __post_init__(self) -> None:
         if not (self.time_scale > 0 and self.byte_scale > 0):
@@ -79,6 +103,26 @@ class Emulate:
                 f"Emulate needs time_scale > 0 and byte_scale > 0, got "
                 f"time_scale={self.time_scale}, byte_scale={self.byte_scale}"
             )
+        if self.host not in HOST_MODES:
+            raise ConfigError(f"Emulate's host must be one of {HOST_MODES}, got {self.host!r}")
+
+
+class DeviceTime:
+    """One rank's emulated device time under `host="overlapped"`: the stand-ins add to it,
+    and the executor waits it out at the end of each action."""
+
+    def __init__(self) -> None:
+        self.owed = 0.0  # device seconds of the current action
+
+    def owe(self, seconds: float) -> None:
+        """The current action keeps the device busy `seconds` more."""
+        self.owed += seconds
+
+    def settle(self, start: float) -> None:
+        """Wait until the current action's device time has passed since `start` (a
+        `perf_counter()` reading when the action began), and start the next action at 0."""
+        deadline, self.owed = start + self.owed, 0.0
+        wait_until(deadline)
 
 
 def emulated_specs(specs: dict[str, Spec], emulate: Emulate) -> dict[str, Spec]:
@@ -92,11 +136,17 @@ def emulated_specs(specs: dict[str, Spec], emulate: Emulate) -> dict[str, Spec]:
     return out
 
 
-def _sleep_until(deadline: float) -> None:
-    """Wait until `perf_counter()` reaches `deadline` (at once if it has)."""
+def wait_until(deadline: float) -> None:
+    """Wait until `perf_counter()` reaches `deadline` (at once if it has), to within
+    microseconds: a device computes for its time exactly, but a sleep wakes 0.05 to 0.2 ms
+    late (timer slack and wake-up, more on a loaded VM), and a rank's actions add that up.
+    So it sleeps until `SPIN` seconds before, then yields the core until the deadline (each
+    yield releases the GIL: the process's other threads run)."""
     left = deadline - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
+    if left > SPIN:
+        time.sleep(left - SPIN)
+    while time.perf_counter() < deadline:
+        os.sched_yield()
 
 
 def _made(specs: list[Spec], device: torch.device, unwritten: int) -> tuple[torch.Tensor, ...]:
@@ -113,22 +163,22 @@ class _Compute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, stage: EmulatedStage, *inputs: torch.Tensor) -> Any:
-        deadline = time.perf_counter() + stage.seconds["F"]
+        start = time.perf_counter()
         ctx.stage = stage
         ctx.specs = [(x.shape, x.dtype, x.device) for x in inputs]
         outs = _made(stage.out_specs, stage.device, unwritten=len(stage.io.sent))
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
-        _sleep_until(deadline)
+        stage.spend(start, "F")
         return outs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        deadline = time.perf_counter() + ctx.stage.seconds["I"]
+        start = time.perf_counter()
         made = [  # unread by the stages that sent the inputs
             torch.empty(s, dtype=d, device=dev) if d.is_floating_point else None
             for s, d, dev in ctx.specs
         ]
-        _sleep_until(deadline)
+        ctx.stage.spend(start, "I")
         return (None, *made)
 
 
@@ -143,10 +193,10 @@ class _WeightHalf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        deadline = time.perf_counter() + ctx.stage.seconds["W"]
+        start = time.perf_counter()
         shape, dtype, device = ctx.weight
         made = torch.zeros(shape, dtype=dtype, device=device)
-        _sleep_until(deadline)
+        ctx.stage.spend(start, "W")
         return None, made
 
 
@@ -176,6 +226,8 @@ class EmulatedStage(nn.Module):
         specs: Real micro-batch shapes and dtypes of every value, by name.
         emulate: The scales.
         device: Where its tensors live.
+        clock: The rank's device time under `host="overlapped"` (shared by its stages);
+            None: each wait happens in the stage.
     """
 
     def __init__(
@@ -187,8 +239,10 @@ class EmulatedStage(nn.Module):
         specs: dict[str, Spec],
         emulate: Emulate,
         device: torch.device,
+        clock: DeviceTime | None = None,
     ) -> None:
         super().__init__()
+        self.clock = clock
         stage = plan.stages[index]
         share = weight_share(stage) if stage.param_bytes > 0 else 0.0
         total = stage.backward_time * emulate.time_scale
@@ -211,6 +265,14 @@ class EmulatedStage(nn.Module):
         carried = stage.replicas > 1 or plan.cost_model.dp.degree > 1  # a link carries it
         numel = numel if carried else 1
         self.register_parameter(self.weight_name, nn.Parameter(torch.zeros(numel, device=device)))
+
+    def spend(self, start: float, part: str) -> None:
+        """Part `part` ("F", "I" or "W") began at `start`: wait until its time has passed,
+        or add its time to the rank's device time (`host="overlapped"`)."""
+        if self.clock is None:
+            wait_until(start + self.seconds[part])
+        else:
+            self.clock.owe(self.seconds[part])
 
     def forward(self, *args: torch.Tensor) -> dict[str, Any]:
         """The sent values under their names, and the model output under OUTPUT."""

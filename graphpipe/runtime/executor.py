@@ -37,6 +37,7 @@ from graphpipe.ir import Action, ActionKind, Message, Plan, Span, sends
 from graphpipe.ir.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport
+from graphpipe.runtime.emulate import DeviceTime
 from graphpipe.runtime.failures import action_failure
 from graphpipe.runtime.mesh import prepare_backward, reduce_gradients
 from graphpipe.runtime.nancheck import NanCheck
@@ -109,6 +110,9 @@ class Executor:
         nancheck: Notes non-finite losses and gradients (`compile(nan_check=True)`).
         grad_scale: Reads the current loss scale each backward multiplies the loss by (fp16's
             `LossScaler.scale`); None: 1.
+        device_time: Emulated stages' device time under `Emulate(host="overlapped")`: each
+            action ends when both its host work and its device time are done
+            (`graphpipe.runtime.emulate`); None: an action ends with its host work.
     """
 
     def __init__(
@@ -119,8 +123,10 @@ class Executor:
         precision: Precision | None = None,
         nancheck: NanCheck | None = None,
         grad_scale: Callable[[], float] | None = None,
+        device_time: DeviceTime | None = None,
     ) -> None:
         self.stages, self.policy, self.transport = stages, policy, transport
+        self.device_time = device_time
         self.precision = precision or Precision()
         self._grad_scale = grad_scale
         first = next(iter(stages.values()))
@@ -176,6 +182,8 @@ class Executor:
                 start = time.perf_counter()
                 with torch.profiler.record_function(step.label):
                     self._handlers[op.kind](op, batch)
+                if self.device_time is not None:
+                    self.device_time.settle(start)
             except PipelineError:
                 raise  # posted where it was raised
             except ConfigError as exc:  # a refusal only this stage could make: posted, kept

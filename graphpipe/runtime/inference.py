@@ -72,7 +72,12 @@ class Inference:
         w = self.w
         if w.executor is None or w.module is None:
             return None
-        run = Executor(w.executor.stages, LIVE_WEIGHTS, w.executor.transport)
+        run = Executor(
+            w.executor.stages,
+            LIVE_WEIGHTS,
+            w.executor.transport,
+            device_time=w.executor.device_time,
+        )
         run.training = False
         modes = [(m, m.training) for m in w.module.modules()]
         w.module.eval()

@@ -27,7 +27,7 @@ from graphpipe.ir.registry import schedule_spec
 from graphpipe.runtime.batching import cpu
 from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.comm import Transport
-from graphpipe.runtime.emulate import Emulate, EmulatedStage, emulated_specs
+from graphpipe.runtime.emulate import DeviceTime, Emulate, EmulatedStage, emulated_specs
 from graphpipe.runtime.executor import Executor, StageRuntime
 from graphpipe.runtime.failures import guarded, install_watch, set_collective_timeout
 from graphpipe.runtime.fsdp_comms import guard_collectives
@@ -378,6 +378,7 @@ def _wire_stages(
         precision,
         nancheck=None if agree is None else agree.check,
         grad_scale=None if scaler is None else lambda: scaler.scale,
+        device_time=_device_time(modules, c.mine),
     )
     return _Parts(whole, optimizer, clipper, policy, executor)
 
@@ -456,16 +457,31 @@ def _emulated(
     mine: tuple[int, ...],
     device: torch.device,
 ) -> Modules:
-    """Each stage's stand-in (`graphpipe.runtime.emulate`); other ranks' on meta."""
+    """Each stage's stand-in (`graphpipe.runtime.emulate`); other ranks' on meta. Under
+    `host="overlapped"` this rank's stand-ins share one `DeviceTime`."""
+    clock = DeviceTime() if emulate.host == "overlapped" else None
+    meta = torch.device("meta")
     return {
         i: (
             EmulatedStage(
-                gm, plan, i, io, specs, emulate, device if i in mine else torch.device("meta")
+                gm,
+                plan,
+                i,
+                io,
+                specs,
+                emulate,
+                *((device, clock) if i in mine else (meta, None)),
             ),
             io,
         )
         for i, (_, io) in modules.items()
     }
+
+
+def _device_time(modules: Modules, mine: tuple[int, ...]) -> DeviceTime | None:
+    """This rank's emulated device time, when its stand-ins overlap the host's work."""
+    stand_ins = [modules[i][0] for i in mine if isinstance(modules[i][0], EmulatedStage)]
+    return next((m.clock for m in stand_ins if m.clock is not None), None)
 
 
 def runtime_device(runtime: RuntimeConfig) -> torch.device:
