@@ -4,6 +4,7 @@ gloo's semantics."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from test_partition import synthetic
@@ -121,7 +122,8 @@ def test_the_zoo_has_the_hard_shapes() -> None:
 
 
 def placed_plan(devices: int, per_device: int, m: int, placement: str) -> Plan:
-    """A chain of devices x per_device equal stages folded onto the devices."""
+    """A chain of devices x per_device equal stages folded onto the devices, every one with
+    an input half as in the papers (see `test_schedule.chain_plan`)."""
     names = [f"op{i}" for i in range(devices * per_device)]
     g = synthetic(
         list(itertools.pairwise(names)), dict.fromkeys(names, 3e-3), dict.fromkeys(names, 1000)
@@ -134,7 +136,8 @@ def placed_plan(devices: int, per_device: int, m: int, placement: str) -> Plan:
         virtual_stages=per_device,
         placement=placement,
     )
-    return partition_op_graph(g, CostModel(1, m, LinkModel(bandwidth=1e12)), config, "chain")
+    plan = partition_op_graph(g, CostModel(1, m, LinkModel(bandwidth=1e12)), config, "chain")
+    return replace(plan, stages=tuple(replace(s, input_half=True) for s in plan.stages))
 
 
 def _placed_plans(name: str) -> list[tuple[str, Plan]]:

@@ -23,7 +23,9 @@ from graphpipe.scheduling.simulate import steady_run
 
 
 def chain_plan(stages: int, micro_batches: int, latency: float = 1e-4) -> Plan:
-    """S equal stages in a chain (1 ms forward, 2 ms backward each)."""
+    """S equal stages in a chain (1 ms forward, 2 ms backward each), every one with an input
+    half as in the papers (F = I = W: the first stage's input is taken to need its
+    gradient, where a model's data input does not: `Stage.input_half`)."""
     names = [f"op{i}" for i in range(stages)]
     g = synthetic(
         list(itertools.pairwise(names)), dict.fromkeys(names, 3e-3), dict.fromkeys(names, 1000)
@@ -34,7 +36,8 @@ def chain_plan(stages: int, micro_batches: int, latency: float = 1e-4) -> Plan:
     )
     plan = partition_op_graph(g, c, config, "chain")
     assert len(plan.stages) == stages
-    return plan
+    assert [s.input_half for s in plan.stages] == [False] + [True] * (stages - 1)
+    return replace(plan, stages=tuple(replace(s, input_half=True) for s in plan.stages))
 
 
 # -- the text form -------------------------------------------------------------------------------

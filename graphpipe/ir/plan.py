@@ -10,7 +10,7 @@ file, sent to every rank and checked again there. Index letters used throughout 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
@@ -30,6 +30,7 @@ __all__ = [
     "device_of",
     "edges_to_sink",
     "freed",
+    "input_halves",
     "transfer_time",
     "weight_share",
 ]
@@ -61,6 +62,9 @@ class Stage:
     memory_bytes: int  # predicted peak bytes on one replica
     update_time: float = 0.0  # seconds of one optimizer step (0 unless calibrated)
     recompute: bool = False  # the backward re-runs the forward (activation checkpointing)
+    # it receives values whose gradients it sends back; without any (a chain's first stage,
+    # whose input is data) its backward has no input half: W is the whole backward
+    input_half: bool = True
 
     @property
     def replicas(self) -> int:
@@ -283,13 +287,21 @@ LAYOUT_WORDS = {
 
 
 def _plan_from_dict(data: dict[str, Any]) -> Plan:
-    stages = tuple(
-        Stage(**{**s, "nodes": tuple(s["nodes"]), "devices": tuple(s["devices"])})
-        for s in data["stages"]
-    )
     edges = tuple(
         StageEdge(**{**e, "tensors": tuple(e["tensors"]), "grads": tuple(e["grads"])})
         for e in data["edges"]
+    )
+    halves = input_halves(edges)  # files written before `input_half`: from the edges
+    stages = tuple(
+        Stage(
+            **{
+                "input_half": s["index"] in halves,
+                **s,
+                "nodes": tuple(s["nodes"]),
+                "devices": tuple(s["devices"]),
+            }
+        )
+        for s in data["stages"]
     )
     return Plan(
         stages=stages,
@@ -313,8 +325,17 @@ WEIGHT_SHARE = 0.5  # share of a backward that is the weight gradient (zero bubb
 
 
 def weight_share(stage: Stage) -> float:
-    """The share of the stage's backward (time and held activations) that belongs to W."""
+    """The share of the stage's backward (time and held activations) that belongs to W: all
+    of it on a stage with no input half (`Stage.input_half`), none on one without weights."""
+    if not stage.input_half:
+        return 1.0
     return WEIGHT_SHARE if stage.param_bytes > 0 else 0.0
+
+
+def input_halves(edges: Sequence[StageEdge]) -> frozenset[int]:
+    """The stages whose backward has an input half: they receive a value whose gradient they
+    send back (`StageEdge.grads`)."""
+    return frozenset(e.dst for e in edges if e.grads)
 
 
 def freed(stage: Stage, kind: str) -> float:

@@ -18,11 +18,12 @@ Every partitioner (graph, sequential, manual) ends here, so all plans are costed
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import networkx as nx
 
 from graphpipe.errors import PlanError
-from graphpipe.ir import Plan, Stage, StageEdge, edges_to_sink
+from graphpipe.ir import Plan, Stage, StageEdge, edges_to_sink, input_halves
 from graphpipe.ir.cost import CostModel
 from graphpipe.planning.opgraph import wire_bytes
 
@@ -70,12 +71,14 @@ def assemble(
     stage_graph.add_nodes_from(range(len(order)))
     stage_graph.add_edges_from((e.src, e.dst) for e in edges)
     heights = {s: h + 1 for s, h in edges_to_sink(stage_graph).items()}  # stages, incl. itself
+    halves = input_halves(edges)
     stages, next_device = [], 0
     for i, gi in enumerate(order):
         nodes, replicas = groups[gi]
         devices = tuple(range(next_device, next_device + replicas))
         next_device += replicas
-        stages.append(_stage(g, i, nodes, devices, heights[i], cost))
+        stage = _stage(g, i, nodes, devices, heights[i], cost)
+        stages.append(replace(stage, input_half=i in halves))
     return Plan(
         stages=tuple(stages),
         edges=tuple(edges),
