@@ -11,7 +11,7 @@ from test_partition import synthetic
 from test_schedule import chain_plan, random_plan
 
 from graphpipe.errors import ScheduleError
-from graphpipe.ir import Plan, parse_ranks
+from graphpipe.ir import Action, Plan, parse_ranks
 from graphpipe.ir.cost import CostModel, LinkModel
 from graphpipe.ir.program import Comm, Program, parse_ops
 from graphpipe.ir.registry import SCHEDULES
@@ -71,12 +71,38 @@ def test_program_text_round_trips() -> None:
 
 
 def test_prefetch_posts_every_receive_first() -> None:
+    """Every receive of a call is posted in one early group: first on a rank whose first
+    action reads a message, right after the first action on the first stage's rank (it
+    starts computing at once; nothing can reach it before that action's output left)."""
     plan = chain_plan(3, 4)
     program = lower(plan, make_schedule(plan, "1f1b"), prefetch=True)
     first = program.ranks[1][0]
     assert isinstance(first, Comm) and {a.kind for a in first.actions} == {"RF", "RB"}
     assert len(first.actions) == 8
+    head, group = program.ranks[0][:2]
+    assert str(head) == "0F0" and isinstance(group, Comm)
+    assert [str(a) for a in group.actions] == [*(f"0RB{j}<1" for j in range(4)), "0SF0>1"]
+    assert not any(
+        a.kind == "RB" for op in program.ranks[0][2:] if isinstance(op, Comm) for a in op.actions
+    )
     check_program(plan, program, "buffered")
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb"])
+def test_prefetch_after_the_first_action_runs_on_dags_with_sources_on_two_ranks(name: str) -> None:
+    """On a stage DAG whose sources sit on two ranks, a message may reach a source's rank
+    before its receives are posted (gloo buffers it until then): the programs still run."""
+    ran = 0
+    for _, plan in _zoo_plans():
+        g = plan.stage_graph
+        sources = {plan.stages[s].devices for s in g if g.in_degree(s) == 0}
+        if len(sources) < 2:
+            continue
+        program = lower(plan, make_schedule(plan, name), prefetch=True)
+        assert any(isinstance(ops[0], Action) for ops in program.ranks if ops)
+        check_program(plan, program, "buffered")
+        ran += 1
+    assert ran >= 3
 
 
 def test_an_async_call_receives_what_it_sends_itself() -> None:

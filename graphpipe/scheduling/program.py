@@ -17,9 +17,11 @@ activations of j, a backward for the gradients of j.
 
 Lowerings:
     lower(schedule)                  fused groups, the order the schedule gives (NCCL)
-    lower(schedule, prefetch=True)   every receive of the call in one first group, posted before
-                                     any compute; for transports that match messages by tag and
-                                     buffer them (gloo), so data flows as soon as it is sent
+    lower(schedule, prefetch=True)   every receive of the call in one early group, posted before
+                                     any compute (after the first one on a rank whose first
+                                     action reads no message); for transports that match
+                                     messages by tag and buffer them (gloo), so data flows as
+                                     soon as it is sent
     lower(schedule, fuse=False)      one group per message: how graphpipe issued messages before,
                                      kept to show that it deadlocks under NCCL's semantics
 
@@ -183,8 +185,13 @@ def _one_per_message(actions: Sequence[Action]) -> tuple[Op, ...]:
 
 
 def _hoist_receives(plan: Plan, rank: int, ops: Sequence[Op]) -> tuple[Op, ...]:
-    """Every receive from another rank moved into one first group (a receive from a stage of
-    the same rank stays after the local send it copies)."""
+    """Every receive from another rank moved into one early group (a receive from a stage of
+    the same rank stays after the local send it copies). The group comes first, or, on a
+    rank whose first compute action reads no message (the first stage's), right after that
+    action: posting a call's receives takes the host a millisecond or more while every rank
+    starts its step at once, and no message can reach such a rank before its first action's
+    output has left it, except from another source stage of a stage DAG (received then at
+    the cost of gloo's rendezvous)."""
 
     def early(a: Action) -> bool:
         assert a.peer is not None and a.mb is not None
@@ -199,4 +206,10 @@ def _hoist_receives(plan: Plan, rank: int, ops: Sequence[Op]) -> tuple[Op, ...]:
                 rest.append(Comm(kept))
         else:
             rest.append(op)
-    return ((Comm(first),) if first else ()) + tuple(rest)
+    if not first:
+        return tuple(rest)
+    if ops and isinstance(ops[0], Action) and ops[0].kind.is_compute:  # it reads no message
+        then = rest[1] if len(rest) > 1 and isinstance(rest[1], Comm) else None
+        joined = Comm(first + (then.actions if then is not None else ()))
+        return (rest[0], joined, *rest[2 if then is not None else 1 :])
+    return (Comm(first), *rest)
