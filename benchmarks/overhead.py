@@ -22,6 +22,11 @@ less than the wall time.
 A last line times one wait handed to the watch's waiter thread (`graphpipe.runtime.failures`),
 alone and as one of 32 handed over together.
 
+With `--host overlapped` the emulated devices run ahead of the host as a GPU does
+(`graphpipe.runtime.emulate`): what is left per action is what the host cannot hide (posting
+and waiting for messages, the step's start and end). The default, serial, is what a CPU run
+pays.
+
 With `--profile DIR`, every rank runs its timed steps under cProfile and writes
 `DIR/<costs>-<schedule>-rank<r>.prof` (read with `python -m pstats`).
 """
@@ -50,7 +55,7 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.ir import Action, Plan
 from graphpipe.ir.program import Comm, Program
 from graphpipe.planning.partition import plan as make_plan
-from graphpipe.runtime.emulate import Emulate
+from graphpipe.runtime.emulate import HOST_MODES, Emulate
 from graphpipe.runtime.failures import FailureBoard, Watch
 from graphpipe.runtime.launch import launch
 from graphpipe.scheduling.simulate import simulate
@@ -127,7 +132,7 @@ def _timed_steps(step: Any, steps: int, profile: Path | None) -> tuple[float, fl
 
 
 def _worker(
-    plans: dict[str, dict[str | None, Plan]], steps: int, profile: str | None
+    plans: dict[str, dict[str | None, Plan]], steps: int, profile: str | None, host: str
 ) -> dict[tuple[str, str], dict[str, Any]]:
     """Every setting and schedule: this rank's median step and the program's counts."""
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
@@ -142,7 +147,7 @@ def _worker(
                 optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
                 schedule=name,
                 plan=p,
-                runtime=RuntimeConfig(timeout=120, emulate=Emulate()),
+                runtime=RuntimeConfig(timeout=120, emulate=Emulate(host=host)),
             )
             where = None
             if profile is not None:
@@ -175,13 +180,13 @@ def handoff() -> tuple[float, float]:
     return alone, together
 
 
-def rows(ranks: int, steps: int, profile: str | None) -> list[list[str]]:
+def rows(ranks: int, steps: int, profile: str | None, host: str = "serial") -> list[list[str]]:
     """One row per setting and schedule."""
     plans = {c: {p: timed_plan(ranks, c, p) for p in (None, "loop", "v")} for c in COSTS}
     if profile is not None:
         Path(profile).mkdir(parents=True, exist_ok=True)
     log(f"N={ranks}: {len(COSTS) * len(SCHEDULES)} runs")
-    results = launch(_worker, ranks, args=(plans, steps, profile), timeout=900)
+    results = launch(_worker, ranks, args=(plans, steps, profile, host), timeout=900)
     table = []
     for costs in COSTS:
         for name, placement in SCHEDULES.items():
@@ -209,20 +214,24 @@ def rows(ranks: int, steps: int, profile: str | None) -> list[list[str]]:
     return table
 
 
-def report(ranks: int = 4, steps: int = 10, profile: str | None = None) -> str:
+def report(
+    ranks: int = 4, steps: int = 10, profile: str | None = None, host: str = "serial"
+) -> str:
     """The table as a markdown section."""
     alone, together = handoff()
     return (
         "## Runtime overhead per action and per message, emulated ranks\n\n"
         f"{machine()}\n\nCommand: `python -m benchmarks.overhead --ranks {ranks} --steps "
-        f"{steps}`. A chain of 2N layers on N = {ranks} ranks, M = {M}, batch {BATCH}; layer "
+        f"{steps}{'' if host == 'serial' else ' --host ' + host}`. A chain of 2N layers on "
+        f"N = {ranks} ranks, M = {M}, batch {BATCH}; layer "
         "costs (F, I, W) in ms: "
         + ", ".join(f"{k} {tuple(round(t * 1e3) for t in v)}" for k, v in COSTS.items())
         + f"; measured: each rank's median of {steps} steps, the slowest rank. Actions and "
         "messages: the busiest rank's compute actions, and its sends and receives; per "
         "action / per message: (measured - simulated) over them; CPU ms: the busiest rank's "
-        "median CPU time per step, all its threads.\n\n"
-        + tabulate(rows(ranks, steps, profile), headers=HEADERS, tablefmt="github")
+        "median CPU time per step, all its threads (the emulated waits' last 0.3 ms spin "
+        "included, `graphpipe.runtime.emulate.wait_until`).\n\n"
+        + tabulate(rows(ranks, steps, profile, host), headers=HEADERS, tablefmt="github")
         + f"\n\nA wait handed to the watch's waiter thread (`graphpipe.runtime.failures`), "
         f"for a call already complete: {alone * 1e6:.1f} us alone, {together * 1e6:.1f} us "
         "each when 32 are handed over together (`Watch.wait_each`, as a step's sends are).\n"
@@ -235,8 +244,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", default=None, help="a folder for each rank's cProfile")
+    parser.add_argument("--host", choices=HOST_MODES, default="serial", help="Emulate's host")
     args = parser.parse_args(argv)
-    print(report(args.ranks, args.steps, args.profile))
+    print(report(args.ranks, args.steps, args.profile, args.host))
 
 
 if __name__ == "__main__":
