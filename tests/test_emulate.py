@@ -205,3 +205,31 @@ def test_emulated_stages_under_a_mesh_shard_their_weight_and_step_in_the_simulat
     for seconds, local, whole in launch(_mesh_step, 4, args=(the_plan,), timeout=240):
         assert whole == 4e5 / 4 / 4 and local == whole // 2  # bytes / byte_scale, over dp
         assert sim * 0.99 <= seconds <= sim * 1.25, (seconds, sim)
+
+
+def _stash_steps(the_plan: Plan) -> float:
+    """Seconds per step of the stash policy (weights swapped in per micro-batch)."""
+    model, x = _model()
+    pm = gp_compile(
+        model,
+        x,
+        loss_fn=lambda out, t: ((out - t) ** 2).mean(),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        weights="stash",
+        plan=the_plan,
+        runtime=RuntimeConfig(timeout=60, emulate=Emulate(time_scale=SCALE)),
+    )
+    pm.step(x, target=x)
+    start = time.perf_counter()
+    for _ in range(2):
+        pm.step(x, target=x)
+    return (time.perf_counter() - start) / 2
+
+
+def test_emulated_stages_run_under_a_versioned_weight_policy() -> None:
+    """stash runs each micro-batch with its stashed weights (a plain tensor swapped in for
+    the parameter): the stand-in reads its weight as the policy gives it, and each call
+    still takes every stage's M forwards and backwards."""
+    the_plan = _timed_plan()
+    for seconds in launch(_stash_steps, 3, args=(the_plan,), timeout=240)[:2]:
+        assert seconds >= M * (F + B) * SCALE * 0.99, seconds

@@ -278,7 +278,8 @@ class EmulatedStage(nn.Module):
         """The sent values under their names, and the model output under OUTPUT."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         outs = list(_Compute.apply(self, *tensors))
-        zero = _WeightHalf.apply(self, self.get_parameter(self.weight_name))
+        # getattr, not get_parameter: a versioned policy (stash, 2bw) swaps in a plain tensor
+        zero = _WeightHalf.apply(self, getattr(self, self.weight_name))
         floating = [i for i, o in enumerate(outs) if o.is_floating_point()]
         if floating:
             attached = _Attach.apply(zero, *[outs[i] for i in floating])
