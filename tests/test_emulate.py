@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -47,22 +48,31 @@ def _emulated_steps(schedules: list[str], the_plan: Plan) -> dict[str, float]:
     return {s: _seconds_per_step(s, the_plan) for s in schedules}
 
 
-def _seconds_per_step(schedule: str, the_plan: Plan) -> float:
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _timed(the_plan: Plan, emulate: Emulate, steps: int = 3, **options: Any) -> tuple[float, Any]:
+    """Seconds per step of the emulated model after one warm-up step, and the model."""
     model, x = _model()
     pm = gp_compile(
         model,
         x,
-        loss_fn=lambda out, t: ((out - t) ** 2).mean(),
+        loss_fn=options.pop("loss_fn", _mse),
         optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-        schedule=schedule,
         plan=the_plan,
-        runtime=RuntimeConfig(timeout=60, emulate=Emulate(time_scale=SCALE, byte_scale=4)),
+        runtime=RuntimeConfig(timeout=60, emulate=emulate),
+        **options,
     )
     pm.step(x, target=x)  # warm-up
     start = time.perf_counter()
-    for _ in range(3):
+    for _ in range(steps):
         pm.step(x, target=x)
-    return (time.perf_counter() - start) / 3
+    return (time.perf_counter() - start) / steps, pm
+
+
+def _seconds_per_step(schedule: str, the_plan: Plan) -> float:
+    return _timed(the_plan, Emulate(time_scale=SCALE, byte_scale=4), schedule=schedule)[0]
 
 
 def test_an_emulated_two_stage_chain_steps_in_its_analytic_time() -> None:
@@ -131,24 +141,12 @@ def _slow_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _steps_by_host(the_plan: Plan) -> dict[str, float]:
     """Seconds per 1f1b step with host work in every loss, for each host mode."""
-    model, x = _model()
-    out = {}
-    for host in ("serial", "overlapped"):
-        pm = gp_compile(
-            model,
-            x,
-            loss_fn=_slow_loss,
-            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-            schedule="1f1b",
-            plan=the_plan,
-            runtime=RuntimeConfig(timeout=60, emulate=Emulate(time_scale=SCALE, host=host)),
-        )
-        pm.step(x, target=x)  # warm-up
-        start = time.perf_counter()
-        for _ in range(3):
-            pm.step(x, target=x)
-        out[host] = (time.perf_counter() - start) / 3
-    return out
+    return {
+        host: _timed(
+            the_plan, Emulate(time_scale=SCALE, host=host), schedule="1f1b", loss_fn=_slow_loss
+        )[0]
+        for host in ("serial", "overlapped")
+    }
 
 
 def test_overlapped_host_work_hides_inside_the_compute_and_serial_adds_to_it() -> None:
@@ -180,23 +178,10 @@ def _mesh_plan() -> Plan:
 
 def _mesh_step(the_plan: Plan) -> tuple[float, int, int]:
     """Seconds per step, and the stand-in weight's local and whole element counts."""
-    model, x = _model()
-    pm = gp_compile(
-        model,
-        x,
-        loss_fn=lambda out, t: ((out - t) ** 2).mean(),
-        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-        schedule="1f1b",
-        plan=the_plan,
-        data_parallel=2,
-        runtime=RuntimeConfig(timeout=60, emulate=Emulate(time_scale=MESH_SCALE, byte_scale=4)),
-    )
-    pm.step(x, target=x)  # warm-up
-    start = time.perf_counter()
-    for _ in range(3):
-        pm.step(x, target=x)
+    emulate = Emulate(time_scale=MESH_SCALE, byte_scale=4)
+    seconds, pm = _timed(the_plan, emulate, schedule="1f1b", data_parallel=2)
     (weight,) = pm.module.parameters()
-    return (time.perf_counter() - start) / 3, weight.to_local().numel(), weight.numel()
+    return seconds, weight.to_local().numel(), weight.numel()
 
 
 def test_emulated_stages_under_a_mesh_shard_their_weight_and_step_in_the_simulated_time() -> None:
@@ -209,21 +194,7 @@ def test_emulated_stages_under_a_mesh_shard_their_weight_and_step_in_the_simulat
 
 def _stash_steps(the_plan: Plan) -> float:
     """Seconds per step of the stash policy (weights swapped in per micro-batch)."""
-    model, x = _model()
-    pm = gp_compile(
-        model,
-        x,
-        loss_fn=lambda out, t: ((out - t) ** 2).mean(),
-        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-        weights="stash",
-        plan=the_plan,
-        runtime=RuntimeConfig(timeout=60, emulate=Emulate(time_scale=SCALE)),
-    )
-    pm.step(x, target=x)
-    start = time.perf_counter()
-    for _ in range(2):
-        pm.step(x, target=x)
-    return (time.perf_counter() - start) / 2
+    return _timed(the_plan, Emulate(time_scale=SCALE), steps=2, weights="stash")[0]
 
 
 def test_emulated_stages_run_under_a_versioned_weight_policy() -> None:
