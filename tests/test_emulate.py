@@ -176,18 +176,22 @@ def _mesh_plan() -> Plan:
     return dataclasses.replace(p, stages=stages)
 
 
-def _mesh_step(the_plan: Plan) -> tuple[float, int, int]:
+def _mesh_step(the_plan: Plan, host: str) -> tuple[float, int, int]:
     """Seconds per step, and the stand-in weight's local and whole element counts."""
-    emulate = Emulate(time_scale=MESH_SCALE, byte_scale=4)
+    emulate = Emulate(time_scale=MESH_SCALE, byte_scale=4, host=host)
     seconds, pm = _timed(the_plan, emulate, schedule="1f1b", data_parallel=2)
     (weight,) = pm.module.parameters()
     return seconds, weight.to_local().numel(), weight.numel()
 
 
-def test_emulated_stages_under_a_mesh_shard_their_weight_and_step_in_the_simulated_time() -> None:
+@pytest.mark.parametrize("host", ["serial", "overlapped"])
+def test_emulated_stages_under_a_mesh_shard_their_weight_and_step_in_the_simulated_time(
+    host: str,
+) -> None:
+    """Overlapped, the FSDP2 gathers run inside each action, beside its compute."""
     the_plan = _mesh_plan()
     sim = simulate(the_plan, make_schedule(the_plan, "1f1b", M)).iteration_time * MESH_SCALE
-    for seconds, local, whole in launch(_mesh_step, 4, args=(the_plan,), timeout=240):
+    for seconds, local, whole in launch(_mesh_step, 4, args=(the_plan, host), timeout=240):
         assert whole == 4e5 / 4 / 4 and local == whole // 2  # bytes / byte_scale, over dp
         assert sim * 0.99 <= seconds <= sim * 1.25, (seconds, sim)
 
