@@ -20,8 +20,8 @@ bubble with one stage per rank; gpipe, 1f1b, zb, zb2), two per rank in a loop
 (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; interleaved, interleaved_zb) and in a V
 (ZBVZeroBubble, DualPipeV; zbv, dualpipev). A schedule that refuses the setting is listed
 with its error (DualPipeV needs M >= 2N on both sides).
-The machine is shared and sleeps overshoot under load: read differences of a few percent
-between runs as noise.
+The machine is shared and rows move by about 2% between runs: read differences of a few
+percent as noise.
 
 Host work, `--host` (both by default, each a run of its own per side): "serial" waits inside
 the stand-ins, so each framework's host work for an action (its Python, autograd's
@@ -65,7 +65,7 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import GraphPipeError, ScheduleError
 from graphpipe.ir import Action, ActionKind, Plan, Schedule, with_messages
 from graphpipe.planning.partition import plan as make_plan
-from graphpipe.runtime.emulate import Emulate, wait_until
+from graphpipe.runtime.emulate import HOST_MODES, Emulate, wait_until
 from graphpipe.runtime.launch import launch
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.scheduling.simulate import simulate
@@ -95,7 +95,7 @@ TORCH = {  # label -> (torch schedule class, placement)
 # torch's Schedule1F1B.pipeline_order is for display only (it names micro-batch M of M and
 # deadlocks when run); its runtime runs the textbook 1F1B, graphpipe's 1f1b on one chain
 TEXTBOOK = {"1F1B": "1f1b"}
-HOSTS = ("serial", "overlapped")  # graphpipe.runtime.emulate.HOST_MODES
+HOSTS = HOST_MODES  # each a run of its own per side
 
 
 @dataclass(frozen=True)
