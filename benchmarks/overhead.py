@@ -39,7 +39,6 @@ import functools
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,20 +46,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tabulate import tabulate
-from torch import nn
 
 from benchmarks._common import log, machine
+from benchmarks.peers import BATCH, WIDTH, M, chain_model, chain_plan
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.ir import Action, Plan
 from graphpipe.ir.program import Comm, Program
-from graphpipe.planning.partition import plan as make_plan
 from graphpipe.runtime.emulate import HOST_MODES, Emulate
 from graphpipe.runtime.failures import FailureBoard, Watch
 from graphpipe.runtime.launch import launch
 from graphpipe.scheduling.simulate import simulate
 
-M, BATCH, WIDTH = 8, 32, 16
 COSTS = {"zero": (0.0, 0.0, 0.0), "equal": (0.010, 0.010, 0.010)}  # F, I, W a layer, seconds
 SCHEDULES = {"gpipe": None, "1f1b": None, "zb": None, "interleaved": "loop", "zbv": "v"}
 HEADERS = [
@@ -78,27 +75,10 @@ HEADERS = [
 ]
 
 
-def _chain(layers: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
-
-
 def timed_plan(ranks: int, costs: str, placement: str | None) -> Plan:
     """The chain of 2N layers cut into N (or 2N, folded `placement`) stages, with the
-    setting's times."""
-    f, i, w = COSTS[costs]
-    layers = 2 * ranks
-    stages = ranks if placement is None else 2 * ranks
-    per = layers // stages
-    options: dict[str, Any] = {"virtual_stages": 2, "placement": placement} if placement else {}
-    pins = {str(k): k // per for k in range(layers)}
-    x = torch.randn(BATCH, WIDTH)
-    p = make_plan(_chain(layers), x, devices=ranks, micro_batches=M, pins=pins, **options)
-    timed = tuple(
-        replace(s, forward_time=per * f, backward_time=per * (i + w), time=per * (f + i + w))
-        for s in p.stages
-    )
-    return replace(p, stages=timed)
+    setting's times (`benchmarks.peers.chain_plan`)."""
+    return chain_plan(ranks, COSTS[costs], placement)
 
 
 def counts(program: Program) -> tuple[int, int]:
@@ -141,7 +121,7 @@ def _worker(
         for name, placement in SCHEDULES.items():
             p = by_placement[placement]
             pm = gp_compile(
-                _chain(2 * dist.get_world_size()),
+                chain_model(2 * dist.get_world_size()),
                 x,
                 loss_fn=F.mse_loss,
                 optimizer=functools.partial(torch.optim.SGD, lr=1e-3),

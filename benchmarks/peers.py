@@ -65,7 +65,7 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import GraphPipeError, ScheduleError
 from graphpipe.ir import Action, ActionKind, Plan, Schedule, with_messages
 from graphpipe.planning.partition import plan as make_plan
-from graphpipe.runtime.emulate import HOST_MODES, Emulate, wait_until
+from graphpipe.runtime.emulate import HOST_MODES, DeviceTime, Emulate, wait_until
 from graphpipe.runtime.launch import launch
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.scheduling.simulate import simulate
@@ -134,25 +134,33 @@ def _timed_steps(step: Any, steps: int) -> float:
 # -- graphpipe ------------------------------------------------------------------------------------
 
 
-def _chain(layers: int) -> nn.Sequential:
+def chain_model(layers: int) -> nn.Sequential:
+    """The benchmarked model: `layers` equal linear layers (seeded: the same on every rank)."""
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
 
 
-def timed_plan(case: Case, placement: str | None) -> Plan:
-    """The chain cut into N (or 2N, folded `placement`) stages with the case's true times."""
-    n, f, i, w = case.ranks, *COSTS[case.costs]
-    stages = n if placement is None else 2 * n
-    per = case.layers // stages
+def chain_plan(ranks: int, costs: tuple[float, float, float], placement: str | None) -> Plan:
+    """The chain of 2N layers cut into N (or 2N, folded `placement`) stages, each layer
+    taking `costs` (F, I, W seconds); `benchmarks.overhead` plans with it too."""
+    f, i, w = costs
+    layers = 2 * ranks
+    stages = ranks if placement is None else 2 * ranks
+    per = layers // stages
     options: dict[str, Any] = {"virtual_stages": 2, "placement": placement} if placement else {}
-    pins = {str(k): k // per for k in range(case.layers)}
+    pins = {str(k): k // per for k in range(layers)}
     x = torch.randn(BATCH, WIDTH)
-    p = make_plan(_chain(case.layers), x, devices=n, micro_batches=M, pins=pins, **options)
+    p = make_plan(chain_model(layers), x, devices=ranks, micro_batches=M, pins=pins, **options)
     timed = tuple(
         replace(s, forward_time=per * f, backward_time=per * (i + w), time=per * (f + i + w))
         for s in p.stages
     )
     return replace(p, stages=timed)
+
+
+def timed_plan(case: Case, placement: str | None) -> Plan:
+    """The chain cut into N (or 2N, folded `placement`) stages with the case's true times."""
+    return chain_plan(case.ranks, COSTS[case.costs], placement)
 
 
 def _graphpipe_worker(
@@ -167,7 +175,7 @@ def _graphpipe_worker(
             if refusal(plans[case.costs][placement], name):
                 continue
             pm = gp_compile(
-                _chain(case.layers),
+                chain_model(case.layers),
                 x,
                 loss_fn=F.mse_loss,
                 optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
@@ -192,23 +200,18 @@ def refusal(plan: Plan, name: str) -> str | None:
 
 
 class _Device:
-    """This process's emulated device time under host "overlapped" (`Case.host`): the
-    stand-ins add to it, and each torch action waits it out from its start."""
+    """This process's emulated device under host "overlapped" (`Case.host`): the stand-ins
+    owe their time to `clock` (emulate's `DeviceTime`), and each torch action waits it out
+    from its start."""
 
     overlapped = False
-    owed = 0.0
-
-    @classmethod
-    def settle(cls, start: float) -> None:
-        """Wait until the action begun at `start` has had its device time."""
-        deadline, cls.owed = start + cls.owed, 0.0
-        wait_until(deadline)
+    clock = DeviceTime()
 
 
 def _sleep(seconds: float) -> None:
     """A stand-in's compute: waited out now (graphpipe's waits, `wait_until`), or owed."""
     if _Device.overlapped:
-        _Device.owed += seconds
+        _Device.clock.owe(seconds)
     else:
         wait_until(time.perf_counter() + seconds)
 
@@ -220,7 +223,7 @@ def _settled(method: Any) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         out = method(*args, **kwargs)
-        _Device.settle(start)
+        _Device.clock.settle(start)
         return out
 
     return run
@@ -280,7 +283,7 @@ def _torch_schedule(case: Case, label: str) -> tuple[Any, list[Sleeper], list[in
     parts = [Sleeper(f, i, w + i * (s == 0)) for s in ids]
     cpu = torch.device("cpu")
     pipe = [pipelining.PipelineStage(p, s, stages, cpu) for p, s in zip(parts, ids, strict=True)]
-    _Device.overlapped, _Device.owed = case.host == "overlapped", 0.0
+    _Device.overlapped, _Device.clock = case.host == "overlapped", DeviceTime()
     if _Device.overlapped:
         for stage in pipe:
             for action in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -309,7 +312,7 @@ def _torch_run(case: Case, name: str) -> dict[str, Any]:
 
     def step() -> None:
         schedule.step(*args, **kwargs)
-        _Device.settle(time.perf_counter())  # nothing owed is left behind
+        _Device.clock.settle(time.perf_counter())  # nothing owed is left behind
         opt.step()
         opt.zero_grad()
 
