@@ -9,6 +9,7 @@ every rank must raise the same PipelineError and none may be left waiting.
 from __future__ import annotations
 
 import functools
+import importlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -271,6 +272,28 @@ def test_graphpipe_run_refuses_a_bad_flag_in_one_line(
 
 
 # -- two ranks ------------------------------------------------------------------------------
+
+
+def test_misspelt_plan_options_are_named_at_once_before_profiling(monkeypatch: Any) -> None:
+    """Plan options are checked by every rank in compile's first step, every problem at once;
+    rank 0 used to meet them only after profiling."""
+
+    def no_profiling(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("profiled before the plan options were checked")
+
+    monkeypatch.setattr(importlib.import_module("graphpipe.compile.steps"), "profile", no_profiling)
+    model, inputs = ZOO["two_branch"]()
+    with pytest.raises(ConfigError) as err:
+        _compile(model, inputs, memory_budjet=2e9, max_units=0, placement="w", profile=None)
+    message = str(err.value)
+    assert message.startswith("4 problems: "), message
+    for named in (
+        "unknown plan option 'memory_budjet' (did you mean 'memory_budget'?)",
+        "max_units must be >= 1, got 0",
+        "placement must be one of ('loop', 'v'), got 'w'",
+        "plan option 'profile' is compile's profile_config= argument",
+    ):
+        assert named in message
 
 
 def _value_reading_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

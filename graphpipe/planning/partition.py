@@ -31,10 +31,11 @@ int from a size query, None) in the stage of all its users; pins that would spli
 
 from __future__ import annotations
 
+import difflib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 import networkx as nx
@@ -125,41 +126,79 @@ class PlanConfig:
     tp_link: LinkModel | None = None  # the tp dimension's link; None: the same as `link`
 
     def __post_init__(self) -> None:
-        if self.devices < 1:
-            raise ConfigError(f"devices must be >= 1, got {self.devices}")
+        problems = self.problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every problem with the fields, each naming its values (empty when they are fine).
+        Each check is independent, so one bad field does not hide another."""
+        found = [problem for problem in self._field_problems() if problem]
+        for check in (self._check_mesh, self._check_layouts):
+            try:
+                check()
+            except ConfigError as exc:
+                found.append(str(exc))
+        return found
+
+    def _field_problems(self) -> list[str | None]:
+        """One entry per field rule: its problem, or None."""
+        budget = self.memory_budget
+        return [
+            _unless(
+                _positive_int(self.devices), f"devices must be an int >= 1, got {self.devices!r}"
+            ),
+            _unless(
+                _positive_int(self.micro_batches),
+                f"micro_batches must be an int >= 1, got {self.micro_batches!r}",
+            ),
+            _unless(
+                self.partitioner in PARTITIONERS,
+                f"partitioner must be one of {PARTITIONERS}, got {self.partitioner!r}",
+            ),
+            _unless(
+                self.objective in ("pipeline", "bottleneck"),
+                f"objective must be 'pipeline' or 'bottleneck', got {self.objective!r}",
+            ),
+            _unless(
+                _positive_int(self.max_units), f"max_units must be >= 1, got {self.max_units!r}"
+            ),
+            _unless(
+                budget is None or (isinstance(budget, (int, float)) and budget > 0),
+                f"memory_budget must be a positive number of bytes or None, got {budget!r}",
+            ),
+            _unless(
+                _positive_int(self.virtual_stages),
+                f"virtual_stages must be an int >= 1, got {self.virtual_stages!r}",
+            ),
+            _unless(
+                self.placement in PLACEMENTS,
+                f"placement must be one of {PLACEMENTS}, got {self.placement!r}",
+            ),
+            _unless(
+                self.precision in (None, "bf16", "fp16"),
+                f"precision must be 'bf16', 'fp16' or None, got {self.precision!r}",
+            ),
+            _unless(
+                not self.interleave or (self.partitioner == "graph" and self.virtual_stages == 1),
+                "interleave=True folds the graph partitioner's stage DAGs onto the devices: "
+                f"it needs partitioner='graph' and virtual_stages=1, got "
+                f"{self.partitioner!r} and {self.virtual_stages}",
+            ),
+            _unless(
+                self.partitioner != "manual" or bool(self.pins),
+                "partitioner='manual' needs pins: {module path or op: stage}",
+            ),
+        ]
+
+    def _check_mesh(self) -> None:
+        if not _positive_int(self.devices):
+            return  # said by _field_problems
         check_tp(self.devices, self.tp, self.tp_plan)
         if self.dp != "auto":
             if not isinstance(self.dp, int):
                 raise ConfigError(f"dp must be an int or 'auto', got {self.dp!r}")
             check_dp(self.devices // self.tp, self.dp)
-        if self.micro_batches < 1:
-            raise ConfigError(f"micro_batches must be >= 1, got {self.micro_batches}")
-        if self.partitioner not in PARTITIONERS:
-            raise ConfigError(
-                f"partitioner must be one of {PARTITIONERS}, got {self.partitioner!r}"
-            )
-        if self.objective not in ("pipeline", "bottleneck"):
-            raise ConfigError(
-                f"objective must be 'pipeline' or 'bottleneck', got {self.objective!r}"
-            )
-        if self.max_units < 1:
-            raise ConfigError(f"max_units must be >= 1, got {self.max_units}")
-        if self.virtual_stages < 1 or self.placement not in PLACEMENTS:
-            raise ConfigError(
-                f"virtual_stages must be >= 1 and placement one of {PLACEMENTS}, got "
-                f"{self.virtual_stages} and {self.placement!r}"
-            )
-        self._check_layouts()
-        if self.interleave and (self.partitioner != "graph" or self.virtual_stages > 1):
-            raise ConfigError(
-                "interleave=True folds the graph partitioner's stage DAGs onto the devices: "
-                f"it needs partitioner='graph' and virtual_stages=1, got "
-                f"{self.partitioner!r} and {self.virtual_stages}"
-            )
-        if self.precision not in (None, "bf16", "fp16"):
-            raise ConfigError(f"precision must be 'bf16', 'fp16' or None, got {self.precision!r}")
-        if self.partitioner == "manual" and not self.pins:
-            raise ConfigError("partitioner='manual' needs pins: {module path or op: stage}")
 
     def _check_layouts(self) -> None:
         if self.partitioner != "graph" or self.virtual_stages > 1 or self.interleave:
@@ -179,13 +218,55 @@ class PlanConfig:
     @classmethod
     def build(cls, devices: int, **options: Any) -> PlanConfig:
         """`PlanConfig(devices, **options)`, naming any unknown option."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown plan options {unknown}; known: {sorted(known)}")
+        problems = cls.problems_of(devices, **options)
+        if problems:
+            raise ConfigError("; ".join(problems))
         if options.get("pins") and "partitioner" not in options:
             options["partitioner"] = "manual"
         return cls(devices=devices, **options)
+
+    @classmethod
+    def problems_of(cls, devices: int, **options: Any) -> list[str]:
+        """Every problem `build(devices, **options)` would raise, at once: unknown names
+        (with the closest known one), then the known fields' values."""
+        known = {f.name for f in fields(cls)}
+        problems = [_unknown_option(name, known) for name in sorted(set(options) - known)]
+        given = {k: v for k, v in options.items() if k in known}
+        if given.get("pins") and "partitioner" not in given:
+            given["partitioner"] = "manual"
+        try:
+            config = object.__new__(cls)  # the fields set, the checks run without raising
+            for f in fields(cls):
+                value = given.get(f.name, _default(f)) if f.name != "devices" else devices
+                object.__setattr__(config, f.name, value)
+            problems.extend(config.problems())
+        except (TypeError, ValueError) as exc:  # a value of the wrong type
+            problems.append(f"plan options {given}: {exc}")
+        return problems
+
+
+def _positive_int(value: Any) -> bool:
+    """An int >= 1 (a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _unless(ok: bool, problem: str) -> str | None:
+    """`problem` where a rule does not hold, else None."""
+    return None if ok else problem
+
+
+def _default(f: Any) -> Any:
+    """A dataclass field's default value (its factory's, called)."""
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _unknown_option(name: str, known: set[str]) -> str:
+    """The problem of an unknown plan option, naming the closest known ones."""
+    close = difflib.get_close_matches(name, sorted(known), n=2)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    return f"unknown plan option {name!r}{hint}; known: {sorted(known)}"
 
 
 def plan(

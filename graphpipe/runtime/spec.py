@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.ir.registry import DEFAULT_SCHEDULE, policy_spec, schedule_spec
-from graphpipe.planning.partition import micro_batch_size
+from graphpipe.planning.partition import PlanConfig, micro_batch_size
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.planning.recompute import RecomputeSpec
 from graphpipe.runtime.clip import check_clipping
@@ -199,6 +199,7 @@ class RunSpec:
             problems.extend(mesh_refusals(**asked))
         devices = plan_options.pop("devices", None)  # the world size; said if it differs
         options = _check(problems, _plan_options, partitioner, plan_options)
+        problems.extend(_plan_option_problems(plan_options, partitioner, devices))
         given = None if plan is None else _load_plan(plan)
         m = None if bad_m else _check(problems, _micro_batches, micro_batches, given)
         b = (
@@ -354,7 +355,9 @@ def schedule_for(weights: str, schedule: str | None) -> str:
     return schedule
 
 
-MESH_PLAN_FIELDS = frozenset({"dp", "shard", "dp_link"})  # PlanConfig's
+MESH_PLAN_FIELDS = frozenset({"dp", "shard", "dp_link", "tp"})  # PlanConfig's
+# PlanConfig fields that compile takes as arguments of its own (the rest are bound by name)
+RENAMED_PLAN_FIELDS = MappingProxyType({"profile": "profile_config"})
 
 
 def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str, Any]:
@@ -379,6 +382,24 @@ def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str,
         )
     chosen = partitioner or ("manual" if pins else "graph")
     return {**options, "partitioner": chosen}
+
+
+def _plan_option_problems(
+    options: Mapping[str, Any], partitioner: str | None, devices: int | None
+) -> list[str]:
+    """The plan options' problems, found on every rank before any work (rank 0 would
+    otherwise meet them only after profiling): unknown names, a field compile takes under
+    another name, and bad values (`PlanConfig.problems_of`, at the given devices or 1: the
+    world is not joined yet, and its size is checked against the plan later)."""
+    problems = [
+        f"plan option {name!r} is compile's {RENAMED_PLAN_FIELDS[name]}= argument"
+        for name in sorted(set(options) & set(RENAMED_PLAN_FIELDS))
+    ]
+    skip = RENAMED_PLAN_FIELDS.keys() | MESH_PLAN_FIELDS  # said by _plan_options
+    rest = {k: v for k, v in options.items() if k not in skip}
+    if partitioner is not None:
+        rest["partitioner"] = partitioner
+    return problems + PlanConfig.problems_of(devices or 1, **rest)
 
 
 def _planner_defaults(
