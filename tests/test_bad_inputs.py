@@ -23,7 +23,7 @@ from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
-from graphpipe.errors import ConfigError, FailureKind, PipelineError
+from graphpipe.errors import ConfigError, FailureKind, PipelineError, PlanError
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.launch import launch
 from graphpipe.tools.cli import main
@@ -294,6 +294,32 @@ def test_misspelt_plan_options_are_named_at_once_before_profiling(monkeypatch: A
         "plan option 'profile' is compile's profile_config= argument",
     ):
         assert named in message
+
+
+def _crash_on_rank_0_worker() -> str:
+    """rank 0's planning crashes with an error that is not graphpipe's own (as a profiler
+    crash would): what each rank raises."""
+
+    def crash(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a leaf Variable that requires grad is used in an in-place op")
+
+    if dist.get_rank() == 0:
+        importlib.import_module("graphpipe.compile.steps")._plan = crash
+    model, inputs = ZOO["two_branch"]()
+    try:  # the others would wait in the broadcast for plan_timeout, past the launch's limit
+        _compile(model, inputs, runtime=RuntimeConfig(timeout=30, plan_timeout=3600))
+    except PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_any_failure_while_rank_0_plans_reaches_every_rank_named() -> None:
+    said = launch(_crash_on_rank_0_worker, 2, timeout=TIMEOUT, comm_timeout=30)
+    for text in said:
+        assert text == (
+            "planning on rank 0 failed: RuntimeError: a leaf Variable that requires grad "
+            "is used in an in-place op"
+        ), said
 
 
 def _value_reading_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

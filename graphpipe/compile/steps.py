@@ -17,7 +17,7 @@ from torch import fx
 from torch.distributed.device_mesh import init_device_mesh
 
 from graphpipe._torch import AGENT_STORE_ENV
-from graphpipe.errors import ConfigError, GraphPipeError, PlanError
+from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan, Schedule
 from graphpipe.ir.registry import DEFAULT_SCHEDULE, SCHEDULES
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
@@ -275,6 +275,11 @@ def plan_on_rank_0(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: R
     if rank 0 dies. The group's rendezvous (before planning) and rank 0's side of the
     broadcast (after it: the others wait already) are bounded by `runtime.timeout`, so a rank
     that stalls in compile is named as a stall in a step would be.
+
+    Any exception while rank 0 plans (a PlanError, or a crash in profiling or the search)
+    is sent in the plan's place: every rank raises a PlanError naming its type and message
+    at once, rank 0's chained to the original, instead of the others waiting out
+    `plan_timeout`.
     """
     runtime = spec.runtime
     group = guarded(  # its rendezvous, too, stops when a rank dies
@@ -285,10 +290,12 @@ def plan_on_rank_0(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: R
         timeout=runtime.timeout,
     )
     message: list[Any] = [None]
+    failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
             message[0] = ("plan", _plan(gm, inputs, spec).to_json())
-        except GraphPipeError as exc:
+        except Exception as exc:  # any failure: the other ranks are waiting for a plan
+            failure = exc
             message[0] = ("error", f"{type(exc).__name__}: {exc}")
     try:
         guarded(
@@ -300,5 +307,5 @@ def plan_on_rank_0(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: R
         dist.destroy_process_group(group)
     kind, payload = message[0]
     if kind == "error":
-        raise PlanError(f"planning on rank 0 failed: {payload}")
+        raise PlanError(f"planning on rank 0 failed: {payload}") from failure
     return Plan.from_json(payload)
