@@ -49,6 +49,7 @@ from graphpipe.compile.steps import (
     schedule_name,
     schedule_plan,
 )
+from graphpipe.compile.summary import announce
 from graphpipe.ir import Plan, Schedule
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
@@ -184,12 +185,17 @@ def compile(
             times the example's), and a step beyond them is refused by name on every rank,
             before any communication (`graphpipe.runtime.shapes`); a given `plan` is used
             as it is, the bound still applies. None: the example is the largest batch.
-        **plan_options: More `PlanConfig` fields (memory_budget, replication, ...);
-            devices, if given, must equal the world size (one device per rank), or with a
-            mesh its pp size.
+        **plan_options: More `PlanConfig` fields (memory_budget, replication, ...),
+            checked on every rank before any work (a misspelt name is a ConfigError naming
+            the closest field); devices, if given, must equal the world size (one device
+            per rank), or with a mesh its pp size. compile plans a pipeline of distinct
+            stages (replication=False, as `graphpipe run`); replication=True lets the
+            planner copy a stage over ranks where that simulates faster (no mesh).
 
     Returns:
-        The pipelined model.
+        The pipelined model. rank 0 prints one line of what was chosen and why (stages,
+        layout, schedule, micro-batches, replication, mesh: `graphpipe.compile.summary`),
+        unless `RuntimeConfig(quiet=True)`.
 
     Raises:
         ConfigError: bad arguments, every one found before any work named in one error
@@ -235,6 +241,7 @@ def compile(
         the_plan = _plan(gm, inputs, spec)
     check_world(spec, the_plan)
     the_plan, sched = _scheduled(the_plan, spec)
+    announce(the_plan, sched, spec)
     with posted("compile"):
         return PipelinedModel(model, gm, inputs, the_plan, sched, spec)
 

@@ -71,6 +71,7 @@ class RuntimeConfig:
     plan_timeout: float = 1800.0  # seconds ranks wait for rank 0's plan (profiling included)
     prefetch: bool | None = None  # post every receive of a call first; None: on gloo only
     emulate: Emulate | None = None  # stages wait the plan's times instead of computing
+    quiet: bool = False  # rank 0 prints no line of what compile chose (compile.summary)
 
     def __post_init__(self) -> None:
         if self.timeout <= 0 or self.plan_timeout <= 0:
@@ -222,7 +223,7 @@ class RunSpec:
             weight_options=weight_options,
             plan=given,
             plan_options=MappingProxyType(
-                _planner_defaults(options, precision, weights, resolved, mesh is not None or dp > 1)
+                _planner_defaults(options, precision, weights, resolved)
                 | _layout_defaults(options, schedule, resolved, compile_stages, mesh, dp)
             ),
             devices=devices,
@@ -403,17 +404,18 @@ def _plan_option_problems(
 
 
 def _planner_defaults(
-    options: dict[str, Any], precision: str | None, weights: str, schedule: str, meshed: bool
+    options: dict[str, Any], precision: str | None, weights: str, schedule: str
 ) -> dict[str, Any]:
     """What the planner must know of the run, unless the options say otherwise: the dtype
-    crossing stages, no replicas for a policy without them or under a mesh (whose dp
-    dimension replicates), a folded chain for a placed schedule."""
+    crossing stages; no replicated stages (`graphpipe run`'s default too: compile builds a
+    pipeline of distinct stages, and data parallelism is the mesh's, `data_parallel=k`;
+    `replication=True` lets the planner copy a stage over ranks where that is faster, for
+    a policy that keeps replicas in step, without a mesh); a folded chain for a placed
+    schedule."""
     options = dict(options)
     options.setdefault("precision", precision)
-    if meshed:
-        options.setdefault("replication", False)
+    options.setdefault("replication", False)
     if not policy_spec(weights).replicas:
-        options.setdefault("replication", False)
         options.setdefault("weight_versions", 2)
     placement = schedule_spec(schedule).placement
     if placement in ("loop", "v"):  # a chain of stages folded onto the devices
