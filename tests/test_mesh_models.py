@@ -300,7 +300,7 @@ def _recompute_worker() -> dict[tuple[str, bool], Any]:
 def test_recompute_on_the_mesh_trains_as_one_process() -> None:
     """Each stage's forward runs under torch.utils.checkpoint around its FSDP2 root, and
     its backward recomputes it (FSDP2 gathers the parameters again): equal to one process."""
-    ref_losses, ref_params, _ = chain_reference("chain")
+    ref_losses, ref_params, _, _ = chain_reference("chain")
     runs = launch(_recompute_worker, 4, timeout=TIMEOUT)
     for case in RECOMPUTE_CASES:
         for rank, result in enumerate(runs):

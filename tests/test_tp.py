@@ -155,7 +155,14 @@ def _chain_on_tp() -> dict[str, Any]:
         losses.append(pm.step(*chain_batch("chain", step)[0], target=chain_batch("chain", step)[1]))
         norms.append(pm.last_grad_norm)
     recomputed = [s.recompute for s in pm.plan.stages]
-    return {"losses": losses, "norms": norms, "state": pm.state_dict(), "recompute": recomputed}
+    outputs = pm(*chain_batch("chain", 0)[0])  # forward only, the tp ranks' outputs made one
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": pm.state_dict(),
+        "recompute": recomputed,
+        "outputs": outputs,
+    }
 
 
 META_TP = {"0.0": "colwise", "1.0": "rowwise", "2.0": "colwise", "3.0": "rowwise"}
@@ -260,6 +267,13 @@ def test_an_fx_traced_chain_with_its_own_tp_plan_and_clipping_trains_as_one_proc
         assert got["recompute"] == [True, True]  # every stage's forward run again
         for n, value in ref_params.items():
             torch.testing.assert_close(got["state"][n], value, rtol=1e-5, atol=1e-6, msg=n)
+    model, _ = chain()  # pm(...) on every rank: the trained model's output, as one process's
+    model.load_state_dict(ref_params, strict=False)
+    with torch.no_grad():
+        expected = model(*chain_batch("chain", 0)[0])
+    for rank, result in enumerate(results):
+        got = result["chain"]["outputs"]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
 
 
 def test_a_tp2_checkpoint_loads_at_tp1_and_steps_the_same(

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from graphpipe.errors import ConfigError
@@ -36,18 +37,31 @@ class Inference:
         self.w, self.inputs, self.programs, self.collectives = w, inputs, programs, collectives
 
     def outputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        """The model's output for this mini-batch (see `PipelinedModel.__call__`)."""
-        self.w.refuse_under_mesh("pm(...) (the outputs)")
+        """The model's output for this mini-batch (see `PipelinedModel.__call__`).
+
+        Each rank holding the last stage sends its outputs by (micro-batch j, dp slice d);
+        under a mesh a dp rank holds slice d of every micro-batch (`Inputs._slices`) and
+        its tp ranks hold the same values, so tp coordinate 0 sends them. The mini-batch's
+        output is micro-batch 0's slices in order, then micro-batch 1's, ...: the rows as
+        `step()` split them.
+        """
         batch = self.inputs.batch(args, kwargs, None, first=0)
         run = self._forward_only(batch)
-        mine: dict[int, Any] = {}
+        mine: dict[tuple[int, int], Any] = {}
+        layout = self.w.layout
+        dp_index, tp_index = (0, 0) if layout is None else (layout.dp_index, layout.tp_index)
         if run is not None:
             mine = {
-                j: mb.outputs[OUTPUT] for (_, j), mb in run.state.items() if OUTPUT in mb.outputs
+                (j, dp_index): tree_map(_whole, mb.outputs[OUTPUT])
+                for (_, j), mb in run.state.items()
+                if OUTPUT in mb.outputs
             }
-        gathered = self.collectives.gather(tree_map(cpu, mine), "the outputs")
-        merged = {j: out for part in gathered for j, out in part.items()}
-        pieces = [merged[j] for j in range(self.w.spec.micro_batches)]
+        sent = tree_map(cpu, mine) if tp_index == 0 else {}
+        gathered = self.collectives.gather(sent, "the outputs")
+        merged = {key: out for part in gathered for key, out in part.items()}
+        pieces = [
+            merged[(j, d)] for j in range(self.w.spec.micro_batches) for d in range(self.w.dp)
+        ]
         return tree_map(lambda *xs: torch.cat(xs), *pieces) if pieces else None
 
     def mean_loss(self, args: Sequence[Any], kwargs: dict[str, Any], target: Any) -> float:
@@ -89,3 +103,8 @@ class Inference:
                 m.training = training
             reshard(w.module)  # FSDP2 (a mesh) keeps a root gathered, awaiting a backward
         return run
+
+
+def _whole(x: Any) -> Any:
+    """A DTensor output (a tp stage's) as the whole tensor every tp rank agrees on."""
+    return x.full_tensor() if isinstance(x, DTensor) else x

@@ -93,14 +93,6 @@ class Wiring:
         micro-batch's this many times, as a share of its mean)."""
         return 1 if self.layout is None else self.layout.dp * self.layout.tp
 
-    def refuse_under_mesh(self, what: str) -> None:
-        """Raises: ConfigError: `what` is not available with a mesh yet, naming it."""
-        if self.layout is not None and self.layout.sharded:
-            raise ConfigError(
-                f"{what} is not yet available with a mesh (FSDP2 per stage); planned: "
-                "the outputs gathered over dp slices"
-            )
-
     @property
     def canonical(self) -> dict[str, str]:
         """Every name of every tensor of the model -> its first name."""
