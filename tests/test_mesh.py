@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from zoo import ZOO, dict_loss
 
@@ -422,19 +423,6 @@ def _refusal_worker() -> list[str]:
     )
     refused(lambda: _compile_with(mesh=_mesh(), data_parallel=2))
     refused(lambda: _compile_with(data_parallel=3, micro_batches=1, example=torch.randn(6, D)))
-    model, inputs = ZOO["tied"]()
-    refused(
-        lambda: gp_compile(
-            model,
-            inputs,
-            loss_fn=dict_loss,
-            optimizer=_optimizer(),
-            micro_batches=2,
-            pins={"embed": 0, "body": 1, "out": 1},
-            data_parallel=2,
-            profile_config=ProfileConfig(mode="flops"),
-        )
-    )
     model, inputs = ZOO["tied"]()  # embed and out share a weight: stages 0 and 3, pp rank 0
     pins = {"embed": 0, "body.0": 1, "body.1": 2, "body.2": 3, "out": 3}
     folded = plan(model, inputs, devices=4, dp=2, micro_batches=2, pins=pins, virtual_stages=2,
@@ -451,6 +439,93 @@ def _refusal_worker() -> list[str]:
         )
     )
     return said
+
+
+# -- a weight tied across pp ranks ----------------------------------------------------------
+
+TIED_PINS = {"embed": 0, "body": 1, "out": 1}  # out.weight is embed.weight, read on pp rank 1
+
+
+def _tied_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2000 + step)
+    return torch.randint(0, 12, (8, 5), generator=gen), torch.randn(8, 12, generator=gen)
+
+
+def _tied_reference() -> tuple[list[float], torch.Tensor]:
+    """One process, gradient accumulation over M micro-batches: losses, the tied weight."""
+    model, _ = ZOO["tied"]()
+    opt = _optimizer()(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        tokens, target = _tied_batch(step)
+        total = 0.0
+        for j in range(M):
+            loss = dict_loss(model(tokens.chunk(M)[j]), target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        losses.append(total / M)
+        opt.step()
+        opt.zero_grad()
+    return losses, model.embed.weight.detach().clone()
+
+
+TIED_TP = {"body.0.0": "colwise", "body.1.0": "rowwise"}  # the tie itself is not split
+
+
+def _tied_worker(cases: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    """The tied model on pp 2 x dp 2, or on pp 2 x tp 2 with its body split: per (schedule,
+    mesh) its losses and, after every step, the tied weight as each holder has it."""
+    out: dict[tuple[str, str], Any] = {}
+    for schedule, dims in cases:
+        model, inputs = ZOO["tied"]()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", dims))
+        pm = gp_compile(
+            model,
+            inputs,
+            loss_fn=dict_loss,
+            optimizer=_optimizer(),
+            micro_batches=M,
+            schedule=schedule,
+            pins=TIED_PINS,
+            mesh=mesh,
+            tp_plan=TIED_TP if dims == "tp" else None,
+            profile_config=ProfileConfig(mode="flops"),
+            runtime=RuntimeConfig(timeout=60, quiet=True),
+        )
+        losses, held = [], []
+        for step in range(STEPS):
+            tokens, target = _tied_batch(step)
+            losses.append(pm.step(tokens, target=target))
+            params = dict(pm.module.named_parameters(remove_duplicate=False))
+            name = "embed.weight" if "embed.weight" in params else "out.weight"
+            held.append(tree_map(_whole, params[name]).detach().clone())  # this holder's
+        out[(schedule, dims)] = {"losses": losses, "held": held, "state": pm.state_dict()}
+    return out
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def test_a_weight_tied_across_pp_ranks_is_summed_over_its_holders_on_a_mesh() -> None:
+    """embed.weight on pp rank 0 and, as out.weight, on pp rank 1, each FSDP2-sharded over
+    dp (or whole on each tp rank): the holders' gradients summed per dp and tp coordinate
+    (Megatron's embedding group), so both copies stay one tensor after every step, equal to
+    one process's."""
+    cases = [("1f1b", "dp"), ("zb", "dp"), ("1f1b", "tp")]
+    results = launch(_tied_worker, 4, args=(cases,), timeout=TIMEOUT)
+    ref_losses, ref_weight = _tied_reference()
+    for schedule in cases:
+        for rank, result in enumerate(results):
+            got = result[schedule]
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (schedule, rank)
+            torch.testing.assert_close(
+                got["state"]["embed.weight"], ref_weight, rtol=1e-5, atol=1e-6
+            )
+        for step in range(STEPS):  # every holder, every dp rank: the same tensor
+            first = results[0][schedule]["held"][step]
+            for result in results[1:]:
+                torch.testing.assert_close(result[schedule]["held"][step], first, rtol=0, atol=0)
 
 
 def _compile_with(
@@ -477,7 +552,6 @@ def test_what_needs_the_process_group_is_refused_by_name() -> None:
         "mesh_dim_names=('pp', 'dp')",
         "data_parallel=2 both given",
         "data_parallel=3 does not divide the world size 4",
-        "a weight tied across pp ranks is not yet summed with a mesh",
         "embed.weight is held by stages [0, 3] on one pp rank",
     ]
     assert len(said[0]) == len(expected)

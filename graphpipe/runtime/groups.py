@@ -32,15 +32,24 @@ def sum_groups(
     canon: dict[str, str],
     modules: Modules,
     mine: tuple[int, ...],
-    meshed: bool = False,
+    layout: MeshLayout | None = None,
 ) -> tuple[GradSync, dict[str, tuple[int, ...]]]:
     """Gradient sums over replicas and tied copies; groups created in the same order
     everywhere. Also returns the tied names, each with the stages holding it.
 
+    Under a mesh a weight tied across pp ranks is summed as Megatron-LM sums its embedding
+    group: one group per dp and tp coordinate (d, t) holds the global ranks
+    `layout.ranks[p][d][t]` of the pp ranks p that hold it, and sums their local shards
+    (each holder's FSDP2 reduce-scatter over dp comes first, in its backward; the shards of
+    one coordinate are the same rows of the same tensor on every holder). The group's
+    parameters are FSDP2's sharded ones once the stages are sharded (`GradSync.rebind`).
+
     Raises:
-        ConfigError: a weight tied across ranks under an asynchronous schedule or a mesh
-            (on every rank alike, before any collective).
+        ConfigError: a weight tied across ranks under an asynchronous schedule, or across
+            two stages of one pp rank under a mesh (on every rank alike, before any
+            collective).
     """
+    meshed = layout is not None and layout.sharded
     holders: dict[str, set[int]] = {}
     for index, (module, _) in modules.items():
         for n, _p in module.named_parameters():
@@ -55,21 +64,21 @@ def sum_groups(
     ]
     if tied and schedule_spec(schedule).asynchronous:
         _refuse_tied(tied[0], spec.weights, schedule)
-    if tied and meshed:
-        ranks, label = tied[0]
-        raise ConfigError(
-            f"a weight tied across pp ranks is not yet summed with a mesh (FSDP2 per stage; "
-            f"planned): {label[5:]} is held on pp ranks {list(ranks)}; pin the stages that "
-            "share it onto one device, or give the modules copies of their own"
-        )
-    if shared and meshed:  # on one rank, in two of its stages: FSDP2 shards per stage
-        name, held = next(iter(shared.items()))
+    doubled = {  # on one rank, in two of its stages: FSDP2 shards per stage
+        name: held for name, held in shared.items() if _on_one_rank_twice(held, stages)
+    }
+    if doubled and meshed:
+        name, held = next(iter(doubled.items()))
         raise ConfigError(
             f"a weight tied across stages is not yet run with a mesh (FSDP2 per stage; "
             f"planned): {name} is held by stages {list(held)} on one pp rank, and each "
             "stage's fully_shard would make a sharded copy of its own; put its readers in "
             "one stage, or give the modules copies of their own"
         )
+    if meshed:
+        assert layout is not None
+        tied = _per_coordinate(tied, layout)
+        rank = layout.rank
     groups = make_groups(replicas + tied, rank, spec.runtime.timeout)
     local = {canon.get(n, n): p for index in mine for n, p in modules[index][0].named_parameters()}
     sums: list[SyncGroup] = []
@@ -80,6 +89,25 @@ def sum_groups(
             params = [p for n, p in local.items() if n not in shared]
         sums.append(SyncGroup(ranks, group, params, label))
     return GradSync(sums), shared
+
+
+def _on_one_rank_twice(held: tuple[int, ...], stages: Any) -> bool:
+    """Whether two of the stages `held` run on one device."""
+    devices = [d for t in held for d in stages[t].devices]
+    return len(devices) != len(set(devices))
+
+
+def _per_coordinate(
+    tied: list[tuple[tuple[int, ...], str]], layout: MeshLayout
+) -> list[tuple[tuple[int, ...], str]]:
+    """Each tie across pp ranks as one membership per dp and tp coordinate (d, t), in global
+    ranks, the same list on every rank: `make_groups` gives this rank its own (d, t)'s."""
+    return [
+        (tuple(layout.ranks[p][d][t] for p in ranks), label)
+        for ranks, label in tied
+        for d in range(layout.dp)
+        for t in range(layout.tp)
+    ]
 
 
 def _refuse_tied(tied: tuple[tuple[int, ...], str], weights: str, schedule: str) -> None:

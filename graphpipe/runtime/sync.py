@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from graphpipe._torch import tensor_version
 from graphpipe.errors import FailureKind, PipelineError
@@ -186,7 +187,7 @@ def _buckets(params: Sequence[nn.Parameter], cap: int) -> list[_Bucket]:
     out: list[_Bucket] = []
     size = 0
     for p in reversed(params):
-        bytes_ = p.numel() * p.element_size()
+        bytes_ = _local(p).numel() * p.element_size()
         last = out[-1].params[-1] if out else None
         if last is None or size + bytes_ > cap or (last.dtype, last.device) != (p.dtype, p.device):
             out.append(_Bucket([]))
@@ -212,15 +213,31 @@ class GradSync:
     """
 
     def __init__(self, groups: Sequence[SyncGroup], bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.groups = merge_groups(groups)
-        self.buckets = [_buckets(g.params, bucket_bytes) for g in self.groups]
+        self.bucket_bytes = bucket_bytes
+        self._lock = threading.Lock()  # hooks may run on autograd's device threads
+        self._index(merge_groups(groups))
+
+    def _index(self, groups: list[SyncGroup]) -> None:
+        """Cut the groups into buckets and note where each parameter is summed."""
+        self.groups = groups
+        self.buckets = [_buckets(g.params, self.bucket_bytes) for g in self.groups]
         self._where: dict[int, list[tuple[int, int]]] = {}  # id(p) -> [(group, bucket)]
         for gi, buckets in enumerate(self.buckets):
             for bi, bucket in enumerate(buckets):
                 for p in bucket.params:
                     self._where.setdefault(id(p), []).append((gi, bi))
         self._next = [0] * len(self.groups)  # per group: buckets launched this step
-        self._lock = threading.Lock()  # hooks may run on autograd's device threads
+
+    def rebind(self, fresh: dict[int, nn.Parameter]) -> None:
+        """Sum the parameters that replaced the groups' own (FSDP2's sharded ones, which
+        `fully_shard` registers in the modules in place of the originals): `fresh` maps
+        id(original) -> its replacement; a parameter not in it stays."""
+        self._index(
+            [
+                SyncGroup(g.ranks, g.group, [fresh.get(id(p), p) for p in g.params], g.label)
+                for g in self.groups
+            ]
+        )
 
     def broadcast(self) -> None:
         """Make every copy equal to its group's first rank's: tied copies and replicas that
@@ -230,7 +247,7 @@ class GradSync:
                 for p in g.params:
                     guarded(
                         f"the broadcast of {g.label}",
-                        functools.partial(dist.broadcast, p, src=g.ranks[0], group=g.group),
+                        functools.partial(dist.broadcast, _local(p), src=g.ranks[0], group=g.group),
                         g.ranks,
                     )
 
@@ -268,9 +285,9 @@ class GradSync:
         """Flatten the bucket's gradients and start their all-reduce."""
         owners = [bucket.holders.get(id(p), p) for p in bucket.params]
         grads = [h.grad for h in owners]
-        bucket.seen = [(g, -1 if g is None else tensor_version(g)) for g in grads]
+        bucket.seen = [(g, -1 if g is None else tensor_version(_local(g))) for g in grads]
         parts = [
-            (g if g is not None else torch.zeros_like(p)).reshape(-1)
+            (_local(g) if g is not None else torch.zeros_like(_local(p))).reshape(-1)
             for g, p in zip(grads, bucket.params, strict=True)
         ]
         bucket.flat = torch.cat(parts)
@@ -313,7 +330,7 @@ class GradSync:
         changed = [
             position[id(p)]
             for p, (grad, version) in zip(bucket.params, bucket.seen, strict=True)
-            if p.grad is not grad or (grad is not None and tensor_version(grad) != version)
+            if p.grad is not grad or (grad is not None and tensor_version(_local(grad)) != version)
         ]
         if changed:
             raise failure(
@@ -326,9 +343,23 @@ class GradSync:
         assert bucket.flat is not None
         at = 0
         for p in bucket.params:
-            n = p.numel()
-            p.grad = bucket.flat[at : at + n].view_as(p).clone()
+            n = _local(p).numel()
+            p.grad = _like(p, bucket.flat[at : at + n].view_as(_local(p)).clone())
             at += n
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard (FSDP2, tp), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as p's gradient: a DTensor laid out as p when p is one."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return local
 
 
 Picked = list[tuple[nn.Parameter, torch.Tensor]]  # (parameter, the tensor its .grad is in)

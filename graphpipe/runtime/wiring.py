@@ -132,7 +132,7 @@ def wire(
     precision = _precision(spec, layout, gm)
     built = _build_modules(model, gm, plan, spec, example_inputs, mine, device, precision)
     modules = built.modules
-    sync, shared = sum_groups(plan, spec, schedule.name, rank, canon, modules, mine, layout.sharded)
+    sync, shared = sum_groups(plan, spec, schedule.name, rank, canon, modules, mine, layout)
     update_group, scaler, agree = _update_checks(plan, spec, modules, canon, device, layout)
     if built.materialized:
         sync.broadcast()  # tied copies and replicas start equal on every holder
@@ -331,6 +331,7 @@ def _wire_stages(
     """This rank's stages: modules on the device, optimizer, hooks, policy, executor."""
     spec = c.spec
     runtime_stages = {}
+    before = {(i, n): p for i in c.mine for n, p in modules[i][0].named_parameters()}
     for i in c.mine:
         module, io = modules[i]
         if spec.runtime.emulate is None:
@@ -340,6 +341,9 @@ def _wire_stages(
             c.rank, c.plan, i, module, io, specs, c.gm, spec.loss_fn, c.device,
             tensor_parallel=c.tp_plan is not None,
         )  # fmt: skip
+    if c.layout.sharded:  # the tied weights' sums read FSDP2's sharded parameters
+        after = {(i, n): p for i in c.mine for n, p in modules[i][0].named_parameters()}
+        sync.rebind({id(p): after[key] for key, p in before.items() if key in after})
     held = [r.module for r in runtime_stages.values()]
     whole = held[0] if len(held) == 1 else nn.ModuleList(held)
     params = list(whole.parameters())  # unique: a tied weight is one tensor here
