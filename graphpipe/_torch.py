@@ -16,6 +16,7 @@ twin in torch 2.13, so the tracer, the planner and the renderer import it direct
 
 from __future__ import annotations
 
+import copy
 import datetime
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -240,6 +241,41 @@ def flatten_by_spec(tree: Any, spec: TreeSpec) -> list[Any]:
     except ImportError as exc:
         raise _missing("torch.fx._pytree.tree_flatten_spec", "label placeholders", exc) from exc
     return list(tree_flatten_spec(tree, spec))
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """`copy.deepcopy(gm)`, sharing torch's one pytree leaf spec instead of rebuilding it.
+
+    torch API: `torch.utils._pytree.treespec_leaf()`, the one `LeafSpec` every spec torch
+    builds ends in (an exported graph's `_codegen.pytree_info`, its `_in_spec` and
+    `_out_spec`, the tracer's `TraceInfo.out_spec`), and `fx.Graph._codegen`. torch 2.13
+    deprecates the `LeafSpec` class with a FutureWarning from its `__new__`, which a plain
+    deepcopy calls to rebuild that leaf. A leaf spec is immutable (a frozen dataclass with no
+    children) and torch shares it itself, so the copy shares it too and builds none.
+    `fx.Graph.__deepcopy__` copies its codegen with a memo of its own, so the graph is copied
+    with a plain codegen in its place (restored at once) and given a copy of the codegen
+    made with the shared leaf. graphpipe needs the copy to time a graph's nodes on a device
+    without touching the caller's graph.
+
+    Raises:
+        TorchAPIError: torch no longer has `treespec_leaf` or `_codegen`.
+    """
+    from torch.utils import _pytree
+
+    leaf = _private(_pytree, "treespec_leaf", "torch.utils._pytree.treespec_leaf", _COPYING)()
+    memo: dict[int, Any] = {id(leaf): leaf}
+    codegen = _codegen(gm)
+    gm.graph.set_codegen(fx.graph.CodeGen())
+    try:
+        graph = copy.deepcopy(gm.graph, memo)
+    finally:
+        gm.graph.set_codegen(codegen)
+    graph.set_codegen(copy.deepcopy(codegen, memo))
+    memo[id(gm.graph)] = graph
+    return copy.deepcopy(gm, memo)
+
+
+_COPYING = "copy a graph to time its nodes on a device (the profiler)"
 
 
 EXPORT_GUARD_PREFIX = "_guards"  # `ExportedProgram.module()`'s input-check submodule
