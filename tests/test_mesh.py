@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import zoo
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -526,6 +527,37 @@ def test_a_weight_tied_across_pp_ranks_is_summed_over_its_holders_on_a_mesh() ->
             first = results[0][schedule]["held"][step]
             for result in results[1:]:
                 torch.testing.assert_close(result[schedule]["held"][step], first, rtol=0, atol=0)
+
+
+def _tied_on_meta_worker() -> list[torch.Tensor]:
+    """The tied model built on the meta device on pp 2 x dp 2: each holder materialises its
+    own shards, by the tensor's owning module's path (`graphpipe.runtime.materialize`), so
+    every holder draws the same values. The tied copies as they start, and after one step."""
+    with torch.device("meta"):
+        model = zoo.Tied()
+    tokens, target = _tied_batch(0)
+    pm = gp_compile(
+        model,
+        (tokens,),
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        micro_batches=M,
+        pins=TIED_PINS,
+        data_parallel=2,
+        runtime=RuntimeConfig(timeout=60, quiet=True),
+    )
+    params = dict(pm.module.named_parameters(remove_duplicate=False))
+    name = "embed.weight" if "embed.weight" in params else "out.weight"
+    start = _whole(params[name]).detach().clone()
+    pm.step(tokens, target=target)
+    return [start, _whole(params[name]).detach().clone()]
+
+
+def test_a_tied_weight_materialised_on_each_holder_starts_as_one_tensor() -> None:
+    results = launch(_tied_on_meta_worker, 4, timeout=TIMEOUT)
+    for when in range(2):
+        for result in results[1:]:
+            torch.testing.assert_close(result[when], results[0][when], rtol=0, atol=0)
 
 
 def _compile_with(
