@@ -13,6 +13,8 @@ same chain made whole on one process.
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -400,3 +402,64 @@ def test_what_tensor_parallelism_cannot_run_yet_is_refused_by_name() -> None:
         "dp_shard=False",
     ]
     assert "no 'tp' dimension" in tp_refusals(tp=1, tp_plan={}, precision=None, dp_shard=True)[0]
+
+
+class _CutAtAView(nn.Module):
+    """Two Linears with a view between them, pinned to two stages: stage 0 returns the view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).view(-1, 8))
+
+
+def _fsdp_warnings() -> dict[str, Any]:
+    """One step on pp 1 x dp 1 x tp 2 (the chain's outputs made whole by `full_tensor()`, a
+    view) and one on pp 2 x dp 1 (stage 0 cut after a view), both under FSDP2; each run's
+    losses and the warnings it raised on this rank."""
+    out: dict[str, Any] = {}
+    model, inputs = chain()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
+    runs = {
+        "tp": (
+            model,
+            inputs,
+            (1, 1, 2),
+            ("pp", "dp", "tp"),
+            dict.fromkeys(CHAIN_PINS["chain"], 0),
+            CHAIN_TP,
+        ),
+        "cut": (_CutAtAView(), (x,), (2, 1), ("pp", "dp"), {"a": 0, "b": 1}, None),
+    }
+    for name, (net, example, shape, dims, pins, tp_plan) in runs.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pm = gp_compile(
+                net,
+                example,
+                loss_fn=dict_loss,
+                optimizer=chain_optimizer(),
+                micro_batches=M,
+                pins=pins,
+                mesh=init_device_mesh("cpu", shape, mesh_dim_names=dims),
+                tp_plan=tp_plan,
+                profile_config=ProfileConfig(mode="flops"),
+                runtime=RuntimeConfig(timeout=60, quiet=True),
+            )
+            target = torch.zeros(8, 4 if name == "tp" else 2)
+            loss = pm.step(*example, target=target)
+        out[name] = {"loss": loss, "warnings": [str(w.message) for w in caught]}
+    return out
+
+
+def test_fsdp2_sees_no_view_among_a_stage_s_outputs() -> None:
+    """FSDP2 hangs its pre-backward hook on a stage's outputs and warns of each that is a
+    view (an in-place op on it would drop the hook): graphpipe's own views (tp's whole
+    outputs, a cut after a reshape) reach it as tensors of their own."""
+    for rank, run in enumerate(launch(_fsdp_warnings, 2, timeout=TIMEOUT)):
+        for name, got in run.items():
+            assert math.isfinite(got["loss"]), f"rank {rank} {name}"
+            views = [w for w in got["warnings"] if "returned a view tensor" in w]
+            assert views == [], f"rank {rank} {name}: {views}"

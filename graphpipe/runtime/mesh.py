@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_map_only
 
 import graphpipe._torch as _torch
 from graphpipe.errors import ConfigError
@@ -276,6 +277,7 @@ def shard_stage(
             reshard_after_forward=reshard_after_forward,
             mp_policy=precision.fsdp_policy(root=False),
         )
+    stage.register_forward_hook(_own_outputs)  # before FSDP2's post-forward hook: runs first
     fully_shard(
         stage,
         mesh=mesh,
@@ -286,6 +288,20 @@ def shard_stage(
     for this, following in itertools.pairwise(wrapped):
         this.set_modules_to_forward_prefetch([following])  # call order = execution order
     return units
+
+
+def _own_outputs(module: nn.Module, args: object, output: Any) -> Any:
+    """A forward hook on a stage FSDP2 wraps, run before FSDP2's own: each output that
+    requires grad and is a view (a cut right after a reshape or a transpose; a
+    tensor-parallel output made whole by `DTensor.full_tensor()`, which returns a view)
+    copied into a tensor of its own. FSDP2 hangs its pre-backward hook on the stage's
+    outputs, and an in-place op on a view would drop it (FSDP2 warns "returned a view
+    tensor" for each). The copy is the size of the values the stage sends on."""
+    if not torch.is_grad_enabled():
+        return output
+    return tree_map_only(
+        torch.Tensor, lambda t: t.clone() if t.requires_grad and _torch.is_view(t) else t, output
+    )
 
 
 def prepare_backward(module: nn.Module, last: bool) -> None:
