@@ -10,8 +10,10 @@ over dp) and an `eval_step` afterwards.
 
 Llama traces through torch.export: the stage is a flat aten graph whose parameters are
 read by get_attr, with no submodule calls for FSDP2's hooks to wrap, so each stage is one
-FSDP unit (its root; `graphpipe.runtime.mesh.stage_blocks` finds no block), and bf16 (which
-export's float32 graph cannot run) is refused for it by name.
+FSDP unit (its root; `graphpipe.runtime.mesh.stage_blocks` finds no block). bf16 runs it
+under autocast, as one process does (`graphpipe.runtime.precision`: export fixed the model's
+own float32 casts into the graph), and equals one process under `torch.autocast` at a bf16
+tolerance.
 
 On the chain of tests/test_mesh.py: `recompute=True` equals one process at rtol 1e-5, and
 `precision="bf16"` (FSDP2's MixedPrecisionPolicy) equals one process's bf16 recipe at a bf16
@@ -37,11 +39,11 @@ from test_mesh import reference as chain_reference
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 from zoo import dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
-from graphpipe.errors import ConfigError
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.mesh import stage_blocks
@@ -142,14 +144,14 @@ def _adam_state(pm: Any) -> dict[str, dict[str, torch.Tensor]]:
 SCHEDULES = ("1f1b", "zb")
 
 
-def _compile_llama(schedule: str = "1f1b", **kwargs: Any) -> Any:
+def _compile_llama(schedule: str = "1f1b", optimizer: Any = None, **kwargs: Any) -> Any:
     """The Llama over a 2 x 2 mesh, pinned to two stages."""
     ids, _ = batch(0)
     return gp_compile(
         llama(),
         {"input_ids": ids, "use_cache": False},
         loss_fn=lm_loss,
-        optimizer=_optimizer(),
+        optimizer=optimizer or _optimizer(),
         micro_batches=M,
         schedule=schedule,
         pins=PINS,
@@ -160,12 +162,12 @@ def _compile_llama(schedule: str = "1f1b", **kwargs: Any) -> Any:
     )
 
 
-def _bf16_refusal() -> str:
-    try:
-        _compile_llama(precision="bf16")
-    except ConfigError as exc:
-        return str(exc)
-    return "not refused"
+def _bf16_llama() -> dict[str, Any]:
+    """The exported Llama in bf16 on the mesh (1f1b): its losses and parameters."""
+    pm = _compile_llama(precision="bf16", optimizer=_bf16_optimizer())
+    losses = [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
+    dtypes = {p.dtype for p in pm.module.parameters()}  # the sharded master weights
+    return {"losses": losses, "state": pm.state_dict(), "dtypes": dtypes}
 
 
 def _train_worker() -> dict[str, dict[str, Any]]:
@@ -183,7 +185,7 @@ def _train(schedule: str) -> dict[str, Any]:
         "adam": _adam_state(pm),
         "stages": len(pm.plan.stages),
         "sharded": all(isinstance(p, DTensor) for p in pm.module.parameters()),
-        "bf16": _bf16_refusal() if schedule == "1f1b" else "",
+        "bf16": _bf16_llama() if schedule == "1f1b" else {},
     }
 
 
@@ -244,14 +246,68 @@ def test_llama_s_eval_step_on_the_mesh_equals_one_process_s(
         assert result["eval"] == pytest.approx(expected["eval"], rel=1e-5), f"rank {rank}"
 
 
-def test_bf16_with_a_mesh_refuses_an_exported_graph_by_name(
+def _bf16_optimizer() -> functools.partial[torch.optim.Optimizer]:
+    """SGD for the bf16 comparisons: Adam's update is near lr * sign(g) for a gradient
+    element near its eps, so bf16's rounding of a near-zero element (a dp slice's bf16
+    matmul rounds otherwise than the whole micro-batch's) can move a weight by lr either
+    way; SGD's update is proportional to the gradient, so a rounding stays a rounding."""
+    return functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+
+
+def _crossing(module: nn.Module, args: Any, out: Any) -> Any:
+    """A forward hook: the output rounded to bf16 and back, as a value crossing stages is
+    sent (its gradient, coming back through the same casts, is rounded too)."""
+    return tree_map(lambda x: x.to(torch.bfloat16).float() if x.is_floating_point() else x, out)
+
+
+def _sgd_run(bf16: bool) -> dict[str, Any]:
+    """One process with `_bf16_optimizer`, in float32 or by the documented bf16 recipe for
+    an exported model: the float32 model's forward and loss under
+    `torch.autocast(bfloat16)`, the values crossing the pinned cut (layer 0's hidden states,
+    the rotary embedding's cos and sin) and their gradients rounded to bf16 as the messages
+    are, gradients accumulated in float32 on the float32 weights, which SGD steps."""
+    model = llama()
+    if bf16:
+        model.model.layers[0].register_forward_hook(_crossing)
+        model.model.rotary_emb.register_forward_hook(_crossing)
+    opt = _bf16_optimizer()(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        ids, target = batch(step)
+        total = 0.0
+        for j in range(M):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(input_ids=ids.chunk(M)[j], use_cache=False)
+            loss = lm_loss(out, target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def llama_bf16_reference() -> dict[str, Any]:
+    """The bf16 recipe's run, with the float32 run's losses under "fp32"."""
+    return {**_sgd_run(bf16=True), "fp32": _sgd_run(bf16=False)["losses"]}
+
+
+def test_bf16_on_the_mesh_runs_an_exported_graph_as_one_process_under_autocast(
     launched: list[dict[str, dict[str, Any]]],
 ) -> None:
-    """torch.export fixed the Llama graph's dtypes at float32: FSDP2's bf16 parameters would
-    meet its float32 casts and dtype checks, so it is refused before any step."""
-    for rank, result in enumerate(r["1f1b"] for r in launched):
-        assert "precision='bf16' with a mesh" in result["bf16"], f"rank {rank}"
-        assert "traced by torch.export" in result["bf16"], f"rank {rank}"
+    """torch.export fixed the model's own float32 casts in the Llama graph: the stages run
+    it under autocast over FSDP2's float32 masters, and equal one process's autocast run
+    within bf16's tolerance; the losses stay within 2% of float32's."""
+    want = llama_bf16_reference()
+    for rank, result in enumerate(r["1f1b"]["bf16"] for r in launched):
+        assert result["dtypes"] == {torch.float32}, f"rank {rank}"  # the master weights
+        assert result["losses"] == pytest.approx(want["losses"], rel=BF16_RTOL), f"rank {rank}"
+        assert result["losses"] == pytest.approx(want["fp32"], rel=0.02), f"rank {rank}"
+        assert result["losses"] != pytest.approx(want["fp32"], rel=1e-6)  # bf16 ran
+        for key, value in want["state"].items():
+            torch.testing.assert_close(
+                result["state"][key], value, rtol=BF16_RTOL, atol=BF16_ATOL, msg=_named(key)
+            )
 
 
 def test_an_exported_stage_is_one_fsdp_unit() -> None:

@@ -6,6 +6,15 @@
   optimizer state stay float32 (the master weights). Under a ("pp", "dp") mesh bf16 is
   FSDP2's `MixedPrecisionPolicy` instead (`Precision.fsdp_policy`): parameters gathered in
   bf16, gradients reduce-scattered in float32; fp16 is refused there.
+- A graph torch.export traced keeps autocast under a mesh too (`Precision.by_autocast`):
+  export wrote the model's own dtype handling into the graph (HF's RMSNorm and rotary
+  embedding upcast to float32 on purpose, then cast back to the dtype they were given,
+  which export fixed at float32). bf16 parameters would meet those casts (a float32 matmul
+  input against a bf16 weight); rewriting the casts to bf16 would change the model's
+  numerics, not only its precision. Under autocast the graph computes as the model does
+  under `torch.autocast` on one process: matmuls in bf16, the upcast parts in float32.
+  FSDP2 then gathers the float32 masters (twice the bytes of bf16 gathers) and reduces
+  gradients in float32.
 - A float32 value that crosses to another stage is cast to that dtype inside the autograd
   graph, so the message is half as large and its gradient comes back in the same dtype. The
   cast saturates: an additive attention mask made with `torch.finfo(float32).min` becomes
@@ -74,6 +83,7 @@ class Precision:
 
     name: str | None = None
     sharded: bool = False  # stages are FSDP2 units: cast by their policy, not by autocast
+    by_autocast: bool = False  # sharded too, but cast by autocast (an exported graph)
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -82,7 +92,7 @@ class Precision:
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
         """The context a stage's forward runs in."""
-        if self.dtype is None or self.sharded:
+        if self.dtype is None or (self.sharded and not self.by_autocast):
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.dtype)
 
@@ -93,11 +103,16 @@ class Precision:
         and a value crossing stages is cast by `crossing` as without a mesh. Float32 (no
         dtype): the policy that casts nothing.
 
+        Under `by_autocast` the parameters are gathered as they are (float32) and autocast
+        casts them per op.
+
         Args:
             root: The policy of the stage module itself (else of one of its blocks).
         """
         if self.dtype is None:
             return MixedPrecisionPolicy()
+        if self.by_autocast:
+            return MixedPrecisionPolicy(reduce_dtype=torch.float32)
         return MixedPrecisionPolicy(
             param_dtype=self.dtype,
             reduce_dtype=torch.float32,

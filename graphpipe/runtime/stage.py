@@ -16,6 +16,7 @@ into every stage that reads them (tied weights are then held by several stages).
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ __all__ = [
     "OUTPUT",
     "Specs",
     "StageIO",
+    "arrive_as_traced",
     "build_stage",
     "micro_shapes",
     "model_output",
@@ -101,6 +103,33 @@ def build_stage(gm: fx.GraphModule, plan: Plan, index: int) -> tuple[fx.GraphMod
     module = fx.GraphModule(gm, graph, f"Stage{index}")
     io = StageIO(tuple(model_inputs), tuple(received), tuple(sent), output is not None)
     return module, io
+
+
+def arrive_as_traced(module: fx.GraphModule, io: StageIO, traced: dict[str, torch.dtype]) -> None:
+    """Cast each value the stage receives back to the dtype it was traced in, as it arrives
+    (`x.to(dtype)` after its placeholder: differentiable, a no-op when it came in that
+    dtype), so a graph that fixed its dtypes (torch.export's, which asserts the traced dtype
+    of its values) runs on values that crossed in a half-width dtype; the message and its
+    gradient still cross in that dtype.
+
+    Args:
+        module: The stage module (`build_stage`), changed in place.
+        io: Its inputs and outputs.
+        traced: Value name -> its dtype in the trace (`micro_shapes`).
+    """
+    graph = module.graph
+    for node in list(graph.nodes):
+        dtype = traced.get(node.target) if node.op == "placeholder" else None
+        if node.target in io.received and dtype is not None and dtype.is_floating_point:
+            with graph.inserting_after(node):
+                cast = graph.call_method("to", (node, dtype))
+            node.replace_all_uses_with(cast, delete_user_cb=functools.partial(_not, cast))
+    graph.lint()
+    module.recompile()
+
+
+def _not(node: fx.Node, user: fx.Node) -> bool:
+    return user is not node
 
 
 def _placeholders(

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan, Schedule
 from graphpipe.ir.program import Program
 from graphpipe.ir.registry import schedule_spec
@@ -38,7 +37,7 @@ from graphpipe.runtime.mesh import MeshLayout, shard_stage
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.precision import LossScaler, Precision
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
-from graphpipe.runtime.stage import build_stage, micro_shapes, retarget
+from graphpipe.runtime.stage import arrive_as_traced, build_stage, micro_shapes, retarget
 from graphpipe.runtime.sync import GradSync
 from graphpipe.runtime.tp import apply_tp, resolve_tp_plan
 from graphpipe.runtime.weights import WeightPolicy, make_policy
@@ -118,8 +117,8 @@ def wire(
         spec: The checked run specification.
 
     Raises:
-        ConfigError: a weight tied across ranks under an asynchronous schedule; a reduced
-            precision under a mesh for a graph torch.export traced (`_precision`).
+        ConfigError: a weight tied across ranks under an asynchronous schedule, or across
+            two stages of one pp rank under a mesh (`sum_groups`).
     """
     runtime = spec.runtime
     layout = MeshLayout.current(spec.mesh)
@@ -248,22 +247,13 @@ class _Built:
 
 
 def _precision(spec: RunSpec, layout: MeshLayout, gm: fx.GraphModule) -> Precision:
-    """The run's precision: autocast, or under a mesh FSDP2's mixed-precision policy.
-
-    Raises:
-        ConfigError: a reduced precision under a mesh for a graph torch.export traced.
-    """
+    """The run's precision: autocast, or under a mesh FSDP2's mixed-precision policy, but
+    autocast still for a graph torch.export traced (its casts are the model's own:
+    `graphpipe.runtime.precision`)."""
     if not layout.sharded:
         return Precision(spec.precision)
-    if spec.precision is not None and trace_info(gm).method == "export":
-        raise ConfigError(
-            f"precision={spec.precision!r} with a mesh runs each stage with FSDP2's "
-            f"{spec.precision} parameters, but this model was traced by torch.export, which "
-            "fixed every dtype of its graph at the example's float32 (its casts and dtype "
-            "checks), so the graph cannot compute in bf16; use precision=None with a mesh, "
-            "or a model torch.fx's symbolic_trace can trace"
-        )
-    return Precision(spec.precision, sharded=True)  # FSDP2 casts, not autocast
+    exported = trace_info(gm).method == "export"  # its own casts: autocast (precision.py)
+    return Precision(spec.precision, sharded=True, by_autocast=exported)
 
 
 def _build_modules(
@@ -288,6 +278,10 @@ def _build_modules(
     if emulate is not None:  # every stage's compute becomes a wait
         modules = _emulated(gm, plan, modules, specs, emulate, mine, device)
         specs = emulated_specs(specs, emulate)
+    if precision.dtype is not None and emulate is None and trace_info(gm).method == "export":
+        traced = {name: dtype for name, (_, dtype) in specs.items()}
+        for i in mine:  # its graph asserts the traced dtypes: values arrive in them
+            arrive_as_traced(*modules[i], traced)
     specs = {  # what crosses stages, in the precision's dtype
         name: (shape, precision.spec_dtype(dtype)) for name, (shape, dtype) in specs.items()
     }
