@@ -22,7 +22,7 @@ from graphpipe.ir import Plan, Schedule
 from graphpipe.ir.registry import DEFAULT_SCHEDULE, SCHEDULES
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.planning.partition import PlanConfig, partition, partition_mesh
-from graphpipe.planning.profile import ProfileConfig, profile
+from graphpipe.planning.profile import ProfileConfig, noted, profile
 from graphpipe.planning.validate import validate_plan
 from graphpipe.runtime.failures import guarded, restart_count
 from graphpipe.runtime.mesh import MESH_DIMS
@@ -258,7 +258,7 @@ def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -
     made = partition_mesh(
         g, b * dp, config, graph_hash(gm), prof.mode, prof.device, graph_at=lambda k: g
     )
-    return replace(made, input_shapes=_whole_micro_batch(input_shapes(gm), dp))
+    return noted(replace(made, input_shapes=_whole_micro_batch(input_shapes(gm), dp)), prof)
 
 
 def _whole_micro_batch(shapes: dict[str, tuple[int, ...]], dp: int) -> dict[str, tuple[int, ...]]:

@@ -231,6 +231,17 @@ class Plan:
         if self.cost_model.dp.degree > 1 or self.cost_model.tp.degree > 1:
             lines[0] = lines[0][:-1] + f", mesh pp {self.num_devices} x {self.mesh})"
         lines.append(f"  costs: {self.costs}")
+        measured = self.info.get("profile", {})  # planning.profile.Profile.summary
+        failed = list(measured.get("fallbacks", {}).items())
+        lines += [f"  {n}: estimated from its FLOPs, not measured ({why})" for n, why in failed[:5]]
+        if len(failed) > 5:
+            lines.append(f"  and {len(failed) - 5} more ops estimated from their FLOPs")
+        if "spread" in measured:
+            s = measured["spread"]
+            lines.append(
+                f"  noisy host: op runs took {s['weighted']:.0%} more than the least kept "
+                f"(weighted by time; most: {s['op']}, {s['op_spread']:.0%})"
+            )
         lines += [f"  {line}" for line in layout_lines(self.info.get("layouts"))]
         lines += [
             f"  S{s.index} dev{list(s.devices)} {len(s.nodes)} ops "

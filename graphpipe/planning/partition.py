@@ -68,7 +68,7 @@ from graphpipe.planning.mesh import (
 )
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph, wire_bytes
 from graphpipe.planning.place import PLACEMENTS, place_stages
-from graphpipe.planning.profile import Profile, ProfileConfig, profile
+from graphpipe.planning.profile import Profile, ProfileConfig, noted, profile
 from graphpipe.planning.schedule_memory import held_floor
 from graphpipe.planning.search import search
 from graphpipe.planning.sptree import coarsen, condense, decompose, linearise
@@ -354,7 +354,7 @@ def partition(gm: fx.GraphModule, prof: Profile, config: PlanConfig) -> Plan:
             return op_graph(gm, sliced, config.precision)
 
     made = partition_mesh(g, b, config, graph_hash(gm), prof.mode, prof.device, graph_at)
-    return replace(made, input_shapes=input_shapes(gm))
+    return noted(replace(made, input_shapes=input_shapes(gm)), prof)
 
 
 def partition_mesh(

@@ -7,10 +7,13 @@ device and estimates a model on the meta device (which cannot run) from its FLOP
   the forward FLOPs for nodes on the gradient path. No model run beyond the trace.
 - "measure": runs every node alone on `device` (by default the model's own) with real-shaped
   inputs (the example batch resized to the micro-batch size; float values redrawn at random,
-  integer and boolean values kept so that indices stay valid), and takes the median of
-  `repeats` runs after `warmup`.
-  The forward is timed as training runs it, recording for autograd; the backward is the
-  forward-and-backward time minus that.
+  integer and boolean values kept so that indices stay valid), and keeps the least of
+  `repeats` or more runs after `warmup` (`graphpipe.planning.measure`: ops with one signature
+  timed once, in-place ops on copies of their inputs). The forward is timed as training runs
+  it, recording for autograd; the backward is the forward-and-backward time minus that. An op
+  that cannot be timed is estimated from its FLOPs at the rate measured on the others, and
+  the profile says which and why (`Profile.fallbacks`); so does it when the host's noise
+  was large (`Profile.spread`, `Profile.summary`, printed by `print(plan)`).
 - "roofline": the roofline of a device preset (`graphpipe.planning.devices`, `preset`), aware of the
   micro-batch size b. A node's forward is one kernel with
       flops = gp_flops * b
@@ -28,36 +31,42 @@ model twice profiles it once.
 
     prof = profile(gm, example_inputs, micro_batch_size=8, config=ProfileConfig(mode="measure"))
 
-Measured times carry the machine's noise, so two plans of one model may differ; pass
-`ProfileConfig(mode="flops")` where a plan must be the same on every run (tests, pinned
-plans). A measured profile of a tiny model takes milliseconds (GPT-2 with 2 layers of width
-16, 133 ops: about 20 ms on one CPU core at the default warmup and repeats).
+Measured times carry the machine's noise, so two plans of one model may differ (less since
+repeated ops share one time and the least run is kept); pass `ProfileConfig(mode="flops")`
+where a plan must be the same on every run (tests, pinned plans).
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import json
-import statistics
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten
 
-from graphpipe._torch import tensor_version
 from graphpipe.errors import ConfigError
+from graphpipe.ir.plan import Plan
 from graphpipe.planning.devices import DEVICES, device_preset, roofline
-from graphpipe.tracing.annotate import TensorSpec, has_float_output, is_meta, trace_info
+from graphpipe.planning.measure import NodeTime, is_compute, measure, on_grad_path, resize_batch
+from graphpipe.tracing.annotate import TensorSpec, is_meta, trace_info
 
-__all__ = ["VIEWS", "NodeTime", "Profile", "ProfileConfig", "model_device", "profile", "resolved"]
+__all__ = [
+    "NOISY",
+    "VIEWS",
+    "NodeTime",
+    "Profile",
+    "ProfileConfig",
+    "model_device",
+    "noted",
+    "profile",
+    "resize_batch",
+    "resolved",
+]
 
 MODES = ("auto", "flops", "measure", "roofline")
 # ops that alias or describe their input without a kernel: free under the roofline
@@ -70,55 +79,119 @@ _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 _EMBEDDING_FNS = ("embedding", "embedding_bag")
 
 Log = Callable[[str], None]
+# a measured profile's spread (median / least run - 1, weighted by the ops' times) above
+# which a plan says the host was noisy
+NOISY = 0.5
 
 
 @dataclass(frozen=True)
 class ProfileConfig:
-    """How to obtain per-node times."""
+    """How to obtain per-node times.
 
-    # "auto" (measure, or flops on the meta device), "flops" (estimate), "measure" (time
-    # every node) or "roofline"
+    Attributes:
+        mode: "auto" (measure, or flops on the meta device), "flops" (estimate), "measure"
+            (time every node) or "roofline".
+        device: Where "measure" runs; None: the model's own device.
+        preset: "roofline": the device preset (`graphpipe.planning.devices.DEVICES`).
+        device_flops: FLOP/s the estimate assumes.
+        node_overhead: Seconds per node and pass the estimate adds.
+        warmup: Untimed runs of each op and pass before measuring.
+        repeats: Timed runs of each op and pass at least; the least is kept.
+        budget: Seconds of timed runs each op and pass gets: runs beyond `repeats` go on
+            until they add up to it (a loaded host's unlucky runs are outnumbered).
+        max_repeats: Timed runs of each op and pass at most.
+        shared: Ops with one signature (`graphpipe.planning.measure.signature`: the same
+            callable on the same input shapes, dtypes and parameter shapes, as a
+            transformer's repeated blocks are) are timed once and share the time, so equal
+            blocks cost the same and are cut alike.
+        cache_dir: Where measured profiles are cached; None disables the cache.
+    """
+
     mode: str = "auto"
-    device: str | None = None  # where "measure" runs; None: the model's own device
-    preset: str = "a100"  # "roofline": the device preset (graphpipe.planning.devices.DEVICES)
-    device_flops: float = 50e12  # FLOP/s the estimate assumes
-    node_overhead: float = 2e-6  # seconds per node and pass the estimate adds
-    warmup: int = 1  # untimed runs before measuring
-    repeats: int = 3  # timed runs; the median is kept
-    cache_dir: str | None = None  # where measured profiles are cached; None disables the cache
+    device: str | None = None
+    preset: str = "a100"
+    device_flops: float = 50e12
+    node_overhead: float = 2e-6
+    warmup: int = 1
+    repeats: int = 3
+    budget: float = 2e-3
+    max_repeats: int = 25
+    shared: bool = True
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"profile mode must be one of {MODES}, got {self.mode!r}")
         if self.preset not in DEVICES:
             raise ConfigError(f"unknown device preset {self.preset!r}; known: {sorted(DEVICES)}")
-        if self.repeats < 1 or self.warmup < 0 or self.device_flops <= 0:
+        if (
+            self.repeats < 1
+            or self.warmup < 0
+            or self.device_flops <= 0
+            or self.budget < 0
+            or self.max_repeats < self.repeats
+        ):
             raise ConfigError(
-                f"need repeats >= 1, warmup >= 0 and device_flops > 0, got repeats="
-                f"{self.repeats}, warmup={self.warmup}, device_flops={self.device_flops}"
+                f"need repeats >= 1, warmup >= 0, device_flops > 0, budget >= 0 and "
+                f"max_repeats >= repeats, got repeats={self.repeats}, warmup={self.warmup}, "
+                f"device_flops={self.device_flops}, budget={self.budget}, "
+                f"max_repeats={self.max_repeats}"
             )
 
 
 @dataclass(frozen=True)
-class NodeTime:
-    """Seconds for one micro-batch through one node."""
-
-    forward: float
-    backward: float
-
-
-@dataclass(frozen=True)
 class Profile:
-    """Per-node times for one micro-batch size on one device."""
+    """Per-node times for one micro-batch size on one device.
+
+    Attributes:
+        micro_batch_size: Rows per micro-batch the times are for.
+        mode: "flops", "measure" or "roofline".
+        device: The device measured on, or the preset.
+        times: fx node name -> its time.
+        fallbacks: Measured profiles: nodes that could not be timed and were estimated from
+            their FLOPs instead -> why ("RuntimeError: ...").
+        spread: Measured profiles: each timed node's spread over its repeats (median /
+            least - 1): how much the host added to the least run.
+    """
 
     micro_batch_size: int
     mode: str
     device: str
     times: dict[str, NodeTime]
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    spread: dict[str, float] = field(default_factory=dict)
 
     def total(self) -> float:
         """Forward + backward seconds of the whole model for one micro-batch."""
         return sum(t.forward + t.backward for t in self.times.values())
+
+    def summary(self, noisy: float = NOISY) -> dict[str, Any]:
+        """What a plan made from this profile should say about it (`plan.info["profile"]`):
+        the ops estimated instead of measured and why ("fallbacks"), and, when the spread
+        weighted by the ops' times exceeds `noisy`, that spread and the op that added the
+        most time ("spread": {"weighted", "op", "op_spread"}). Empty when there is nothing
+        to say.
+
+        Example:
+            >>> p = Profile(1, "measure", "cpu", {"a": NodeTime(1.0, 0.0)}, spread={"a": 2.0})
+            >>> p.summary()
+            {'spread': {'weighted': 2.0, 'op': 'a', 'op_spread': 2.0}}
+        """
+        note: dict[str, Any] = {}
+        if self.fallbacks:
+            note["fallbacks"] = dict(self.fallbacks)
+        weights = {n: self.times[n].forward + self.times[n].backward for n in self.spread}
+        total = sum(weights.values())
+        if total > 0:
+            weighted = sum(self.spread[n] * w for n, w in weights.items()) / total
+            worst = max(weights, key=lambda n: self.spread[n] * weights[n])
+            if weighted > noisy:
+                note["spread"] = {
+                    "weighted": weighted,
+                    "op": worst,
+                    "op_spread": self.spread[worst],
+                }
+        return note
 
     def to_json(self) -> str:
         """Serialise to JSON text."""
@@ -178,11 +251,18 @@ def profile(
     path = _cache_path(gm, example_inputs, micro_batch_size, config)
     if path is not None and path.exists():
         return Profile.from_json(path.read_text())
-    result = _measure(gm, example_inputs, micro_batch_size, config, log or (lambda _: None))
+    result = _measured(gm, example_inputs, micro_batch_size, config, log or (lambda _: None))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(result.to_json())
     return result
+
+
+def noted(plan: Plan, prof: Profile) -> Plan:
+    """`plan` with what its profile has to say (`Profile.summary`: ops estimated instead of
+    measured, a noisy host) in `plan.info["profile"]`, which `print(plan)` shows."""
+    note = prof.summary()
+    return replace(plan, info={**plan.info, "profile": note}) if note else plan
 
 
 def resolved(
@@ -215,39 +295,34 @@ def model_device(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor] = ()
     return "cpu" if first is None else str(first.device)
 
 
-def _is_compute(node: fx.Node) -> bool:
-    return node.op in ("call_module", "call_function", "call_method")
-
-
-def _on_grad_path(node: fx.Node) -> bool:
-    """Whether a backward runs through the node: it has parameters or float outputs."""
-    return bool(node.meta.get("gp_params")) or has_float_output(node)
-
-
 def _estimate(gm: fx.GraphModule, b: int, config: ProfileConfig) -> Profile:
-    times = {}
-    for node in gm.graph.nodes:
-        if not _is_compute(node):
-            times[node.name] = NodeTime(0.0, 0.0)
-            continue
-        fwd = node.meta.get("gp_flops", 0) * b / config.device_flops + config.node_overhead
-        bwd = 2 * (fwd - config.node_overhead) + config.node_overhead if _on_grad_path(node) else 0
-        times[node.name] = NodeTime(fwd, bwd)
+    times = {
+        n.name: _flop_time(n, b, config.device_flops, config.node_overhead) for n in gm.graph.nodes
+    }
     return Profile(b, "flops", str(config.device), times)
+
+
+def _flop_time(node: fx.Node, b: int, flops: float, overhead: float) -> NodeTime:
+    """The node's time at `flops` FLOP/s plus `overhead` per pass; its backward twice the
+    forward's FLOPs on the gradient path. Nothing for a node that runs no code."""
+    if not is_compute(node):
+        return NodeTime(0.0, 0.0)
+    work = node.meta.get("gp_flops", 0) * b / flops
+    return NodeTime(work + overhead, 2 * work + overhead if on_grad_path(node) else 0.0)
 
 
 def _roofline(gm: fx.GraphModule, b: int, config: ProfileConfig) -> Profile:
     device = device_preset(config.preset)
     times = {}
     for node in gm.graph.nodes:
-        if not _is_compute(node) or _short_name(node) in VIEWS:
+        if not is_compute(node) or _short_name(node) in VIEWS:
             times[node.name] = NodeTime(0.0, 0.0)
             continue
         flops = node.meta.get("gp_flops", 0) * b
         nbytes = _weights_read(gm, node, b) + b * _activation_bytes(node)
         fwd = roofline(flops, nbytes, device)
         kernels = 2 if node.meta.get("gp_params") else 1
-        bwd = roofline(2 * flops, 2 * nbytes, device, kernels) if _on_grad_path(node) else 0.0
+        bwd = roofline(2 * flops, 2 * nbytes, device, kernels) if on_grad_path(node) else 0.0
         times[node.name] = NodeTime(fwd, bwd)
     return Profile(b, "roofline", config.preset, times)
 
@@ -317,145 +392,30 @@ def _cache_path(
     return Path(config.cache_dir) / f"profile-{digest}.json"
 
 
-def resize_batch(x: torch.Tensor, size: int) -> torch.Tensor:
-    """Take `size` rows of `x` along dim 0, cycling when `size` exceeds the batch."""
-    index = torch.arange(size, device=x.device) % x.shape[0]
-    return x.index_select(0, index)
-
-
-def _randomise(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.is_floating_point():
-        return torch.randn_like(x)
-    return x
-
-
-@contextmanager
-def _inputs_kept(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
-    """A node's tensor inputs as they were before it was timed: an in-place op run again
-    and again writes into the values later nodes read (T5's relative-position buckets, added
-    to in place, outgrew their embedding table). Parameters are not copied."""
-    leaves, _ = tree_flatten((args, kwargs))
-    kept = [
-        (t, tensor_version(t), t.detach().clone())
-        for t in leaves
-        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
-    ]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for t, version, value in kept:
-                if tensor_version(t) != version:
-                    t.copy_(value)
-
-
-class _Recorder(fx.Interpreter):
-    """Runs the graph once, keeping every node's inputs for per-node timing."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        if _is_compute(n):
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            self.inputs[n.name] = (args, kwargs)
-        return super().run_node(n)
-
-
-def _callable(gm: fx.GraphModule, node: fx.Node) -> Callable[..., Any]:
-    if node.op == "call_module":
-        return gm.get_submodule(str(node.target))
-    if node.op == "call_method":
-        return lambda obj, *a, **kw: getattr(obj, str(node.target))(*a, **kw)
-    return node.target  # type: ignore[return-value]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn: Callable[[], Any], config: ProfileConfig, device: torch.device) -> float:
-    for _ in range(config.warmup):
-        fn()
-    samples = []
-    for _ in range(config.repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def _forward_backward(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    params: Sequence[torch.Tensor],
-    backward: bool = True,
-) -> Callable[[], None]:
-    """A closure that runs fn forward as training does (recording for autograd) and, with
-    `backward`, back-propagates ones through it."""
-
-    def run() -> None:
-        leaves = [
-            a.detach().requires_grad_()
-            if isinstance(a, torch.Tensor) and a.is_floating_point()
-            else a
-            for a in args
-        ]
-        out, _ = tree_flatten(fn(*leaves, **kwargs))
-        if not backward:
-            return
-        outs = [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
-        grads = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
-        wrt = [*grads, *params]
-        if outs and wrt:
-            torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
-
-    return run
-
-
-def _time_node(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    backward: bool,
-    config: ProfileConfig,
-    device: torch.device,
-) -> NodeTime:
-    if not backward:
-        with torch.no_grad():
-            return NodeTime(_median_time(lambda: fn(*args, **kwargs), config, device), 0.0)
-    params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
-    fwd = _median_time(_forward_backward(fn, args, kwargs, params, backward=False), config, device)
-    both = _median_time(_forward_backward(fn, args, kwargs, params), config, device)
-    return NodeTime(fwd, max(both - fwd, 0.0))
-
-
-def _measure(
+def _measured(
     gm: fx.GraphModule,
     example_inputs: Sequence[torch.Tensor],
     b: int,
     config: ProfileConfig,
     log: Log,
 ) -> Profile:
-    device = torch.device(str(config.device))
-    local = copy.deepcopy(gm).to(device)
-    inputs = [_randomise(resize_batch(x.to(device), b)) for x in example_inputs]
-    recorder = _Recorder(local)
-    with torch.no_grad():
-        recorder.run(*inputs)
-    nodes = [n for n in local.graph.nodes if _is_compute(n)]
-    times = {n.name: NodeTime(0.0, 0.0) for n in local.graph.nodes}
-    for i, node in enumerate(nodes):
-        args, kwargs = recorder.inputs[node.name]
-        with _inputs_kept(args, kwargs):
-            times[node.name] = _time_node(
-                _callable(local, node), args, kwargs, _on_grad_path(node), config, device
-            )
-        if (i + 1) % 50 == 0 or i + 1 == len(nodes):
-            log(f"profiled {i + 1}/{len(nodes)} nodes on {device}")
-    return Profile(b, "measure", str(device), times)
+    """The measured profile (`graphpipe.planning.measure`), the ops that could not be timed
+    estimated from their FLOPs at the rate measured on the rest (`_measured_rate`)."""
+    found = measure(gm, example_inputs, b, config, log)
+    times = dict(found.times)
+    if found.failed:
+        rate = _measured_rate(gm, found.times, b) or config.device_flops
+        nodes = {n.name: n for n in gm.graph.nodes}
+        for name, why in found.failed.items():
+            times[name] = _flop_time(nodes[name], b, rate, config.node_overhead)
+            log(f"could not time {name} ({why}): estimated from its FLOPs at {rate:.3g} FLOP/s")
+    return Profile(b, "measure", str(config.device), times, dict(found.failed), found.spread)
+
+
+def _measured_rate(gm: fx.GraphModule, times: dict[str, NodeTime], b: int) -> float | None:
+    """FLOP/s of the timed ops that do arithmetic (forward FLOPs over forward time), or None
+    without any."""
+    flops = {n.name: n.meta.get("gp_flops", 0) * b for n in gm.graph.nodes if n.name in times}
+    busy = [n for n, f in flops.items() if f > 0 and times[n].forward > 0]
+    seconds = sum(times[n].forward for n in busy)
+    return sum(flops[n] for n in busy) / seconds if seconds > 0 else None
