@@ -457,3 +457,28 @@ def test_bf16_on_the_mesh_is_fsdp2_mixed_precision_and_equals_one_process_s_reci
             torch.testing.assert_close(
                 result["state"][n], value, rtol=BF16_RTOL, atol=BF16_ATOL, msg=_named(n)
             )
+
+
+def _bf16_without_a_mesh() -> list[float]:
+    ids, _ = batch(0)
+    pm = gp_compile(
+        llama(),
+        {"input_ids": ids, "use_cache": False},
+        loss_fn=lm_loss,
+        optimizer=_bf16_optimizer(),
+        micro_batches=M,
+        pins=PINS,
+        precision="bf16",
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=120, quiet=True),
+    )
+    return [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
+
+
+def test_bf16_runs_an_exported_graph_across_two_ranks_without_a_mesh() -> None:
+    """The bf16 message from stage 0 arrives at stage 1's exported graph, which asserts
+    float32 there: it is cast back as it arrives, and the run is the autocast recipe's."""
+    want = llama_bf16_reference()
+    for rank, losses in enumerate(launch(_bf16_without_a_mesh, 2, timeout=TIMEOUT)):
+        assert losses == pytest.approx(want["losses"], rel=BF16_RTOL), f"rank {rank}"
+        assert losses != pytest.approx(want["fp32"], rel=1e-6), f"rank {rank}"
