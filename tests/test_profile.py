@@ -191,7 +191,7 @@ def test_in_place_ops_are_timed_on_copies(name: str) -> None:
     in_place = [n.name for n in gm.graph.nodes if _in_place(gm, n)]
     assert len(in_place) == {"relu_inplace": 2, "router_div_": 1}[name]
     assert not prof.fallbacks
-    assert all(prof.times[n].forward > 0 for n in in_place)
+    assert all(n in prof.spread for n in in_place)  # timed (a copy-sized op may time 0)
     plan = graphpipe.plan(model, x, devices=2, micro_batches=2)
     assert "costs: measured on cpu" in str(plan) and "estimated" not in str(plan)
 
