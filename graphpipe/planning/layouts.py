@@ -190,6 +190,9 @@ def _simulated(layout: str, plan: Plan, name: str) -> Considered:
 
 
 def _first_line(exc: Exception) -> str:
+    """The error in one line: a schedule rule's problems joined, else its first line."""
+    if isinstance(exc, ScheduleError) and exc.problems:
+        return "; ".join(exc.problems)
     return str(exc).splitlines()[0]
 
 

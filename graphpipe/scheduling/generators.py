@@ -93,7 +93,8 @@ every such in-edge.
 
 What each schedule is (split backward, placement, asynchronous, replicas) is read from
 `graphpipe.ir.registry.SCHEDULES`; this module maps each name there to its builder, and
-refuses to import when the two disagree.
+refuses to import when the two disagree. Which plans and M each one runs is its rule
+(`graphpipe.scheduling.rules`), checked before anything is built.
 
 Devices holding several stages (interleaved, zbv, dualpipev) get one update `U` for all of
 them, after their last backward. A stage replicated on r devices runs micro-batch j on
@@ -107,19 +108,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-from graphpipe.errors import ConfigError, ScheduleError
-from graphpipe.ir import (
-    Action,
-    ActionKind,
-    Plan,
-    Schedule,
-    ScheduleSpec,
-    chain_in_order,
-    device_of,
-    edges_to_sink,
-    schedule_spec,
-    with_messages,
-)
+from graphpipe.errors import ConfigError
+from graphpipe.ir import Action, ActionKind, Plan, Schedule, edges_to_sink, with_messages
 from graphpipe.ir.registry import SCHEDULES
 from graphpipe.scheduling.greedy import (
     PAPER,
@@ -141,6 +131,7 @@ from graphpipe.scheduling.orders import (
     paper_zb_h1,
     paper_zbv,
 )
+from graphpipe.scheduling.rules import check
 
 __all__ = ["drain_schedule", "in_flight", "make_schedule", "warmups"]
 
@@ -246,53 +237,6 @@ def _builders() -> dict[str, Builder]:
     return builders
 
 
-# -- checks, from the registry's spec ----------------------------------------------------------
-
-
-def _check(plan: Plan, name: str, m: int) -> ScheduleSpec:
-    """The spec of `name`, once `plan` and M fit it (see `make_schedule` for the errors)."""
-    spec = schedule_spec(name, training=False)
-    if m < 1:
-        raise ConfigError(f"micro_batches must be >= 1, got {m}")
-    if spec.folds_chain:
-        _check_placed(plan, spec, m)
-    elif spec.placement is None and plan.shared_devices():
-        several = sorted(n for n, s in SCHEDULES.items() if s.placement and s.training)
-        raise ScheduleError(
-            f"schedule {spec.name!r} runs one stage per device, but devices "
-            f"{plan.shared_devices()} hold several; use one of {several}"
-        )
-    replicated = [s.index for s in plan.stages if s.replicas > 1]
-    if replicated and not spec.replicas:
-        raise ScheduleError(
-            f"schedule {spec.name!r} needs unreplicated stages, but stages {replicated} are "
-            "data-parallel; plan with replication=False"
-        )
-    if spec.name == "2bw" and m < plan.depth:
-        raise ScheduleError(f"2bw needs micro_batches >= depth, got M={m} < depth {plan.depth}")
-    return spec
-
-
-def _check_placed(plan: Plan, spec: ScheduleSpec, m: int) -> None:
-    placement, n = str(spec.placement), plan.num_devices
-    wrong = [s.index for s in plan.stages if s.devices != (device_of(s.index, n, placement),)]
-    if wrong or not chain_in_order(plan):
-        raise ScheduleError(
-            f"schedule {spec.name!r} needs a chain of stages placed {placement!r} "
-            f"(PlanConfig(virtual_stages=..., placement={placement!r})); stages {wrong} are "
-            "not placed so"
-        )
-    if spec.placement == "loop" and m % n:
-        raise ScheduleError(f"{spec.name} needs micro_batches a multiple of {n} devices, got {m}")
-    if spec.placement == "v" and len(plan.stages) != 2 * n:
-        raise ScheduleError(f"{spec.name} needs 2 stages per device, got {len(plan.stages)} on {n}")
-    if spec.name == "dualpipev" and m < 2 * n:
-        raise ScheduleError(
-            f"dualpipev needs micro_batches >= 2 x {n} devices = {2 * n} (its steady state "
-            f"pairs a forward with a backward on every device), got {m}; zbv runs any M"
-        )
-
-
 def make_schedule(
     plan: Plan, name: str, micro_batches: int | None = None, *, calls: int = 1, first_call: int = 0
 ) -> Schedule:
@@ -312,16 +256,17 @@ def make_schedule(
 
     Raises:
         ConfigError: an unknown schedule or M < 1.
-        ScheduleError: the plan does not fit the schedule's spec (its placement, replicated
-            stages for a schedule without replicas), 2bw with M < depth, or dualpipev with
-            M < 2N.
+        ScheduleError: the schedule's rule (`graphpipe.scheduling.rules`) does not hold: the
+            plan's placement is not the schedule's, replicated stages for a schedule without
+            replicas, a loop's M not a multiple of N, 2bw with M < depth, dualpipev with
+            M < 2N; every problem named.
 
     Example:
         >>> from graphpipe.planning.partition import PlanConfig, partition_op_graph
         >>> # see tests/test_schedule.py for plans built from models
     """
     m = micro_batches or plan.micro_batches
-    spec = _check(plan, name, m)
+    spec = check(plan, name, m)
     per_rank: list[list[Action]] = [[] for _ in range(plan.num_devices)]
     for call in range(first_call, first_call + calls):
         for rank, actions in enumerate(_BUILDERS[spec.name](plan, call, m)):
@@ -338,7 +283,7 @@ def drain_schedule(
         ConfigError: `name` is not an asynchronous schedule.
     """
     m = micro_batches or plan.micro_batches
-    spec = _check(plan, name, m)
+    spec = check(plan, name, m)
     if not spec.asynchronous:
         asynchronous = sorted(n for n, s in SCHEDULES.items() if s.asynchronous)
         raise ConfigError(

@@ -3,6 +3,9 @@
     result = simulate(plan, make_schedule(plan, "1f1b"))
     result.iteration_time, result.bubble, result.peak_memory, result.timeline
 
+A plan the schedule's rule refuses (`graphpipe.scheduling.rules`) is refused here too, by the
+same ScheduleError: nothing is simulated that could not run.
+
 Every rank runs its actions in order. Costs (seconds):
     F, B          the stage's forward_time and backward_time for one micro-batch
     I, W          the backward split: W takes `weight_share` of it on a stage with parameters
@@ -53,7 +56,9 @@ from graphpipe.ir import (
     schedule_spec,
     weight_copies,
 )
+from graphpipe.ir.registry import SCHEDULES
 from graphpipe.scheduling.generators import drain_schedule, make_schedule, warmups
+from graphpipe.scheduling.rules import check
 
 __all__ = ["SimResult", "UpdateBarrier", "simulate", "steady_run"]
 
@@ -108,10 +113,15 @@ def simulate(
         The prediction.
 
     Raises:
-        ScheduleError: the schedule deadlocks (see `graphpipe.scheduling.dryrun` for a full check).
+        ConfigError: an unknown schedule name.
+        ScheduleError: the schedule's rule refuses the plan (`graphpipe.scheduling.rules`:
+            another placement, replicated stages, an M it cannot run), or the schedule
+            deadlocks (see `graphpipe.scheduling.dryrun` for a full check).
     """
     if isinstance(schedule, str):
         schedule = steady_run(plan, schedule)
+    elif schedule.name in SCHEDULES:  # made elsewhere: it still runs only what its rule takes
+        check(plan, schedule.name, schedule.micro_batches)
     engine = Engine(plan, schedule, _durations(plan, durations), _transfers(plan), contention)
     spans = engine.run()
     makespan = max((s.end for s in spans), default=0.0)
