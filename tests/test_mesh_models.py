@@ -144,8 +144,10 @@ def _adam_state(pm: Any) -> dict[str, dict[str, torch.Tensor]]:
 SCHEDULES = ("1f1b", "zb")
 
 
-def _compile_llama(schedule: str = "1f1b", optimizer: Any = None, **kwargs: Any) -> Any:
-    """The Llama over a 2 x 2 mesh, pinned to two stages."""
+def _compile_llama(
+    schedule: str = "1f1b", optimizer: Any = None, mesh: Any = None, **kwargs: Any
+) -> Any:
+    """The Llama over a 2 x 2 mesh (by default ("pp", "dp")), pinned to two stages."""
     ids, _ = batch(0)
     return gp_compile(
         llama(),
@@ -155,7 +157,7 @@ def _compile_llama(schedule: str = "1f1b", optimizer: Any = None, **kwargs: Any)
         micro_batches=M,
         schedule=schedule,
         pins=PINS,
-        mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")),
+        mesh=mesh or init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")),
         profile_config=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
         **kwargs,
@@ -480,5 +482,23 @@ def test_bf16_runs_an_exported_graph_across_two_ranks_without_a_mesh() -> None:
     float32 there: it is cast back as it arrives, and the run is the autocast recipe's."""
     want = llama_bf16_reference()
     for rank, losses in enumerate(launch(_bf16_without_a_mesh, 2, timeout=TIMEOUT)):
+        assert losses == pytest.approx(want["losses"], rel=BF16_RTOL), f"rank {rank}"
+        assert losses != pytest.approx(want["fp32"], rel=1e-6), f"rank {rank}"
+
+
+def _bf16_on_tp() -> list[float]:
+    """The exported Llama in bf16 on pp 2 x tp 2 (its own tp plan): no FSDP2 to cast its
+    parameters, so autocast over the DTensors."""
+    pm = _compile_llama(
+        precision="bf16",
+        optimizer=_bf16_optimizer(),
+        mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")),
+    )
+    return [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
+
+
+def test_bf16_with_tensor_parallel_stages_is_the_autocast_recipe() -> None:
+    want = llama_bf16_reference()
+    for rank, losses in enumerate(launch(_bf16_on_tp, 4, timeout=TIMEOUT)):
         assert losses == pytest.approx(want["losses"], rel=BF16_RTOL), f"rank {rank}"
         assert losses != pytest.approx(want["fp32"], rel=1e-6), f"rank {rank}"

@@ -396,12 +396,9 @@ def test_plain_attention_equals_torch_s(causal: bool) -> None:
 def test_what_tensor_parallelism_cannot_run_yet_is_refused_by_name() -> None:
     from graphpipe.runtime.spec import tp_refusals
 
-    said = tp_refusals(tp=2, tp_plan=None, precision="bf16", dp_shard=False)
-    assert [s.split(" ")[0] for s in said] == [
-        "precision='bf16'",
-        "dp_shard=False",
-    ]
-    assert "no 'tp' dimension" in tp_refusals(tp=1, tp_plan={}, precision=None, dp_shard=True)[0]
+    said = tp_refusals(tp=2, tp_plan=None, dp_shard=False)
+    assert [s.split(" ")[0] for s in said] == ["dp_shard=False"]
+    assert "no 'tp' dimension" in tp_refusals(tp=1, tp_plan={}, dp_shard=True)[0]
 
 
 class _CutAtAView(nn.Module):

@@ -186,11 +186,7 @@ class RunSpec:
         bounds = _check(problems, _max_shapes, max_shapes)
         reshard = _check(problems, check_reshard, reshard_after_forward, resolved)
         tp = tp_degree(mesh) if isinstance(mesh, DeviceMesh) and dp is not None else 1
-        problems.extend(
-            tp_refusals(
-                tp=tp, tp_plan=tp_plan, precision=precision, dp_shard=dp_shard,
-            )
-        )  # fmt: skip
+        problems.extend(tp_refusals(tp=tp, tp_plan=tp_plan, dp_shard=dp_shard))
         if mesh is not None or (dp or 1) > 1:
             asked = dict(
                 weights=weights, precision=precision,
@@ -522,7 +518,6 @@ def tp_refusals(
     *,
     tp: int,
     tp_plan: Any,
-    precision: str | None,
     dp_shard: bool,
 ) -> list[str]:
     """What tensor parallelism (a "tp" mesh dimension) cannot run yet, each named."""
@@ -535,8 +530,6 @@ def tp_refusals(
     out = []
     if tp_plan is not None and not isinstance(tp_plan, Mapping):
         out.append(f"tp_plan={tp_plan!r}: it must be a mapping of module path to style")
-    if precision is not None:
-        out.append(f"precision={precision!r} is {later}")
     if not dp_shard:
         out.append(f"dp_shard=False (HSDP) is {later}")
     return out

@@ -249,11 +249,12 @@ class _Built:
 def _precision(spec: RunSpec, layout: MeshLayout, gm: fx.GraphModule) -> Precision:
     """The run's precision: autocast, or under a mesh FSDP2's mixed-precision policy, but
     autocast still for a graph torch.export traced (its casts are the model's own:
-    `graphpipe.runtime.precision`)."""
+    `graphpipe.runtime.precision`) and on a mesh without a "dp" dimension (no FSDP2 to
+    cast the parameters: tp alone)."""
     if not layout.sharded:
         return Precision(spec.precision)
     exported = trace_info(gm).method == "export"  # its own casts: autocast (precision.py)
-    return Precision(spec.precision, sharded=True, by_autocast=exported)
+    return Precision(spec.precision, sharded=True, by_autocast=exported or not layout.fsdp)
 
 
 def _build_modules(
