@@ -708,7 +708,8 @@ def test_the_default_plan_folds_a_chain_when_that_simulates_faster() -> None:
     assert note["chosen"] in ("loop", "v") and len(p.stages) == 8 and p.shared_devices()
     assert steps[note["chosen"]] == min(s for s in steps.values() if s is not None)
     assert steps[note["chosen"]] < steps["one"]
-    assert simulate(p, note["schedule"]).iteration_time == pytest.approx(steps[note["chosen"]])
+    assert (p.layout, p.schedule) == (note["chosen"], note["schedule"])
+    assert simulate(p).iteration_time == pytest.approx(steps[note["chosen"]])
     text = str(p)
     assert f"layout: {note['chosen']}" in text and f"run by {note['schedule']}" in text
     assert all(f"    {layout} " in text for layout in ("one", "loop", "v", "graph"))
@@ -721,9 +722,11 @@ def test_a_named_one_stage_schedule_keeps_one_stage_per_device(schedule: str) ->
     x = torch.randn(32, 32)
     p = plan(_chain(), x, devices=4, micro_batches=8, replication=False, profile=SLOW,
              schedule=schedule)  # fmt: skip
-    assert not p.shared_devices() and "layouts" not in p.info and "layout:" not in str(p)
+    assert not p.shared_devices() and "layouts" not in p.info
+    assert (p.layout, p.schedule) == ("one", schedule)  # the plan records the one named
+    assert f"layout: one (one stage per device), run by {schedule}\n" in str(p)
     zbv = plan(_chain(), x, devices=4, micro_batches=8, profile=SLOW, schedule="zbv")
-    assert zbv.info["layouts"]["chosen"] == "v"
+    assert zbv.info["layouts"]["chosen"] == "v" and (zbv.layout, zbv.schedule) == ("v", "zbv")
     assert [c["layout"] for c in zbv.info["layouts"]["considered"]] == ["v"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -11,17 +12,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_program import placed_plan
-from test_schedule import chain_plan
+from test_schedule import chain_plan, random_plan
 
 from graphpipe.compile import steps
 from graphpipe.errors import ScheduleError
 from graphpipe.ir import Plan
 from graphpipe.ir.registry import SCHEDULES
 from graphpipe.runtime.spec import RunSpec
+from graphpipe.scheduling import dryrun
 from graphpipe.scheduling.dryrun import check_schedule
-from graphpipe.scheduling.generators import make_schedule
+from graphpipe.scheduling.generators import READS_TIMES, make_schedule
 from graphpipe.scheduling.rules import check, problems, rule
 from graphpipe.scheduling.simulate import simulate, steady_run
+
+# the module (graphpipe.compile, the attribute, is the function compile)
+COMPILE = importlib.import_module("graphpipe.compile")
 
 
 def _idle_chain() -> Plan:
@@ -138,3 +143,62 @@ def test_simulate_refuses_what_compile_refuses_with_the_same_message() -> None:
         simulate(plan, "interleaved_zb")
     assert str(by_simulate.value) == str(by_compile.value)
     assert "interleaved_zb needs a multiple of 4 stages" in str(by_compile.value)
+
+
+def _retimed(plan: Plan, scale: Callable[[int], float]) -> Plan:
+    """`plan` with stage s's times scaled by scale(s)."""
+    stages = tuple(
+        replace(
+            s,
+            forward_time=s.forward_time * scale(s.index),
+            backward_time=s.backward_time * scale(s.index) * 1.7,
+            time=s.time * scale(s.index),
+        )
+        for s in plan.stages
+    )
+    return replace(plan, stages=stages)
+
+
+@pytest.mark.parametrize("name", sorted(set(SCHEDULES) - READS_TIMES))
+def test_orders_outside_reads_times_read_the_plans_shape_only(name: str) -> None:
+    """What lets compile keep the schedule it made before choosing recompute, whose stages
+    have other times: every order not in READS_TIMES is the same under any times."""
+    plans = [make() for make in PLANS.values()] + [random_plan(seed) for seed in (1, 3, 4)]
+    plans += [placed_plan(3, 2, 6, "v"), placed_plan(3, 3, 6, "loop")]
+    ran = 0
+    for plan in plans:
+        if problems(plan, name):
+            continue
+        ran += 1
+        made = make_schedule(plan, name)
+        for scale in (lambda s: 0.0, lambda s: 1.0 + 3 * s, lambda s: 5.0 - s):
+            assert make_schedule(_retimed(plan, scale), name) == made
+    assert ran >= 2
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every make_schedule call compile's steps make, by schedule name."""
+    made: list[str] = []
+
+    def counted(plan: Plan, name: str, *args: Any, **kwargs: Any) -> Any:
+        made.append(name)
+        return make_schedule(plan, name, *args, **kwargs)
+
+    for module in (COMPILE, steps, dryrun):
+        monkeypatch.setattr(module, "make_schedule", counted)
+    return made
+
+
+@pytest.mark.parametrize(("name", "builds"), [("1f1b", 1), ("zb", 2), ("zbv", 2)])
+def test_compile_makes_the_schedule_once_but_where_recompute_changes_the_times_it_reads(
+    name: str, builds: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = chain_plan(4, 8) if name != "zbv" else placed_plan(2, 2, 8, "v")
+    made = _counting(monkeypatch)
+    scheduled, sched = COMPILE._scheduled(plan, _spec(schedule=name, recompute=True))
+    assert all(s.recompute for s in scheduled.stages)
+    assert made == [name] * builds
+    assert sched == make_schedule(scheduled, name)
+    made.clear()
+    COMPILE._scheduled(plan, _spec(schedule=name))
+    assert made == [name]

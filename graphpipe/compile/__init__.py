@@ -62,7 +62,7 @@ from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig, sch
 from graphpipe.runtime.tp import resolve_tp_plan
 from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.runtime.wiring import runtime_device
-from graphpipe.scheduling.generators import make_schedule
+from graphpipe.scheduling.generators import READS_TIMES, make_schedule
 from graphpipe.tracing.bind import check_output, flat_inputs, normalise
 from graphpipe.tracing.tracer import LeafSpec, trace
 
@@ -295,11 +295,20 @@ def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -
 
 def _scheduled(plan: Plan, spec: RunSpec) -> tuple[Plan, Schedule]:
     """The plan with its memory predicted for its schedule's order (`for_schedule`) and its
-    recomputation chosen at those counts, with its schedule (dry-run checked: a simulated
-    peak over the memory budget is refused there)."""
+    recomputation chosen at those counts, with its schedule, made once and dry-run checked
+    (a simulated peak over the memory budget is refused there).
+
+    Recomputing stages run longer backwards (forward + backward). An order that reads the
+    stage times (`READS_TIMES`: zb, zbv and graph_interleaved keep what replays fastest over
+    them) is made again where recompute changed a stage; every other order reads the plan's
+    shape alone, so the one made before stands.
+    """
+    name = schedule_name(plan, spec)
+    sched = make_schedule(plan, name, spec.micro_batches)
     if spec.recompute is not False:
-        name = schedule_name(plan, spec)
-        held = for_schedule(plan, make_schedule(plan, name, spec.micro_batches))
+        held = for_schedule(plan, sched)
         plan = choose_recompute(held, spec.recompute)
-    sched = schedule_plan(plan, spec)
+        if sched.name in READS_TIMES and plan.stages != held.stages:
+            sched = make_schedule(plan, name, spec.micro_batches)
+    sched = schedule_plan(plan, spec, sched)
     return for_schedule(plan, sched), sched

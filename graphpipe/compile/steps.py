@@ -19,14 +19,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from graphpipe._torch import AGENT_STORE_ENV
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan, Schedule
-from graphpipe.ir.registry import DEFAULT_SCHEDULE, SCHEDULES
+from graphpipe.ir.registry import DEFAULT_SCHEDULE
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.planning.partition import PlanConfig, partition, partition_mesh
 from graphpipe.planning.profile import ProfileConfig, noted, profile
 from graphpipe.planning.validate import validate_plan
 from graphpipe.runtime.failures import guarded, restart_count
 from graphpipe.runtime.mesh import MESH_DIMS
-from graphpipe.runtime.spec import RunSpec, RuntimeConfig
+from graphpipe.runtime.spec import RunSpec, RuntimeConfig, plan_schedule
 from graphpipe.scheduling.dryrun import check_run
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.tracing.annotate import is_meta, trace_info
@@ -42,8 +42,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("graphpipe")
-# runs any placement of single-device stages: a folded stage DAG's default
-FOLDED = next(s.name for s in SCHEDULES.values() if s.placement == "any" and s.training)
 
 
 def pipeline_devices(spec: RunSpec) -> int:
@@ -105,28 +103,32 @@ def check_world(spec: RunSpec, plan: Plan | None) -> None:
 
 
 def schedule_name(plan: Plan, spec: RunSpec) -> str:
-    """The schedule `plan` runs under (`schedule_plan`): the spec's, or the planner's choice."""
-    name = spec.schedule
-    if not spec.schedule_given and name == DEFAULT_SCHEDULE:  # no name, nor a policy's
-        chosen = plan.info.get("layouts", {}).get("schedule")
-        name = chosen or (FOLDED if plan.shared_devices() else name)
-    return name
-
-
-def schedule_plan(plan: Plan, spec: RunSpec) -> Schedule:
-    """The schedule for `plan`, checked by a dry run: the spec's when the user named one;
-    else the one the planner chose with the plan's layout (`planning.layouts`: 1f1b on one
-    stage per device, interleaved or interleaved_zb on a loop, zbv on a V,
-    graph_interleaved on a folded stage DAG); else, for a plan with several stages on a
-    device (`PlanConfig.interleave`, or a plan made elsewhere), the one that runs any
-    placement.
+    """The schedule `plan` runs under: the one the run names, or its weight policy's; else
+    the one the plan was made for (`Plan.schedule`: the planner's choice with its layout,
+    1f1b on one stage per device, graph_interleaved on other foldings of a plan made
+    elsewhere), checked against the run as a named one is (`plan_schedule`).
 
     Raises:
-        ScheduleError: the schedule cannot run the plan.
+        ConfigError: the plan's schedule is one the run's weight policy or compile_stages
+            cannot run.
     """
-    name = schedule_name(plan, spec)
-    schedule = make_schedule(plan, name, spec.micro_batches)
-    check_run(plan, name, spec.micro_batches)
+    if spec.schedule_given or spec.schedule != DEFAULT_SCHEDULE:  # named, or the policy's
+        return spec.schedule
+    return plan_schedule(spec, plan)
+
+
+def schedule_plan(plan: Plan, spec: RunSpec, made: Schedule | None = None) -> Schedule:
+    """The schedule for `plan` (`schedule_name`), checked by a dry run (`check_run`);
+    `made`, the schedule already made for it, is checked as it is, not made again.
+
+    Raises:
+        ConfigError: as `schedule_name`.
+        ScheduleError: the schedule's rule refuses the plan (`graphpipe.scheduling.rules`,
+            as `simulate` and `make_schedule` do), or the dry run fails.
+    """
+    name = made.name if made is not None else schedule_name(plan, spec)
+    schedule = made or make_schedule(plan, name, spec.micro_batches)
+    check_run(plan, name, spec.micro_batches, made=schedule)
     return schedule
 
 

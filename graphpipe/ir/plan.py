@@ -18,19 +18,25 @@ from typing import Any
 import networkx as nx
 
 from graphpipe._units import format_bytes, format_time
-from graphpipe.errors import PlanError
+from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir.cost import CostModel
+from graphpipe.ir.registry import ANY_PLACEMENT, DEFAULT_SCHEDULE, schedule_spec
 
 __all__ = [
+    "LAYOUTS",
+    "LAYOUT_WORDS",
     "WEIGHT_SHARE",
     "Plan",
     "Stage",
     "StageEdge",
     "compute_time",
+    "default_schedule",
     "device_of",
     "edges_to_sink",
     "freed",
     "input_halves",
+    "layout_of",
+    "placed",
     "transfer_time",
     "weight_share",
 ]
@@ -112,7 +118,15 @@ class Plan:
         graph_hash: Digest of the traced graph the plan is for (`opgraph.graph_hash`).
         input_shapes: Each model input's shape per micro-batch, as traced for the plan
             (`opgraph.input_shapes`); empty in plans written before it was recorded.
+        layout: How the stages sit on the devices, one of `LAYOUTS` ("one", "loop", "v",
+            "graph"). Left empty, it is read from the placement (`layout_of`).
+        schedule: The schedule the plan was made for (`graphpipe.ir.registry.SCHEDULES`),
+            which `simulate(plan)` and `compile` run unless told otherwise. Left empty:
+            `default_schedule(layout)`.
         info: Free-form facts about the search, for people (JSON-able).
+
+    Raises:
+        PlanError: an unknown layout or schedule.
     """
 
     stages: tuple[Stage, ...]
@@ -124,7 +138,20 @@ class Plan:
     search_time: float
     graph_hash: str
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    layout: str = ""
+    schedule: str = ""
     info: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        layout = self.layout or layout_of(self)
+        if layout not in LAYOUTS:
+            raise PlanError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        try:
+            schedule = schedule_spec(self.schedule or default_schedule(layout), training=False)
+        except ConfigError as exc:
+            raise PlanError(f"the plan's schedule: {exc}") from exc
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "schedule", schedule.name)  # an alias named as itself
 
     @property
     def micro_batches(self) -> int:
@@ -242,7 +269,8 @@ class Plan:
                 f"  noisy host: op runs took {s['weighted']:.0%} more than the least kept "
                 f"(weighted by time; most: {s['op']}, {s['op_spread']:.0%})"
             )
-        lines += [f"  {line}" for line in layout_lines(self.info.get("layouts"))]
+        note = self.info.get("layouts")
+        lines += [f"  {line}" for line in _layout_lines(self.layout, self.schedule, note)]
         lines += [
             f"  S{s.index} dev{list(s.devices)} {len(s.nodes)} ops "
             f"{format_time(s.time)} {format_bytes(s.memory_bytes)}"
@@ -276,10 +304,18 @@ def layout_lines(note: dict[str, Any] | None) -> list[str]:
     it had no plan. Nothing when the planner considered one layout only."""
     if not note:
         return []
+    return _layout_lines(note["chosen"], note["schedule"], note)
+
+
+def _layout_lines(layout: str, schedule: str, note: dict[str, Any] | None) -> list[str]:
+    """The layout and its schedule in words, and with the planner's `note` (`layout_lines`)
+    each layout considered."""
+    head = f"layout: {layout} ({LAYOUT_WORDS[layout]}), run by {schedule}"
+    if not note:
+        return [head]
     chosen = next(c for c in note["considered"] if c["layout"] == note["chosen"])
     lines = [
-        f"layout: {note['chosen']} ({LAYOUT_WORDS[note['chosen']]}), run by {note['schedule']}: "
-        f"the fastest simulated step ({format_time(chosen['step'])}) of those considered:"
+        f"{head}: the fastest simulated step ({format_time(chosen['step'])}) of those considered:"
     ]
     for c in note["considered"]:
         if c["step"] is None:
@@ -289,12 +325,39 @@ def layout_lines(note: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+LAYOUTS = ("one", "loop", "v", "graph")  # how stages sit on devices (`planning.layouts`)
 LAYOUT_WORDS = {
     "one": "one stage per device",
-    "loop": "a chain folded round-robin, 2 stages per device",
+    "loop": "a chain folded round-robin, several stages per device",
     "v": "a chain folded in a V, 2 stages per device",
-    "graph": "a finer stage DAG folded onto the devices",
+    "graph": "a stage DAG folded onto the devices",
 }
+
+
+def layout_of(plan: Plan) -> str:
+    """How `plan`'s stages sit on its devices: "one" where no device holds two stages,
+    "loop" or "v" for a chain placed so (`placed`), else "graph" (any other folding)."""
+    if not plan.shared_devices():
+        return "one"
+    return next((p for p in ("loop", "v") if placed(plan, p)), "graph")
+
+
+def placed(plan: Plan, placement: str) -> bool:
+    """Whether `plan` is a chain (`chain_in_order`) of single-device stages, stage s on
+    device `device_of(s, N, placement)`, with as many stages on every device (2 on a "v")."""
+    n, count = plan.num_devices, len(plan.stages)
+    per_device = count == 2 * n if placement == "v" else count > 0 and count % n == 0
+    return (
+        per_device
+        and chain_in_order(plan)
+        and all(s.devices == (device_of(s.index, n, placement),) for s in plan.stages)
+    )
+
+
+def default_schedule(layout: str) -> str:
+    """The schedule a plan of `layout` runs when neither it nor the run names one: 1f1b on
+    one stage per device, else the one that runs any placement (graph_interleaved)."""
+    return DEFAULT_SCHEDULE if layout == "one" else ANY_PLACEMENT
 
 
 def _plan_from_dict(data: dict[str, Any]) -> Plan:
@@ -326,8 +389,19 @@ def _plan_from_dict(data: dict[str, Any]) -> Plan:
         input_shapes={
             str(k): tuple(int(d) for d in v) for k, v in data.get("input_shapes", {}).items()
         },
+        **_made_for(data),
         info=dict(data.get("info", {})),
     )
+
+
+def _made_for(data: dict[str, Any]) -> dict[str, str]:
+    """The layout and schedule of a plan file; in files written before they were fields,
+    the planner's note (`info["layouts"]`) where it chose them, else "" (derived)."""
+    note = data.get("info", {}).get("layouts") or {}
+    return {
+        "layout": str(data.get("layout") or note.get("chosen") or ""),
+        "schedule": str(data.get("schedule") or note.get("schedule") or ""),
+    }
 
 
 # -- cost primitives: what one action of a stage costs (the scheduler and simulator share them) --

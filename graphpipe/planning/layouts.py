@@ -13,7 +13,9 @@ simulates each under each of its schedules, and keeps the fastest step whose pla
 simulated peak memory fit the memory budget; ties keep the earlier layout in the list above.
 A named schedule (`PlanConfig.schedule`) limits the layouts to those it runs; without
 zero-bubble schedules (`PlanConfig.split_backward=False`) loop runs interleaved only and v
-is not built. What was considered is recorded in `plan.info["layouts"]`:
+is not built. The plan kept records its layout and schedule (`Plan.layout`, `Plan.schedule`:
+what `simulate(plan)` and `compile` run), and what was considered, for people, in
+`plan.info["layouts"]`:
 
     {"chosen": "v", "schedule": "zbv",
      "considered": [{"layout": "one", "schedule": "1f1b", "step": 0.72}, ...,
@@ -37,6 +39,7 @@ import networkx as nx
 from graphpipe.errors import PlanError, ScheduleError
 from graphpipe.ir import DEFAULT_SCHEDULE, Plan, schedule_spec
 from graphpipe.ir.cost import CostModel
+from graphpipe.ir.plan import LAYOUTS
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.fold import folded_groups
 from graphpipe.planning.interleave import interleavings
@@ -54,11 +57,11 @@ __all__ = [
     "finer_dags",
     "folded_chain",
     "layout_schedules",
+    "made_for",
     "side_work",
     "usable",
 ]
 
-LAYOUTS = ("one", "loop", "v", "graph")
 # the schedules the planner picks from per layout when the run names none
 LAYOUT_SCHEDULES = {
     "one": (DEFAULT_SCHEDULE,),
@@ -120,7 +123,8 @@ def choose(
     schedule: str | None,
     split_backward: bool,
 ) -> Plan:
-    """The fastest layout's plan, with what was considered in `info["layouts"]`.
+    """The fastest layout's plan, recording its layout and schedule, with what was
+    considered in `info["layouts"]`.
 
     Args:
         builders: Per usable layout (in `LAYOUTS`' order), a function making its plan or
@@ -141,13 +145,23 @@ def choose(
         reasons = "; ".join(f"{c.layout}: {c.why}" for c in considered)
         raise PlanError(f"no layout has a plan: {reasons}")
     best = min(ranked, key=lambda c: c.step or 0.0)  # min keeps the first of equal steps
-    assert best.plan is not None
+    assert best.plan is not None and best.schedule is not None  # ranked: simulated
     note = {
         "chosen": best.layout,
         "schedule": best.schedule,
         "considered": [c.record() for c in considered],
     }
-    return replace(best.plan, info={**best.plan.info, "layouts": note})
+    info = {**best.plan.info, "layouts": note}
+    return replace(best.plan, layout=best.layout, schedule=best.schedule, info=info)
+
+
+def made_for(plan: Plan, schedule: str | None) -> Plan:
+    """`plan` recording `schedule` (`PlanConfig.schedule`, the one the run names) as the
+    schedule it was made for; as it is without one. The schedule's rule is checked where it
+    runs (`simulate`, `compile`)."""
+    if schedule is None:
+        return plan
+    return replace(plan, schedule=schedule_spec(schedule, training=False).name)
 
 
 def _consider(

@@ -54,6 +54,7 @@ from graphpipe.planning.layouts import (
     even_chain,
     finer_dags,
     folded_chain,
+    made_for,
     usable,
 )
 from graphpipe.planning.manual import groups_from_pins
@@ -444,7 +445,7 @@ def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, diges
             partition_op_graph(g, cost, chain, digest), config.devices, config.placement
         )
         validate_plan(result, g)
-        return result
+        return made_for(result, config.schedule)
     ops = sum(1 for n in g if n != "output")
     if config.devices > ops:
         raise PlanError(
@@ -465,7 +466,7 @@ def partition_op_graph(g: nx.DiGraph, cost: CostModel, config: PlanConfig, diges
     else:
         result = _chosen_layout(g, cost, config, digest)
     validate_plan(result, g)
-    return result
+    return made_for(result, config.schedule)
 
 
 def _chosen_layout(g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str) -> Plan:

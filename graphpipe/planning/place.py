@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan, chain_in_order, device_of
+from graphpipe.ir.plan import default_schedule
 
 __all__ = ["PLACEMENTS", "device_of", "on_devices", "place_stages"]
 
@@ -58,16 +59,20 @@ def on_devices(
     plan: Plan, assignment: Sequence[int], devices: int, placement: str, virtual: float
 ) -> Plan:
     """`plan` with stage i on the one device `assignment[i]` of `devices`: its bottleneck is
-    the busiest device's summed stage time, and its info records `placement` and `virtual`
-    (stages per device)."""
+    the busiest device's summed stage time, its layout the placement's ("graph" for a
+    folded stage DAG) with that layout's default schedule, and its info records `placement`
+    and `virtual` (stages per device)."""
     stages = tuple(replace(s, devices=(d,)) for s, d in zip(plan.stages, assignment, strict=True))
     load = [0.0] * devices
     for s in stages:
         load[s.devices[0]] += s.time
+    layout = placement if placement in PLACEMENTS else "graph"  # a folded stage DAG
     return replace(
         plan,
         stages=stages,
         num_devices=devices,
         bottleneck=max(load),
+        layout=layout,
+        schedule=default_schedule(layout),
         info={**plan.info, "placement": placement, "virtual_stages": virtual},
     )

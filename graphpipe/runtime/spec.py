@@ -49,6 +49,7 @@ __all__ = [
     "check_mesh",
     "check_reshard",
     "mesh_refusals",
+    "plan_schedule",
     "schedule_for",
     "tp_degree",
     "tp_refusals",
@@ -350,6 +351,26 @@ def schedule_for(weights: str, schedule: str | None) -> str:
         need = policy.schedule or "a flushed schedule (gpipe, 1f1b, zb)"
         raise ConfigError(f"weights={weights!r} runs with {need}, not schedule={schedule!r}")
     return schedule
+
+
+def plan_schedule(spec: RunSpec, plan: Plan) -> str:
+    """The schedule `plan` was made for (`Plan.schedule`), for a run that names none: checked
+    against the run as a named one is (`RunSpec.build`): its weight policy runs it
+    (`schedule_for`), and compile_stages meets no split backward.
+
+    Raises:
+        ConfigError: naming the plan's schedule and every problem with it.
+    """
+    problems: list[str] = []
+    _check(problems, schedule_for, spec.weights, plan.schedule)
+    _check(problems, _check_combinations, False, None, spec.compile_stages, plan.schedule)
+    if problems:
+        raise ConfigError(
+            f"the plan was made for schedule {plan.schedule!r}, which this run cannot run "
+            "(name another with schedule=, or plan again):",
+            problems,
+        )
+    return plan.schedule
 
 
 MESH_PLAN_FIELDS = frozenset({"dp", "shard", "dp_link", "tp"})  # PlanConfig's

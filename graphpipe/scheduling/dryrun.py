@@ -201,24 +201,39 @@ def _deadlock_and_memory(
 # -- programs under a transport's semantics ----------------------------------------------------
 
 
-def check_run(plan: Plan, name: str, micro_batches: int | None = None, calls: int = 2) -> None:
+def check_run(
+    plan: Plan,
+    name: str,
+    micro_batches: int | None = None,
+    calls: int = 2,
+    made: Schedule | None = None,
+) -> None:
     """Check everything the runtime will run for schedule `name`: the schedule (over `calls`
     calls and the drain when asynchronous), and the programs lowered from it call by call,
     in NCCL's form under rendezvous semantics and in gloo's (receives first) under buffered.
+
+    Args:
+        plan: The plan.
+        name: The schedule's name.
+        micro_batches: M; the plan's by default.
+        calls: step() calls to check.
+        made: The first call's schedule, already made (`make_schedule(plan, name, M)`):
+            checked as it is, not made again.
 
     Raises:
         ScheduleError: the first check that fails, naming every problem it found.
     """
     m = micro_batches or plan.micro_batches
     if schedule_spec(name, training=False).asynchronous:
-        parts = [make_schedule(plan, name, m, first_call=c) for c in range(calls)]
+        parts = [made] if made else []
+        parts += [make_schedule(plan, name, m, first_call=c) for c in range(len(parts), calls)]
         parts.append(drain_schedule(plan, name, calls, m))
         ranks = tuple(tuple(a for p in parts for a in p.ranks[r]) for r in range(plan.num_devices))
         check_schedule(plan, Schedule(parts[0].name, m, ranks, calls))
         brought = [range(c * m, (c + 1) * m) for c in range(calls)] + [range(0)]
         check_shapes(parts, brought)
     else:
-        parts = [make_schedule(plan, name, m)]
+        parts = [made or make_schedule(plan, name, m)]
         check_schedule(plan, parts[0])
         check_shapes(parts * 2, [range(m)] * 2)  # two calls, the second at other shapes
     check_program(plan, lower_calls(plan, parts), "rendezvous")

@@ -1,6 +1,7 @@
 """Simulate: a discrete-event run of a Schedule over a Plan's costs.
 
-    result = simulate(plan, make_schedule(plan, "1f1b"))
+    result = simulate(plan)        # the schedule the plan was made for (`Plan.schedule`)
+    result = simulate(plan, "zb")  # or another, by name, or a Schedule from make_schedule
     result.iteration_time, result.bubble, result.peak_memory, result.timeline
 
 A plan the schedule's rule refuses (`graphpipe.scheduling.rules`) is refused here too, by the
@@ -87,7 +88,7 @@ class SimResult:
 
 def simulate(
     plan: Plan,
-    schedule: Schedule | str,
+    schedule: Schedule | str | None = None,
     *,
     contention: bool = True,
     weights: str | None = None,
@@ -99,8 +100,8 @@ def simulate(
         plan: The plan whose stage times, edge bytes and link model give the costs.
         schedule: The per-rank actions (e.g. from
             `graphpipe.scheduling.generators.make_schedule`), or a schedule name, generated
-            for one step() call (asynchronous ones for
-            `ASYNC_CALLS` calls, then drained).
+            for one step() call (asynchronous ones for `ASYNC_CALLS` calls, then drained).
+            None: the plan's own (`Plan.schedule`, the one it was made for).
         contention: Every rank has one link out and one link in, which its messages share
             (else every message crosses at once, whatever else is in flight).
         weights: A weight policy ("flush", "stash", "2bw", "pipemare"): each stage then keeps
@@ -117,7 +118,16 @@ def simulate(
         ScheduleError: the schedule's rule refuses the plan (`graphpipe.scheduling.rules`:
             another placement, replicated stages, an M it cannot run), or the schedule
             deadlocks (see `graphpipe.scheduling.dryrun` for a full check).
+
+    Example:
+        >>> import graphpipe, torch
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        >>> plan = graphpipe.plan(model, torch.randn(8, 8), devices=2, micro_batches=4)
+        >>> simulate(plan).iteration_time > 0
+        True
     """
+    if schedule is None:
+        schedule = plan.schedule
     if isinstance(schedule, str):
         schedule = steady_run(plan, schedule)
     elif schedule.name in SCHEDULES:  # made elsewhere: it still runs only what its rule takes
