@@ -34,7 +34,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
 from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
@@ -221,8 +221,19 @@ class FailureBoard:
                 return [int(p) for p in peers.split(",") if p], what
         return None
 
-    def blocking(self, peers: Sequence[int]) -> tuple[list[int], list[str]]:
+    def idle(self) -> set[int]:
+        """The other ranks that wait for nobody now (read once, for `blocking`)."""
+        return {r for r in range(self.world) if r != self.rank and self.waiting(r) is None}
+
+    def blocking(
+        self, peers: Sequence[int], idle_before: Set[int] = frozenset()
+    ) -> tuple[list[int], list[str]]:
         """Follow who waits for whom from `peers` to the ranks that wait for nobody.
+
+        A rank found waiting for nobody is read again after 2 x WAITING_AFTER (it may have
+        started a wait just now, not yet published), unless it was in `idle_before`: found
+        waiting for nobody that long before already (`idle`, read by the watch ahead of its
+        deadline), so that a timeout is diagnosed at the deadline, not a sleep after it.
 
         Returns:
             Those ranks, less any that posted a failure (a rank whose own wait timed out
@@ -237,7 +248,7 @@ class FailureBoard:
                 continue
             seen.add(r)
             state = self.waiting(r)
-            if state is None:
+            if state is None and r not in idle_before:
                 time.sleep(WAITING_AFTER * 2)  # it may have started waiting just now
                 state = self.waiting(r)
             if state is None:  # an end, unless it stopped waiting to post a failure
@@ -361,6 +372,8 @@ class Watch:
 
     def _poll(self, call: _Call, peers: Sequence[int], what: str, limit: float) -> Any:
         deadline = time.monotonic() + limit - WAITING_AFTER
+        early = deadline - 2 * WAITING_AFTER  # when the board's idle ranks are read first
+        idle: set[int] | None = None
         while True:
             try:
                 if call.ready(POLL):
@@ -372,8 +385,11 @@ class Watch:
                 raise self._echo(f"rank {self.rank}, {what}: ", other)
             if self.board.lost and self.board.host_gone() is not None:
                 raise self._host_died(f"rank {self.rank}, {what}: ")
-            if time.monotonic() > deadline:
-                text, ends = self._diagnose(peers, what, limit)
+            now = time.monotonic()
+            if idle is None and now > early:
+                idle = self.board.idle()
+            if now > deadline:
+                text, ends = self._diagnose(peers, what, limit, idle or set())
                 other = self.board.first()  # a peer that timed out first has the same story
                 if other is not None:
                     raise self._echo(f"rank {self.rank}, {what}: ", other)
@@ -443,10 +459,13 @@ class Watch:
                 return min(posts, key=lambda p: p.stamp) if posts else None
             time.sleep(POLL)
 
-    def _diagnose(self, peers: Sequence[int], what: str, limit: float) -> tuple[str, list[int]]:
+    def _diagnose(
+        self, peers: Sequence[int], what: str, limit: float, idle: Set[int] = frozenset()
+    ) -> tuple[str, list[int]]:
         """Why a wait for `peers` ran out of time, naming the ranks at the end of the chain;
-        and those ranks (none when every rank waits)."""
-        ends, chain = self.board.blocking(peers)
+        and those ranks (none when every rank waits). `idle`: the ranks found waiting for
+        nobody 2 x WAITING_AFTER before (`FailureBoard.blocking`)."""
+        ends, chain = self.board.blocking(peers, idle)
         text = f"rank {self.rank}, {what}, peer rank {_ranks(peers)}: no answer within {limit:g} s"
         via = f"; {'; '.join(chain)}" if chain else ""
         if not ends:
