@@ -253,7 +253,7 @@ def _bf16_optimizer() -> functools.partial[torch.optim.Optimizer]:
     element near its eps, so bf16's rounding of a near-zero element (a dp slice's bf16
     matmul rounds otherwise than the whole micro-batch's) can move a weight by lr either
     way; SGD's update is proportional to the gradient, so a rounding stays a rounding."""
-    return functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+    return functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9)
 
 
 def _crossing(module: nn.Module, args: Any, out: Any) -> Any:
@@ -502,3 +502,39 @@ def test_bf16_with_tensor_parallel_stages_is_the_autocast_recipe() -> None:
     for rank, losses in enumerate(launch(_bf16_on_tp, 4, timeout=TIMEOUT)):
         assert losses == pytest.approx(want["losses"], rel=BF16_RTOL), f"rank {rank}"
         assert losses != pytest.approx(want["fp32"], rel=1e-6), f"rank {rank}"
+
+
+PINS_FOLDED = {"model.embed_tokens": 0, "model.layers.0": 1, "model.layers.1": 2, "lm_head": 3}
+
+
+def _full_recipe() -> dict[str, Any]:
+    """torchtitan's recipe on the exported Llama: pp 2 x dp 2 x tp 2 (its own tp plan), four
+    stages folded two per pp rank under the interleaved schedule, bf16, every stage
+    recomputed."""
+    ids, _ = batch(0)
+    pm = gp_compile(
+        llama(),
+        {"input_ids": ids, "use_cache": False},
+        loss_fn=lm_loss,
+        optimizer=_bf16_optimizer(),
+        micro_batches=M,
+        schedule="interleaved",
+        pins=PINS_FOLDED,
+        precision="bf16",
+        recompute=True,
+        mesh=init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp")),
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=120, quiet=True),
+    )
+    losses = [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
+    return {"losses": losses, "state": pm.state_dict()}
+
+
+def test_the_full_recipe_on_eight_ranks_is_the_autocast_recipe_of_one_process() -> None:
+    want = llama_bf16_reference()
+    for rank, result in enumerate(launch(_full_recipe, 8, timeout=TIMEOUT)):
+        assert result["losses"] == pytest.approx(want["losses"], rel=BF16_RTOL), f"rank {rank}"
+        for key, value in want["state"].items():
+            torch.testing.assert_close(
+                result["state"][key], value, rtol=BF16_RTOL, atol=BF16_ATOL, msg=_named(key)
+            )
