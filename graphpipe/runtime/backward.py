@@ -251,8 +251,9 @@ def weight_half(half: WeightHalf, on_grad: Callable[[torch.Tensor], None] | None
     if not outputs or not half.params:
         return
     results = torch.autograd.grad(outputs, half.params, seeds, allow_unused=True)
-    held = {id(t) for t in seeds if t is not None}
-    held.update(id(g) for b in half.boundaries for g in b.grads if g is not None)
+    # tensors a caller still holds: the received gradients, and those captured by the input
+    # half (one may be an input's gradient, sent to the peer); the shares are this call's own
+    held = _Held([*half.seeds, *(g for b in half.boundaries for g in b.grads)])
     for p, g in zip(half.params, results, strict=True):
         if g is None:
             continue
@@ -261,23 +262,55 @@ def weight_half(half: WeightHalf, on_grad: Callable[[torch.Tensor], None] | None
             on_grad(p)
 
 
-def _accumulate(p: torch.Tensor, g: torch.Tensor, held: set[int]) -> None:
+class _Held:
+    """The memory of tensors that must not become a parameter's `.grad` as they are: plain
+    tensors by their storage (a view shares its base's), tensor subclasses (a DTensor) by
+    identity."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor | None]) -> None:
+        self.storages: set[int] = set()
+        self.ids: set[int] = set()
+        for t in tensors:
+            if t is not None:
+                self.add(t)
+
+    def add(self, t: torch.Tensor) -> None:
+        if type(t) is torch.Tensor:
+            self.storages.add(t.untyped_storage().data_ptr())
+        else:
+            self.ids.add(id(t))
+
+    def shares(self, t: torch.Tensor) -> bool:
+        """Whether `t` may share memory with a held tensor (a subclass's view: always)."""
+        if type(t) is torch.Tensor:
+            return t.untyped_storage().data_ptr() in self.storages
+        return id(t) in self.ids or _torch.is_view(t)
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor, held: _Held) -> None:
     """Add `g` into `p.grad` in place, as autograd's own accumulation does.
 
-    The first gradient becomes `p.grad` only if nothing else holds it: the engine returns the
-    very same tensor for every parameter a node passes one gradient to (`a + b`), and a seed
-    or a view of one where a parameter's path is a view. Those are copied, so an in-place
-    add, a clip or an unscale of one `.grad` never writes into another or into a seed.
+    The first gradient becomes `p.grad` as it is when it shares no memory with a held
+    tensor and has the parameter's strides, as AccumulateGrad takes it (a Linear's weight
+    gradient is a view of the matmul's result, laid out as the weight: taken). Otherwise it
+    is copied into the parameter's layout: the engine returns the very same tensor for
+    every parameter a node passes one gradient to (`a + b`), and a seed or a view of one
+    where a parameter's path is a view, so an in-place add, a clip or an unscale of one
+    `.grad` never writes into another or into a seed.
 
     Args:
         p: The parameter (or the version of it the backward ran on).
         g: Its gradient from this weight half.
-        held: Ids of the tensors held elsewhere; `g` is added to it once taken.
+        held: The tensors held elsewhere; `g` is added to them once taken.
     """
     if p.grad is not None:
         p.grad.add_(g)
         return
-    if id(g) in held or _torch.is_view(g):
-        g = g.clone()
-    held.add(id(g))
+    if held.shares(g) or (type(g) is torch.Tensor and g.stride() != p.stride()):
+        g = (
+            g.new_empty_strided(p.shape, p.stride()).copy_(g)
+            if type(g) is torch.Tensor
+            else g.clone()
+        )
+    held.add(g)
     p.grad = g
