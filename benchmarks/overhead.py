@@ -160,6 +160,59 @@ def handoff() -> tuple[float, float]:
     return alone, together
 
 
+def split_backward(width: int = 1024, rows: int = 32, layers: int = 4) -> dict[str, float]:
+    """Microseconds per micro-batch of a stage's backward, in one process, one thread: the
+    stage is `layers` x (Linear(width) + ReLU) with an input that requires grad, as the
+    runtime's second chain stage. Whole: one `torch.autograd.backward`; graphpipe: its
+    input and weight halves (`graphpipe.runtime.backward`); torch: `stage_backward_input`
+    then `stage_backward_weight` (torch.distributed.pipelining's zero bubble). Each is
+    timed in turn, forward excluded, the median of 60 rounds after 5."""
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    from graphpipe.runtime import backward
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU())
+            for _ in range(layers)
+        ]
+    )
+    params = list(stage.parameters())
+    x0, seed = torch.randn(rows, width), torch.randn(rows, width)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        x = x0.clone().requires_grad_()
+        return x, stage(x)
+
+    def whole(x: torch.Tensor, y: torch.Tensor) -> None:
+        backward.full([y], [seed])
+
+    def ours(x: torch.Tensor, y: torch.Tensor) -> None:
+        _, half = backward.input_half([y], [seed], [x], params)
+        backward.weight_half(half)
+
+    def theirs(x: torch.Tensor, y: torch.Tensor) -> None:
+        _, groups = stage_backward_input([y], [seed], [x], iter(params))
+        stage_backward_weight(iter(params), groups)
+
+    runs = {"whole": whole, "graphpipe I+W": ours, "torch I+W": theirs}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(65):
+        for name, run in runs.items():
+            x, y = forward()
+            start = time.perf_counter()
+            run(x, y)
+            if i >= 5:
+                times[name].append(time.perf_counter() - start)
+            stage.zero_grad()
+    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+
+
 def rows(ranks: int, steps: int, profile: str | None, host: str = "serial") -> list[list[str]]:
     """One row per setting and schedule."""
     plans = {c: {p: timed_plan(ranks, c, p) for p in (None, "loop", "v")} for c in COSTS}
@@ -199,6 +252,7 @@ def report(
 ) -> str:
     """The table as a markdown section."""
     alone, together = handoff()
+    split = split_backward()
     return (
         "## Runtime overhead per action and per message, emulated ranks\n\n"
         f"{machine()}\n\nCommand: `python -m benchmarks.overhead --ranks {ranks} --steps "
@@ -214,7 +268,11 @@ def report(
         + tabulate(rows(ranks, steps, profile, host), headers=HEADERS, tablefmt="github")
         + f"\n\nA wait handed to the watch's waiter thread (`graphpipe.runtime.failures`), "
         f"for a call already complete: {alone * 1e6:.1f} us alone, {together * 1e6:.1f} us "
-        "each when 32 are handed over together (`Watch.wait_each`, as a step's sends are).\n"
+        "each when 32 are handed over together (`Watch.wait_each`, as a step's sends are).\n\n"
+        "A stage's backward per micro-batch (4 x (Linear(1024) + ReLU), 32 rows, an input "
+        "that requires grad; one thread, `split_backward`): "
+        + ", ".join(f"{k} {v:.0f} us" for k, v in split.items())
+        + ".\n"
     )
 
 

@@ -1,6 +1,7 @@
 """Runtime benchmark on CPU: 2 processes, one thread each, gloo on 127.0.0.1.
 
     python -m benchmarks.runtime            # about five minutes on 2 cores
+    python -m benchmarks.runtime --paired 5 # the chain, both sides interleaved, 5 runs
 
 Two models, batch 256, M = 8 micro-batches, SGD; each figure is the median step time over
 20 steps after 5 warm-up steps:
@@ -36,6 +37,7 @@ row times the chain in one process alone and then in two processes side by side.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import statistics
 import time
@@ -50,6 +52,7 @@ from torch import nn
 
 from benchmarks._common import log, machine, ratio
 from graphpipe.compile import compile as pipeline
+from graphpipe.ir import Action
 from graphpipe.planning.partition import plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
@@ -85,13 +88,13 @@ class TwoTowers(nn.Module):
         return self.head(torch.cat([self.a(x), self.b(x)], dim=-1))
 
 
-def _model(name: str) -> nn.Module:
-    return mlp() if name == "chain" else TwoTowers()
+def _model(name: str, width: int | None = None) -> nn.Module:
+    return mlp(width or WIDTH[name]) if name == "chain" else TwoTowers()
 
 
-def _data(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(name: str, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    width = WIDTH[name]
+    width = width or WIDTH[name]
     return torch.randn(BATCH, width, generator=gen), torch.randn(BATCH, width, generator=gen)
 
 
@@ -130,10 +133,10 @@ def _graphpipe_plan(name: str, schedule: str, model: nn.Module, x: torch.Tensor)
     return {"plan": plan(model, x, devices=2, micro_batches=M, pins=pins)}
 
 
-def _graphpipe(name: str, schedule: str) -> dict[str, Any]:
-    """Time one schedule, then record steps for the simulator and the time split."""
-    model = _model(name)
-    x, y = _data(name)
+def _graphpipe_pipeline(name: str, schedule: str, width: int | None = None) -> Any:
+    """The compiled pipeline of one schedule, with its batch (the chain `width` wide)."""
+    model = _model(name, width)
+    x, y = _data(name, width)
     pm = pipeline(
         model,
         x,
@@ -143,6 +146,12 @@ def _graphpipe(name: str, schedule: str) -> dict[str, Any]:
         optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
         **_graphpipe_plan(name, schedule, model, x),
     )
+    return pm, x, y
+
+
+def _graphpipe(name: str, schedule: str) -> dict[str, Any]:
+    """Time one schedule, then record steps for the simulator and the time split."""
+    pm, x, y = _graphpipe_pipeline(name, schedule)
     measured = _timed(lambda: pm.step(x, target=y))
     pm.timeline()  # clears
     pm.recording = True
@@ -212,10 +221,10 @@ class _Carry(nn.Module):
         return self.head(torch.cat([h * 1.0, self.body(x)], dim=-1))
 
 
-def _torch_parts(name: str, n: int) -> list[nn.Module]:
+def _torch_parts(name: str, n: int, width: int | None = None) -> list[nn.Module]:
     """The same model cut into n sequential stages (n = 2 or 4)."""
     if name == "chain":
-        model = mlp()
+        model = mlp(width or WIDTH[name])
         size = 8 // n
         return [model[i * size : (i + 1) * size] for i in range(n)]
     towers = TwoTowers()
@@ -230,6 +239,11 @@ def _torch_parts(name: str, n: int) -> list[nn.Module]:
 
 
 def _torch_pipelining(name: str, schedule_name: str) -> dict[str, float]:
+    return {"step": _timed(_torch_step(name, schedule_name))}
+
+
+def _torch_step(name: str, schedule_name: str, width: int | None = None) -> Callable[[], None]:
+    """One step of torch's `schedule_name` on the same split, and its optimizer's step."""
     from torch.distributed import pipelining
 
     rank = dist.get_rank()
@@ -238,11 +252,11 @@ def _torch_pipelining(name: str, schedule_name: str) -> dict[str, float]:
         "Schedule1F1B": [rank],
         "ScheduleInterleaved1F1B": [rank, rank + 2],  # loop placement
     }.get(schedule_name, [rank, 3 - rank])  # V placement
-    parts = _torch_parts(name, n)
+    parts = _torch_parts(name, n, width)
     stages = [pipelining.PipelineStage(parts[i], i, n, torch.device("cpu")) for i in ids]
     cls = getattr(pipelining, schedule_name)
     schedule = cls(stages[0] if n == 2 else stages, n_microbatches=M, loss_fn=F.mse_loss)
-    x, y = _data(name)
+    x, y = _data(name, width)
     params = [p for i in ids for p in parts[i].parameters()]
     opt = torch.optim.SGD(params, lr=1e-3)
     args = (x,) if 0 in ids else ()
@@ -253,7 +267,7 @@ def _torch_pipelining(name: str, schedule_name: str) -> dict[str, float]:
         opt.step()
         opt.zero_grad()
 
-    return {"step": _timed(step)}
+    return step
 
 
 # -- one process --------------------------------------------------------------------------------
@@ -420,9 +434,120 @@ def report() -> str:
     )
 
 
+# -- both sides interleaved ---------------------------------------------------------------------
+
+PAIRED = {  # label -> (side, schedule): the chain's schedules on both sides
+    "gp 1f1b": ("gp", "1f1b"),
+    "gp zb": ("gp", "zb"),
+    "gp interleaved": ("gp", "interleaved"),
+    "gp zbv": ("gp", "zbv"),
+    "torch 1F1B": ("torch", "Schedule1F1B"),
+    "torch Interleaved1F1B": ("torch", "ScheduleInterleaved1F1B"),
+    "torch ZBV": ("torch", "ScheduleZBVZeroBubble"),
+    "torch DualPipeV": ("torch", "ScheduleDualPipeV"),
+}
+
+
+def _paired_worker(label: str, width: int, steps: int) -> dict[str, Any]:
+    """One schedule of PAIRED: this rank's median step (each step after a barrier), and for
+    graphpipe the busiest rank's compute actions. (Several pipelines stepped in turn in one
+    process group were tried: their messages on the same tags met the wrong receives.)"""
+    side, schedule = PAIRED[label]
+    actions = 0
+    if side == "gp":
+        pm, x, y = _graphpipe_pipeline("chain", schedule, width)
+        step: Callable[[], Any] = functools.partial(pm.step, x, target=y)
+        actions = max(sum(isinstance(op, Action) for op in r) for r in pm.program.ranks)
+    else:
+        step = _torch_step("chain", schedule, width)
+    times, cpu = [], []
+    for i in range(WARMUP + steps):
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+    return {"step": statistics.median(times), "cpu": statistics.median(cpu), "actions": actions}
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def paired(runs: int, width: int = 1024, steps: int = STEPS) -> str:
+    """The chain's schedules on both sides, one launch each, in turn, `runs` times: each
+    run's step times (ms, the slower rank's median) and the ratios that matter, then each
+    ratio's median and range over the runs."""
+    rows, ratios = [], []
+    for r in range(runs):
+        log(f"paired run {r + 1}/{runs} (width {width})")
+        step, cpu, actions = {}, {}, {}
+        for label in PAIRED:  # both sides in turn, so that both see the same load
+            results = launch(_paired_worker, 2, args=(label, width, steps), timeout=600)
+            step[label] = max(res["step"] for res in results)
+            cpu[label] = max(res["cpu"] for res in results)
+            actions[label] = results[0]["actions"]
+        ours = {k: v for k, v in step.items() if k.startswith("gp")}
+        theirs = {k: v for k, v in step.items() if k.startswith("torch")}
+        best, peer = min(ours, key=ours.__getitem__), min(theirs, key=theirs.__getitem__)
+        ratios.append(
+            (
+                step["gp 1f1b"] / step["torch 1F1B"],
+                ours[best] / theirs[peer],
+                step["gp zb"] / step["gp 1f1b"],
+                cpu["gp 1f1b"] / cpu["torch 1F1B"],
+                cpu["gp zb"] / cpu["torch ZBV"],
+            )
+        )
+        rows.append(
+            [
+                str(r + 1),
+                ", ".join(f"{k.removeprefix('gp ')} {v * 1e3:.1f}" for k, v in ours.items()),
+                ", ".join(f"{k.removeprefix('torch ')} {v * 1e3:.1f}" for k, v in theirs.items()),
+                *(f"{x:.3f}" for x in ratios[-1]),
+                f"{best.removeprefix('gp ')} / {peer.removeprefix('torch ')}",
+            ]
+        )
+        per_action = {k: 1e6 * ours[k] / actions[k] for k in ours}
+    headers = [
+        "run",
+        "graphpipe (ms)",
+        "torch (ms)",
+        "1f1b / 1F1B",
+        "best / best",
+        "zb / 1f1b",
+        "CPU: 1f1b / 1F1B",
+        "CPU: zb / ZBV",
+        "bests",
+    ]
+    spread = [_spread([x[k] for x in ratios]) for k in range(5)]
+    return (
+        f"{machine()}\n\nCommand: `python -m benchmarks.runtime --paired {runs} --width "
+        f"{width} --steps {steps}`. The chain 8 x (Linear({width}) + ReLU), batch {BATCH}, "
+        f"M = {M}, SGD, 2 ranks of one thread; each schedule in a launch of its own, both "
+        "sides in turn, each step after a barrier; each figure the slower rank's median of "
+        f"{steps} steps after {WARMUP} warm-up steps. Ratios are step-time ratios (below 1: "
+        "the first is faster); CPU: the ratio of the slower rank's median CPU seconds per "
+        "step (`time.process_time`, every thread), which other jobs disturb less.\n\n"
+        + tabulate(rows, headers=headers, tablefmt="github")
+        + f"\n\nOver {runs} runs, median (range): 1f1b / 1F1B {spread[0]}, graphpipe's best / "
+        f"torch's best {spread[1]}, zb / 1f1b {spread[2]}; CPU time 1f1b / 1F1B {spread[3]}, "
+        f"zb / ZBV {spread[4]}. Per compute action in the last run "
+        "(graphpipe's step over its busiest rank's actions): "
+        + ", ".join(f"{k.removeprefix('gp ')} {v:.0f} us" for k, v in per_action.items())
+        + "\n"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Print the tables."""
-    print(report())
+    """Print the tables (with --paired: only the chain, both sides interleaved)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--paired", type=int, default=0, help="runs of the interleaved chain")
+    parser.add_argument("--width", type=int, default=WIDTH["chain"], help="the chain's width")
+    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps of each")
+    args = parser.parse_args(argv)
+    print(paired(args.paired, args.width, args.steps) if args.paired else report())
 
 
 if __name__ == "__main__":
