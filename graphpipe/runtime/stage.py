@@ -99,6 +99,7 @@ def build_stage(gm: fx.GraphModule, plan: Plan, index: int) -> tuple[fx.GraphMod
     if output is not None:
         results[OUTPUT] = fx.node.map_arg(output.args[0], lambda a: env[a.name])
     graph.output(results)
+    _clone_written(gm, graph, received)
     graph.lint()
     module = fx.GraphModule(gm, graph, f"Stage{index}")
     io = StageIO(tuple(model_inputs), tuple(received), tuple(sent), output is not None)
@@ -130,6 +131,69 @@ def arrive_as_traced(module: fx.GraphModule, io: StageIO, traced: dict[str, torc
 
 def _not(node: fx.Node, user: fx.Node) -> bool:
     return user is not node
+
+
+# ops that return a view of their first argument: a write to the view writes the argument
+_VIEWS = frozenset(
+    {"view", "view_as", "reshape", "transpose", "permute", "flatten", "squeeze", "unsqueeze",
+     "expand", "narrow", "select", "t", "unflatten", "__getitem__", "getitem", "contiguous"}
+)  # fmt: skip
+_IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "__iadd__", "__isub__",
+                                 "__imul__", "__itruediv__"})  # fmt: skip
+
+
+def _clone_written(gm: fx.GraphModule, graph: fx.Graph, received: Sequence[str]) -> None:
+    """Insert a clone after each received value the stage writes in place (directly or
+    through a view: `nn.ReLU(inplace=True)`, `x.add_(...)`, `x += ...`).
+
+    The executor hands a received floating value to the stage as a leaf that requires grad
+    (its gradient goes back to the sender), and autograd refuses an in-place write to such
+    a leaf; on one process the same value is an intermediate, which may be written. The
+    clone makes it one here too (differentiable; one copy per micro-batch, only for such
+    values).
+    """
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node.target in received and _written(gm, node):
+            with graph.inserting_after(node):
+                copy = graph.call_method("clone", (node,))
+            node.replace_all_uses_with(copy, delete_user_cb=functools.partial(_not, copy))
+
+
+def _written(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether an op writes `node`'s tensor in place, directly or through a view of it."""
+    seen, todo = set(), [node]
+    while todo:
+        value = todo.pop()
+        for user in value.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.args and user.args[0] is value and _in_place(gm, user):
+                return True
+            if user.args and user.args[0] is value and _name(user) in _VIEWS:
+                todo.append(user)
+    return False
+
+
+def _in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` writes its first argument: a module or function called with
+    inplace=True, a trailing-underscore method or function (`add_`, `torch.relu_`), or an
+    augmented assignment operator."""
+    if node.op == "call_module":
+        return getattr(gm.get_submodule(str(node.target)), "inplace", False) is True
+    if node.kwargs.get("inplace") is True:
+        return True
+    name = _name(node)
+    underscored = name.endswith("_") and not name.startswith("_")
+    return node.op in ("call_method", "call_function") and (
+        underscored or name in _IN_PLACE_OPERATORS
+    )
+
+
+def _name(node: fx.Node) -> str:
+    """A call's op name: the method's, or the function's `__name__`."""
+    target = node.target
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
 
 
 def _placeholders(
