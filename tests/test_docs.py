@@ -15,8 +15,9 @@ The convention the documents follow (`snippets` reads it):
 - Any other program runs as a script of its own, `python snippet.py` in a subprocess, killed
   when it runs past its time.
 
-Docs examples are short (2 to 5 steps, tiny sizes) so that the whole file takes about a
-minute on 2 idle cores. docs/ARCHITECTURE.md holds no Python block; its links are checked.
+Docs examples are short (2 to 5 steps, tiny sizes): the file's time goes mostly to starting
+interpreters and tracing (2.5 min measured on 2 cores shared with four other test runs, load
+10 to 19). docs/ARCHITECTURE.md holds no Python block; its links are checked.
 """
 
 from __future__ import annotations
