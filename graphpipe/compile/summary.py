@@ -59,10 +59,7 @@ def _mesh(spec: RunSpec) -> str:
 
 
 def _layout(plan: Plan) -> str:
-    chosen = plan.info.get("layouts", {}).get("chosen")
-    if chosen is not None:
-        return f"layout {chosen}"
-    return "layout folded" if plan.shared_devices() else "layout one"
+    return f"layout {plan.layout}"
 
 
 def _why_schedule(plan: Plan, schedule: Schedule, spec: RunSpec) -> str:
@@ -72,7 +69,9 @@ def _why_schedule(plan: Plan, schedule: Schedule, spec: RunSpec) -> str:
         return f"weights={spec.weights!r} runs it"
     considered = plan.info.get("layouts", {}).get("considered", [])
     rows = [_considered(c) for c in considered if c.get("step") is not None]
-    return "the planner's fastest of " + ", ".join(rows) if rows else "runs the plan's placement"
+    if rows:
+        return "the planner's fastest of " + ", ".join(rows)
+    return "the plan's" if schedule.name == plan.schedule else "runs the plan's placement"
 
 
 def _considered(entry: dict[str, Any]) -> str:
