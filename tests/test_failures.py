@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -225,6 +226,38 @@ def test_waits_handed_over_together_return_in_order_and_each_fails_as_itself() -
         watch.wait_each(waits)
     assert (err.value.kind, err.value.peers) == (FailureKind.RAISED, (2,))
     assert str(err.value) == "rank 0, action 0SF1>2, peer rank 2: RuntimeError: shapes"
+
+
+class _FakeWork:
+    """A Work whose future a timer completes `after` seconds on (never for None)."""
+
+    def __init__(self, after: float | None) -> None:
+        self.future: torch.futures.Future[None] = torch.futures.Future()
+        self.waited_on: list[str] = []
+        if after is not None:
+            threading.Timer(after, lambda: self.future.set_result(None)).start()
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self.future
+
+    def wait(self) -> bool:
+        self.waited_on.append(threading.current_thread().name)
+        return True
+
+
+def test_a_works_wait_runs_on_this_thread_woken_by_its_future() -> None:
+    watch = _watch(0, _board())
+    work = _FakeWork(after=0.4)  # past WAITING_AFTER: the watch also reads the board
+    assert watch.wait_work(work, [1], "the all-reduce of the loss") is True  # type: ignore[arg-type]
+    assert work.waited_on == [threading.current_thread().name]
+
+
+def test_a_work_never_done_is_stopped_by_another_ranks_failure() -> None:
+    store = _board()
+    FailureBoard(-1, 3, store).post("rank 2: was killed by signal 9", FailureKind.DIED, rank=2)
+    with pytest.raises(PipelineError) as err:
+        _watch(0, store).wait_work(_FakeWork(None), [1, 2], "the all-reduce of the loss")  # type: ignore[arg-type]
+    assert (err.value.kind, err.value.origin) == (FailureKind.ECHO, 2)
 
 
 def test_a_refused_input_is_posted_as_bad_input_and_echoed_as_such() -> None:

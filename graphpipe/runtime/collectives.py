@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphpipe.runtime.failures import guarded
+from graphpipe.runtime.failures import guarded, guarded_work
 
 __all__ = ["Collectives"]
 
@@ -28,8 +28,9 @@ class Collectives:
         self.device = device
 
     def all_reduce(self, t: torch.Tensor, what: str) -> None:
-        """Sum `t` in place over every rank; `what` names it in a failure."""
-        guarded(f"the all-reduce of {what}", lambda: dist.all_reduce(t))
+        """Sum `t` in place over every rank; `what` names it in a failure. Its Work is
+        waited for on this thread (`guarded_work`)."""
+        guarded_work(f"the all-reduce of {what}", lambda: dist.all_reduce(t, async_op=True))
 
     def gather(self, mine: Any, what: str) -> list[Any]:
         """`mine` from every rank, by rank; `what` names it in a failure."""

@@ -58,6 +58,7 @@ __all__ = [
     "failure",
     "first_line",
     "guarded",
+    "guarded_work",
     "install_watch",
     "posted",
     "restart_count",
@@ -289,8 +290,33 @@ class _Call:
         return self.result
 
 
+class _Work:
+    """A backend's Work whose completion its future reports (a gloo collective, run on
+    gloo's own threads): waited for on this thread, with the `_Call` interface."""
+
+    __slots__ = ("done", "work")
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+        self.done = threading.Event()
+        work.get_future().add_done_callback(lambda _: self.done.set())
+
+    def ready(self, timeout: float) -> bool:
+        """Whether the work completed (or failed), waiting up to `timeout` seconds."""
+        return self.done.wait(timeout)
+
+    def outcome(self) -> Any:
+        """The completed work's result; its error is raised."""
+        return self.work.wait()
+
+
 class Watch:
     """Runs this rank's waits on a waiter thread and stops them when another rank fails.
+
+    A wait for a Work that reports its completion (an asynchronous collective, `wait_work`)
+    is not handed over: this thread waits for its future. Gloo's point-to-point Works do
+    not (their `is_completed` stays False until `wait` and they have no future), so their
+    waits run on the waiter thread.
 
     Args:
         board: The failure board.
@@ -336,6 +362,17 @@ class Watch:
         """
         return self._outcome(self._submit([call])[0], peers, what, timeout)
 
+    def wait_work(
+        self, work: dist.Work, peers: Sequence[int], what: str, timeout: float | None = None
+    ) -> Any:
+        """`work.wait()` for an asynchronous collective's `work`, on this thread: its
+        future wakes it, and the board is read as `wait` reads it.
+
+        Raises:
+            PipelineError: as `wait`.
+        """
+        return self._outcome(_Work(work), peers, what, timeout)
+
     def wait_each(self, waits: Sequence[tuple[Callable[[], T], Sequence[int], str]]) -> list[T]:
         """Several waits `(call, peers, what)`, one after the other, each as `wait` runs it
         (its own timeout, its own error); handed to the waiter thread at once, as one item, so
@@ -356,7 +393,9 @@ class Watch:
                 call.dropped = True
         return done
 
-    def _outcome(self, call: _Call, peers: Sequence[int], what: str, timeout: float | None) -> Any:
+    def _outcome(
+        self, call: _Call | _Work, peers: Sequence[int], what: str, timeout: float | None
+    ) -> Any:
         """The outcome of the submitted `call`, waited for as `wait` says."""
         limit = self.timeout if timeout is None else timeout
         try:
@@ -370,7 +409,7 @@ class Watch:
         finally:
             self.board.clear_waiting()
 
-    def _poll(self, call: _Call, peers: Sequence[int], what: str, limit: float) -> Any:
+    def _poll(self, call: _Call | _Work, peers: Sequence[int], what: str, limit: float) -> Any:
         deadline = time.monotonic() + limit - WAITING_AFTER
         early = deadline - 2 * WAITING_AFTER  # when the board's idle ranks are read first
         idle: set[int] | None = None
@@ -558,6 +597,29 @@ def guarded(
             raise watch.failed(others, what, exc) from exc
         head = f"rank {rank}, {what}, peer rank {_ranks(others)}: "
         raise unwatched_error(head, rank, others, exc) from exc
+
+
+def guarded_work(
+    what: str,
+    start: Callable[[], dist.Work],
+    peers: Sequence[int] | None = None,
+    timeout: float | None = None,
+) -> None:
+    """Start the asynchronous collective `start` (`async_op=True`) on this thread and wait
+    for its Work under the process's watch (`Watch.wait_work`: no thread handed the wait),
+    as `guarded` runs a blocking one. On NCCL: `work.wait()`, a stream dependency.
+
+    Raises:
+        PipelineError: the collective failed, ran out of time, or another rank failed.
+    """
+    work = guarded(what, start, peers, here=True)
+    watch = current_watch()
+    if watch is None or dist.get_backend() == "nccl":
+        guarded(what, work.wait, peers, here=True)
+        return
+    rank = dist.get_rank()
+    others = [r for r in (range(dist.get_world_size()) if peers is None else peers) if r != rank]
+    watch.wait_work(work, others, what, timeout)
 
 
 def failure(text: str, kind: FailureKind, **fields: Any) -> PipelineError:
