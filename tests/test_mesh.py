@@ -371,7 +371,6 @@ def _spec(**kwargs: Any) -> RunSpec:
         ({"schedule": "zb", "reshard_after_forward": True}, "reshard_after_forward=True"),
         ({"schedule": "zbv", "reshard_after_forward": True}, "reshard_after_forward=True"),
         ({"reshard_after_forward": 1}, "reshard_after_forward=1"),
-        ({"precision": "fp16"}, "precision='fp16'"),
         ({"nan_check": True}, "nan_check=True"),
         ({"compile_stages": True}, "compile_stages=True"),
         ({"replication": True}, "replication=True"),

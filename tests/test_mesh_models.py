@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from test_mesh import PINS as CHAIN_PINS
 from test_mesh import STEPS as CHAIN_STEPS
@@ -538,3 +539,54 @@ def test_the_full_recipe_on_eight_ranks_is_the_autocast_recipe_of_one_process() 
             torch.testing.assert_close(
                 result["state"][key], value, rtol=BF16_RTOL, atol=BF16_ATOL, msg=_named(key)
             )
+
+
+def _fp16_on_the_mesh() -> dict[str, Any]:
+    """The chain in fp16 on pp 2 x dp 2 (FSDP2 gathers fp16 parameters, reduces in float32).
+    At step 1 one rank's gradient shard alone holds an inf (planted after FSDP2's
+    reduce-scatter, as the scaler is about to unscale it): every rank must skip that step."""
+    model, inputs = chain()
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=chain_optimizer(),
+        micro_batches=M,
+        schedule="1f1b",
+        pins=CHAIN_PINS["chain"],
+        precision="fp16",
+        data_parallel=2,
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=60, quiet=True),
+    )
+    scaler = pm._wiring.scaler
+    unscale = scaler.unscale
+
+    def planted(params: list[torch.Tensor], device: torch.device) -> bool:
+        held = [p for p in params if p.grad is not None]
+        held[0].grad.to_local().view(-1)[0] = float("inf")  # this dp rank's shard only
+        return unscale(params, device)
+
+    out: dict[str, Any] = {"losses": [], "scales": [], "skipped": [], "changed": []}
+    for step in range(CHAIN_STEPS):
+        before = {n: p.to_local().detach().clone() for n, p in pm.module.named_parameters()}
+        scaler.unscale = planted if step == 1 and dist.get_rank() == 1 else unscale
+        out["losses"].append(
+            pm.step(*chain_batch("chain", step)[0], target=chain_batch("chain", step)[1])
+        )
+        after = dict(pm.module.named_parameters())
+        out["changed"].append(
+            any(not torch.equal(after[n].to_local(), v) for n, v in before.items())
+        )
+        out["scales"].append(pm.loss_scale)
+        out["skipped"].append(pm.skipped_steps)
+    return out
+
+
+def test_fp16_on_the_mesh_agrees_on_one_loss_scale_over_every_dp_rank() -> None:
+    fp32_losses = chain_reference("chain")[0]
+    for rank, r in enumerate(launch(_fp16_on_the_mesh, 4, timeout=TIMEOUT)):
+        assert r["changed"] == [True, False, True], f"rank {rank}"  # step 1 skipped everywhere
+        assert r["skipped"] == [0, 1, 1], f"rank {rank}"
+        assert r["scales"] == [2.0**16, 2.0**15, 2.0**15], f"rank {rank}"
+        assert r["losses"][0] == pytest.approx(fp32_losses[0], rel=BF16_RTOL), f"rank {rank}"

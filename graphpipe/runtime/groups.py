@@ -19,7 +19,7 @@ from graphpipe.runtime.mesh import MeshLayout
 from graphpipe.runtime.spec import RunSpec
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
 
-__all__ = ["Modules", "sum_groups", "update_group"]
+__all__ = ["Modules", "scale_group", "sum_groups", "update_group"]
 
 Modules = dict[int, tuple[Any, Any]]  # stage index -> (its module, its StageIO)
 
@@ -150,6 +150,24 @@ def update_group(plan: Plan, timeout: float, layout: MeshLayout) -> dist.Process
         for t in range(layout.tp)
     }
     return groups[(layout.dp_index, layout.tp_index)]
+
+
+def scale_group(plan: Plan, timeout: float, layout: MeshLayout) -> dist.ProcessGroup | None:
+    """The ranks that agree on fp16's loss scale: every rank of every busy plan device, at
+    every dp and tp coordinate (a collective: every rank, same order). A dp rank's gradient
+    shard can overflow where its peers' do not, so the found-inf flag is reduced over all of
+    them, where clipping's norm needs only one pp sum per (d, t) (`update_group`).
+
+    Returns:
+        The group; None when it is every rank.
+    """
+    busy = sorted({d for s in plan.stages for d in s.devices})
+    ranks = sorted(
+        layout.ranks[p][d][t] for p in busy for d in range(layout.dp) for t in range(layout.tp)
+    )
+    if len(ranks) == dist.get_world_size():
+        return None
+    return _new_group(ranks, datetime.timedelta(seconds=timeout))
 
 
 def _new_group(ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:

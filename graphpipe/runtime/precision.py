@@ -40,6 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import graphpipe._torch as _torch
 from graphpipe.errors import ConfigError
 from graphpipe.ir.registry import POLICIES, policy_spec
+from graphpipe.runtime.sync import local_part
 
 __all__ = ["DTYPES", "LossScaler", "Precision", "check_precision", "saturating_cast"]
 
@@ -180,7 +181,8 @@ class LossScaler:
     def unscale(self, params: Sequence[torch.Tensor], device: torch.device) -> bool:
         """Divide the gradients by the scale; whether every rank's are finite (collective)."""
         flag = torch.zeros(1, dtype=torch.float32, device=device)  # 1: an inf or NaN here
-        for grads in _by_device_and_dtype([p.grad for p in params if p.grad is not None]):
+        held = [local_part(p.grad) for p in params if p.grad is not None]  # shards too
+        for grads in _by_device_and_dtype(held):
             on = grads[0].device
             found = torch.zeros(1, dtype=torch.float32, device=on)
             inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=on)

@@ -190,8 +190,7 @@ class RunSpec:
         problems.extend(tp_refusals(tp=tp, tp_plan=tp_plan, dp_shard=dp_shard))
         if mesh is not None or (dp or 1) > 1:
             asked = dict(
-                weights=weights, precision=precision,
-                nan_check=nan_check, compile_stages=compile_stages,
+                weights=weights, nan_check=nan_check, compile_stages=compile_stages,
                 replication=plan_options.get("replication", False),
             )  # fmt: skip
             problems.extend(mesh_refusals(**asked))
@@ -585,7 +584,6 @@ def check_reshard(reshard_after_forward: bool | None, schedule: str | None) -> b
 def mesh_refusals(
     *,
     weights: str,
-    precision: str | None,
     nan_check: bool,
     compile_stages: bool,
     replication: Any,
@@ -595,8 +593,6 @@ def mesh_refusals(
     out = []
     if weights != "flush":
         out.append(f"weights={weights!r} is {later}: use weights='flush'")
-    if precision == "fp16":
-        out.append(f"precision='fp16' (a loss scale agreed by all ranks) is {later}")
     if nan_check:
         out.append(f"nan_check=True is {later}")
     if compile_stages:

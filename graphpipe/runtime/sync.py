@@ -56,7 +56,15 @@ from graphpipe.errors import FailureKind, PipelineError
 from graphpipe.ir import Action, ActionKind
 from graphpipe.runtime.failures import failure, guarded
 
-__all__ = ["BUCKET_BYTES", "FinalGrads", "GradSync", "SyncGroup", "final_backwards", "make_groups"]
+__all__ = [
+    "BUCKET_BYTES",
+    "FinalGrads",
+    "GradSync",
+    "SyncGroup",
+    "final_backwards",
+    "local_part",
+    "make_groups",
+]
 
 BUCKET_BYTES = 25 * 2**20  # the largest bucket (one parameter may exceed it alone)
 
@@ -187,7 +195,7 @@ def _buckets(params: Sequence[nn.Parameter], cap: int) -> list[_Bucket]:
     out: list[_Bucket] = []
     size = 0
     for p in reversed(params):
-        bytes_ = _local(p).numel() * p.element_size()
+        bytes_ = local_part(p).numel() * p.element_size()
         last = out[-1].params[-1] if out else None
         if last is None or size + bytes_ > cap or (last.dtype, last.device) != (p.dtype, p.device):
             out.append(_Bucket([]))
@@ -247,7 +255,9 @@ class GradSync:
                 for p in g.params:
                     guarded(
                         f"the broadcast of {g.label}",
-                        functools.partial(dist.broadcast, _local(p), src=g.ranks[0], group=g.group),
+                        functools.partial(
+                            dist.broadcast, local_part(p), src=g.ranks[0], group=g.group
+                        ),
                         g.ranks,
                     )
 
@@ -285,9 +295,9 @@ class GradSync:
         """Flatten the bucket's gradients and start their all-reduce."""
         owners = [bucket.holders.get(id(p), p) for p in bucket.params]
         grads = [h.grad for h in owners]
-        bucket.seen = [(g, -1 if g is None else tensor_version(_local(g))) for g in grads]
+        bucket.seen = [(g, -1 if g is None else tensor_version(local_part(g))) for g in grads]
         parts = [
-            (_local(g) if g is not None else torch.zeros_like(_local(p))).reshape(-1)
+            (local_part(g) if g is not None else torch.zeros_like(local_part(p))).reshape(-1)
             for g, p in zip(grads, bucket.params, strict=True)
         ]
         bucket.flat = torch.cat(parts)
@@ -330,7 +340,8 @@ class GradSync:
         changed = [
             position[id(p)]
             for p, (grad, version) in zip(bucket.params, bucket.seen, strict=True)
-            if p.grad is not grad or (grad is not None and tensor_version(_local(grad)) != version)
+            if p.grad is not grad
+            or (grad is not None and tensor_version(local_part(grad)) != version)
         ]
         if changed:
             raise failure(
@@ -343,12 +354,12 @@ class GradSync:
         assert bucket.flat is not None
         at = 0
         for p in bucket.params:
-            n = _local(p).numel()
-            p.grad = _like(p, bucket.flat[at : at + n].view_as(_local(p)).clone())
+            n = local_part(p).numel()
+            p.grad = _like(p, bucket.flat[at : at + n].view_as(local_part(p)).clone())
             at += n
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of `t`: a DTensor's local shard (FSDP2, tp), else `t`."""
     return t.to_local() if isinstance(t, DTensor) else t
 

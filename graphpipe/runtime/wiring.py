@@ -30,7 +30,7 @@ from graphpipe.runtime.emulate import DeviceTime, Emulate, EmulatedStage, emulat
 from graphpipe.runtime.executor import Executor, StageRuntime
 from graphpipe.runtime.failures import guarded, install_watch, set_collective_timeout
 from graphpipe.runtime.fsdp_comms import guard_collectives
-from graphpipe.runtime.groups import Modules, sum_groups, update_group
+from graphpipe.runtime.groups import Modules, scale_group, sum_groups, update_group
 from graphpipe.runtime.hooks import AgreeFinite, Clip, Unscale, hooks_for
 from graphpipe.runtime.materialize import is_meta, materialize, materialize_sharded, names_by_id
 from graphpipe.runtime.mesh import MeshLayout, shard_stage
@@ -305,9 +305,14 @@ def _update_checks(
 ) -> tuple[dist.ProcessGroup | None, LossScaler | None, AgreeFinite | None]:
     """The group that agrees on clipping and the loss scale (a collective, when either is
     on), fp16's scaler and nan_check's agreement."""
-    needs_group = spec.clip is not None or spec.precision == "fp16"
+    fp16 = spec.precision == "fp16"
+    needs_group = spec.clip is not None or fp16
     group = update_group(plan, spec.runtime.timeout, layout) if needs_group else None
-    scaler = _scaler(group) if spec.precision == "fp16" else None
+    scaler = None
+    if fp16:  # under a mesh every dp and tp rank agrees too (scale_group)
+        scaler = _scaler(
+            scale_group(plan, spec.runtime.timeout, layout) if layout.sharded else group
+        )
     agree = _agreement(modules, canon, spec.micro_batches, device) if spec.nan_check else None
     return group, scaler, agree
 
