@@ -58,7 +58,10 @@ def _bf16_worker() -> dict[str, Any]:
     seen = _received_dtypes(pm)
     losses = [pm.step(*batch(NAME, s)[0], target=batch(NAME, s)[1]) for s in range(STEPS)]
     params = {n: p.dtype for n, p in pm.module.named_parameters()}
-    return {"losses": losses, "state": pm.state_dict(), "received": seen, "params": params}
+    inputs, target = batch(NAME, 0)
+    evaluated = {"eval": pm.eval_step(*inputs, target=target), "outputs": pm(*inputs)}
+    out = {"losses": losses, "state": pm.state_dict(), "received": seen, "params": params}
+    return {**out, **evaluated}
 
 
 def _reference_bf16() -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -89,6 +92,16 @@ def test_bf16_trains_like_one_process_under_autocast_with_half_width_messages() 
         assert r["received"] and set(r["received"]) == {torch.bfloat16}
     for key, value in ref_state.items():
         torch.testing.assert_close(results[0]["state"][key], value, rtol=2e-2, atol=2e-3)
+    model, _ = ZOO[NAME]()  # eval and pm(...) in bf16 too: the trained model under autocast
+    model.load_state_dict(ref_state)
+    inputs, target = batch(NAME, 0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        parts = [model(*[x.chunk(M)[j] for x in inputs]) for j in range(M)]
+        evaluated = sum(float(dict_loss(o, t)) for o, t in zip(parts, target.chunk(M), strict=True))
+        evaluated /= M
+    for r in results:
+        assert r["eval"] == pytest.approx(evaluated, rel=2e-2)
+        torch.testing.assert_close(r["outputs"], torch.cat(parts), rtol=5e-2, atol=5e-2)
 
 
 def _fp16_worker() -> dict[str, Any]:

@@ -86,10 +86,11 @@ class Inference:
         w = self.w
         if w.executor is None or w.module is None:
             return None
-        run = Executor(
+        run = Executor(  # the run's precision: its messages are sized in its dtype
             w.executor.stages,
             LIVE_WEIGHTS,
             w.executor.transport,
+            w.executor.precision,
             device_time=w.executor.device_time,
         )
         run.training = False
