@@ -168,7 +168,11 @@ def _llama() -> nn.Module:
 
 
 def _conv_bn(cin: int, cout: int, k: int = 3) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2), nn.BatchNorm2d(cout), nn.ReLU())
+    """torchvision's BasicConv2d: its ReLU writes in place (a cut before it sends a value
+    the next stage writes)."""
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, k, padding=k // 2), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
+    )
 
 
 class InceptionNet(nn.Module):
@@ -213,7 +217,7 @@ class DenseNet(nn.Module):
         features = [self.stem(image)]
         for layer in self.layers:
             features.append(layer(torch.cat(features, dim=1)))
-        x = torch.relu(self.norm(torch.cat(features, dim=1)))  # (B, 24, 8, 8)
+        x = F.relu(self.norm(torch.cat(features, dim=1)), inplace=True)  # (B, 24, 8, 8)
         return self.head(x.mean(dim=(2, 3)))
 
 
@@ -253,6 +257,58 @@ HF_CASES: dict[str, Case] = {
         _lm_loss,
         {"use_cache": False},
     ),
+}
+
+
+def _mixtral() -> nn.Module:
+    """A tiny Mixtral: 4 experts, 2 per token (its router normalises its top-k weights in
+    place, `div_`)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
+    return MixtralForCausalLM(cfg)
+
+
+def _qwen2_moe() -> nn.Module:
+    """A tiny Qwen2-MoE: 4 routed experts, 2 per token, and a gated shared expert."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        max_position_embeddings=32,
+    )
+    return Qwen2MoeForCausalLM(cfg)
+
+
+MOE_CASES: dict[str, Case] = {
+    name: Case(
+        _seeded(build),
+        lambda gen: {"input_ids": _tokens(gen)},
+        _tokens,
+        _lm_loss,
+        {"use_cache": False},
+    )
+    for name, build in (("mixtral", _mixtral), ("qwen2_moe", _qwen2_moe))
 }
 
 CNN_CASES: dict[str, Case] = {

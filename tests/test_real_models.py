@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from real_models import CASES, CNN_CASES, M, optimizer, reference, step_data
+from real_models import CASES, CNN_CASES, MOE_CASES, M, optimizer, reference, step_data
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
@@ -33,10 +33,12 @@ SCHEDULES = ("gpipe", "1f1b", "zb")
 FOLDED = (("gpt2", "zbv"), ("t5", "interleaved_zb"), ("llama", "dualpipev"), ("inception", "zbv"))
 STEPS = 3
 TIMEOUT = 420  # seconds for one launch: 7 models x 3 schedules
+ALL = {**CASES, **MOE_CASES}
+MOE_SCHEDULES = ("zb",)  # its backward split in input and weight halves: the hardest flushed one
 
 
 def _run(name: str, schedule: str, world: int, **extra: Any) -> dict[str, Any]:
-    case = CASES[name]
+    case = ALL[name]
     example, _ = step_data(case, 0)
     # tiny models would otherwise be replicated whole (data parallelism, not a pipeline)
     options: dict[str, Any] = {"pins": case.pins[world]} if case.pins else {"replication": False}
@@ -86,9 +88,23 @@ def folded_runs() -> list[dict[tuple[str, str], dict[str, Any]]]:
     return launch(_folded_worker, 2, timeout=TIMEOUT)
 
 
+def _moe_worker(mesh: bool) -> dict[tuple[str, str], dict[str, Any]]:
+    """The MoE models with the default (measured) profile, whose routers write in place: on
+    2 ranks under each schedule, or on pp 2 x dp 2 under 1f1b."""
+    if mesh:
+        return {(n, "1f1b"): _run(n, "1f1b", 2, data_parallel=2) for n in MOE_CASES}
+    return {(n, s): _run(n, s, 2) for n in MOE_CASES for s in MOE_SCHEDULES}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["pp2", "pp2_dp2"])
+def moe_runs(request: pytest.FixtureRequest) -> list[dict[tuple[str, str], dict[str, Any]]]:
+    world = 4 if request.param else 2
+    return launch(_moe_worker, world, args=(request.param,), timeout=TIMEOUT)
+
+
 @pytest.fixture(scope="module")
 def references() -> dict[str, tuple[list[float], torch.nn.Module]]:
-    return {name: reference(case, STEPS) for name, case in CASES.items()}
+    return {name: reference(case, STEPS) for name, case in ALL.items()}
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -115,6 +131,17 @@ def test_real_models_folded_two_stages_per_rank_train_as_one_process(
     _assert_equal(result, references[name], name)
 
 
+@pytest.mark.parametrize("name", sorted(MOE_CASES))
+def test_mixture_of_experts_models_train_as_one_process(
+    moe_runs: list[dict[tuple[str, str], dict[str, Any]]],
+    references: dict[str, tuple[list[float], torch.nn.Module]],
+    name: str,
+) -> None:
+    for (model, _schedule), result in moe_runs[0].items():
+        if model == name:
+            _assert_equal(result, references[name], name)
+
+
 def _assert_equal(
     result: dict[str, Any], reference_run: tuple[list[float], torch.nn.Module], name: str
 ) -> None:
@@ -125,7 +152,7 @@ def _assert_equal(
     assert list(state) == list(expected)  # every name, tied aliases included, in order
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    plain = CASES[name].build()
+    plain = ALL[name].build()
     plain.load_state_dict(state, strict=True)
 
 
