@@ -394,10 +394,11 @@ def test_plain_attention_equals_torch_s(causal: bool) -> None:
 
 
 def test_what_tensor_parallelism_cannot_run_yet_is_refused_by_name() -> None:
+    from graphpipe.runtime.refusals import refusal
     from graphpipe.runtime.spec import tp_refusals
 
     said = tp_refusals(tp=2, tp_plan=None, dp_shard=False)
-    assert [s.split(" ")[0] for s in said] == ["dp_shard=False"]
+    assert said == [refusal("tp-hsdp", "dp_shard=False")]
     assert "no 'tp' dimension" in tp_refusals(tp=1, tp_plan={}, dp_shard=True)[0]
 
 

@@ -16,6 +16,7 @@ from graphpipe.ir import Plan
 from graphpipe.ir.registry import schedule_spec
 from graphpipe.runtime.failures import guarded
 from graphpipe.runtime.mesh import MeshLayout
+from graphpipe.runtime.refusals import refusal
 from graphpipe.runtime.spec import RunSpec
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
 
@@ -69,12 +70,8 @@ def sum_groups(
     }
     if doubled and meshed:
         name, held = next(iter(doubled.items()))
-        raise ConfigError(
-            f"a weight tied across stages is not yet run with a mesh (FSDP2 per stage; "
-            f"planned): {name} is held by stages {list(held)} on one pp rank, and each "
-            "stage's fully_shard would make a sharded copy of its own; put its readers in "
-            "one stage, or give the modules copies of their own"
-        )
+        subject = f"{name} is held by stages {list(held)} on one pp rank"
+        raise ConfigError(refusal("mesh-tie-one-rank", subject))
     if meshed:
         assert layout is not None
         tied = _per_coordinate(tied, layout)
@@ -113,13 +110,11 @@ def _per_coordinate(
 def _refuse_tied(tied: tuple[tuple[int, ...], str], weights: str, schedule: str) -> None:
     """Raises: ConfigError: a weight tied across ranks cannot be summed asynchronously."""
     ranks, label = tied
-    raise ConfigError(
-        f"weights={weights!r} cannot keep a weight tied across ranks: {label[5:]} is "
-        f"held on ranks {list(ranks)}, whose stages update at different points of the "
-        f"{schedule} schedule, so its copies' gradients have no moment to be "
-        "summed; use weights='flush', which sums them before each update, or give "
-        "the modules that share it copies of their own"
+    subject = (
+        f"weights={weights!r} cannot keep a weight tied across ranks under {schedule}: "
+        f"{label[5:]} is held on ranks {list(ranks)}"
     )
+    raise ConfigError(refusal("async-tie", subject))
 
 
 def update_group(plan: Plan, timeout: float, layout: MeshLayout) -> dist.ProcessGroup | None:

@@ -26,6 +26,7 @@ from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Executor
 from graphpipe.runtime.inference import Inference
+from graphpipe.runtime.refusals import refusal
 from graphpipe.runtime.shapes import Shapes, signature_of
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.state import ModelState
@@ -279,12 +280,9 @@ def _shapes(
     rows = w.plan.micro_batch_size // w.dp  # one dp rank's slice of a micro-batch
     fixed = None
     if w.spec.runtime.emulate is not None:
-        fixed = "emulated stages run at the compiled shapes only"
+        fixed = refusal("emulated-shapes", "emulate=")
     elif model is not None and w.layout is not None and w.layout.sharded:
-        fixed = (
-            "a graph torch.export traced runs at other shapes as a new stage module per shape, "
-            "not yet under a mesh (FSDP2 shards the compiled one); planned"
-        )
+        fixed = refusal("mesh-export-shapes", "this exported graph")
     return Shapes(
         w.gm,
         w.plan,

@@ -38,6 +38,7 @@ from graphpipe.runtime.materialize import InitFn
 from graphpipe.runtime.mesh import MESH_SHAPES
 from graphpipe.runtime.nancheck import check_nan_check
 from graphpipe.runtime.precision import check_precision
+from graphpipe.runtime.refusals import refusal
 from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.tracing.bind import batch_of, normalise
 from graphpipe.tracing.tracer import LeafSpec
@@ -540,18 +541,17 @@ def tp_refusals(
     tp_plan: Any,
     dp_shard: bool,
 ) -> list[str]:
-    """What tensor parallelism (a "tp" mesh dimension) cannot run yet, each named."""
+    """What tensor parallelism (a "tp" mesh dimension) refuses, each named."""
     if tp == 1:
         return [] if tp_plan is None else [
             f"tp_plan= given ({len(tp_plan)} entries) but the mesh has no 'tp' dimension: "
             "pass a mesh with dims ('pp', 'tp') or ('pp', 'dp', 'tp')"
         ]  # fmt: skip
-    later = "not yet with tensor parallelism (a 'tp' mesh dimension); planned"
     out = []
     if tp_plan is not None and not isinstance(tp_plan, Mapping):
         out.append(f"tp_plan={tp_plan!r}: it must be a mapping of module path to style")
     if not dp_shard:
-        out.append(f"dp_shard=False (HSDP) is {later}")
+        out.append(refusal("tp-hsdp", "dp_shard=False"))
     return out
 
 
@@ -588,18 +588,14 @@ def mesh_refusals(
     compile_stages: bool,
     replication: Any,
 ) -> list[str]:
-    """What a mesh (FSDP2 per stage) cannot run yet, each named; empty if all is well."""
-    later = "not yet with a mesh (FSDP2 per stage); planned"
+    """What a mesh refuses (`graphpipe.runtime.refusals`), each named; empty if all is well."""
     out = []
     if weights != "flush":
-        out.append(f"weights={weights!r} is {later}: use weights='flush'")
+        out.append(refusal("mesh-weights", f"weights={weights!r}"))
     if nan_check:
-        out.append(f"nan_check=True is {later}")
+        out.append(refusal("mesh-nan-check", "nan_check=True"))
     if compile_stages:
-        out.append(f"compile_stages=True is {later}")
+        out.append(refusal("mesh-compile-stages", "compile_stages=True"))
     if replication:
-        out.append(
-            f"replication={replication!r}: replicated stages within pp are refused with a mesh, "
-            "whose dp dimension replicates every stage already; plan with replication=False"
-        )
+        out.append(refusal("mesh-replication", f"replication={replication!r}"))
     return out
