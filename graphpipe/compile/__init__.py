@@ -153,20 +153,23 @@ def compile(
         compile_stages: `torch.compile` each of this rank's stage modules (in place: state
             dict keys stay). Not with zero-bubble schedules (zb, zbv, ...), whose backward is
             split into input and weight halves, which a compiled backward cannot do.
-        precision: "bf16" or "fp16": autocast on each stage's forward, float32 master
-            weights, values crossing stages in that dtype (half the bytes; the planner
-            counts them so), and for fp16 a loss scale agreed by every rank: an overflow
-            anywhere skips the step everywhere (`pm.loss_scale`, `pm.skipped_steps`;
-            weights="flush" only). None: float32 (`graphpipe.runtime.precision`).
+        precision: "bf16" or "fp16": autocast on each stage's forward (under a mesh,
+            FSDP2's mixed precision for a graph torch.fx traced), float32 master weights,
+            values crossing stages in that dtype (half the bytes; the planner counts them
+            so), and for fp16 a loss scale agreed by every rank: an overflow anywhere skips
+            the step everywhere (`pm.loss_scale`, `pm.skipped_steps`; weights="flush"
+            only). None: float32 (`graphpipe.runtime.precision`).
         nan_check: Stop a step at its first non-finite loss or gradient: every rank raises
             the same PipelineError naming the stage, the micro-batch and (for a gradient)
             the parameter, before the optimizer update, which is skipped and the gradients
             dropped. Costs one all-reduce per step. weights="flush" only
             (`graphpipe.runtime.nancheck`).
-        mesh: A `DeviceMesh` with mesh_dim_names ("pp", "dp"): the plan is made for its pp
-            devices, and each stage runs on the dp ranks of its pp coordinate, sharded by
-            FSDP2, each on its slice of every micro-batch (`graphpipe.runtime.mesh`).
-            Only weights="flush" with gpipe or 1f1b, for now (the rest is refused by name).
+        mesh: A `DeviceMesh` with mesh_dim_names ("pp", "dp"), ("pp", "tp") or ("pp",
+            "dp", "tp"): the plan is made for its pp devices, and each stage runs on the dp
+            and tp ranks of its pp coordinate, sharded by FSDP2 over dp (each dp rank on its
+            slice of every micro-batch) and split by `tp_plan` over tp
+            (`graphpipe.runtime.mesh`). Every flushed schedule runs; what a mesh refuses is
+            in `graphpipe.runtime.refusals`.
         data_parallel: k: the shorthand for `mesh=init_device_mesh(device, (world // k, k),
             mesh_dim_names=("pp", "dp"))`.
         dp_shard: With a mesh, FSDP2 shards each stage over dp; False replicates it (HSDP
