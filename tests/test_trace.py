@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -10,6 +11,8 @@ from torch import nn
 from zoo import ZOO
 
 from graphpipe.errors import ConfigError, TraceError
+from graphpipe.planning.partition import plan
+from graphpipe.planning.profile import ProfileConfig
 from graphpipe.tracing.tracer import TensorSpec, flat_inputs, model_output, trace, trace_info
 
 
@@ -126,6 +129,33 @@ def test_falls_back_to_torch_export_when_fx_fails() -> None:
     torch.testing.assert_close(gm(x), model(x))
     linear = next(n for n in gm.graph.nodes if n.meta.get("gp_params"))
     assert linear.meta["gp_module"] == "a"
+
+
+class TwoLayerShapeBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] > 2:  # symbolic_trace fails: torch.export traces it
+            x = self.a(x)
+        return self.b(x)
+
+
+def test_an_exported_model_is_planned_with_measured_costs_without_a_future_warning() -> None:
+    """torch 2.13 deprecates pytree's LeafSpec with a FutureWarning from its constructor;
+    graphpipe's copies of an exported graph (the profiler's, to time ops on a device) share
+    torch's one leaf spec instead of building one (`graphpipe._torch.copy_graph`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        p = plan(
+            TwoLayerShapeBranch(),
+            torch.randn(8, 4),
+            devices=2,
+            micro_batches=2,
+            profile=ProfileConfig(mode="measure", warmup=0, repeats=1),
+        )
+    assert p.stages
 
 
 def test_untraceable_model_quotes_both_reasons() -> None:
