@@ -68,9 +68,12 @@ def test_a_rank_dying_in_an_fsdp_all_gather_is_named_by_every_survivor(tmp_path:
     for line in survivors:
         assert f"rank {VICTIM}: exited with code 9" in line, e.problems
     died = float((tmp_path / str(VICTIM)).read_text())
-    for rank in (0, 1, 2):  # at once: the timeout is SLOW s
+    for rank in (0, 1, 2):  # told, not left to time out
         took = float((tmp_path / str(rank)).read_text()) - died
-        assert 0 <= took < SLOW / 4, (rank, took)
+        # after the death (an ordering), and before the SLOW s a survivor left waiting in the
+        # all-gather would take; told by the failure watch, it takes under a second idle and
+        # a few seconds on a loaded machine, so half of SLOW is room, not a tight margin
+        assert 0 <= took < SLOW / 2, (rank, took)
 
 
 STALL = 15.0  # RuntimeConfig.timeout of the stall: above compile's slowest wait here

@@ -145,10 +145,12 @@ def test_micro_batch_losses_average_to_the_batch_loss(name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_paper_preset_traces_quickly_on_meta(name: str) -> None:
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: other processes' load adds none
     w = model_module(name).workload("paper")
     gm = trace(w.model, w.example_inputs, leaf_modules=w.leaf_modules)
-    assert time.perf_counter() - start < 10
+    # a few seconds on meta at most; materialised, the paper's billions of parameters would
+    # take minutes to allocate and initialise (and more memory than a CI machine has)
+    assert time.process_time() - start < 10
     assert all(p.is_meta for p in w.model.parameters())
     low, high = PAPER_BYTES[name]
     assert low <= sum(gm.meta["graphpipe"].param_bytes.values()) <= high

@@ -29,6 +29,8 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import FailureKind, PipelineError
 
 WORLD, LIMIT = 3, 120  # ranks; seconds the whole test may take
+WAITED = 60  # RuntimeConfig.timeout: what a survivor left waiting for rank 0 would wait
+TOLD = WAITED / 2  # a survivor told of the death: under a second idle, seconds when loaded
 
 
 def _free_port() -> int:
@@ -53,7 +55,7 @@ def _worker(rank: int, port: int, out: str, moment: str) -> None:
         optimizer=_optimizer(),
         micro_batches=4,
         pins=MATRIX_PINS[WORLD],
-        runtime=RuntimeConfig(timeout=60),
+        runtime=RuntimeConfig(timeout=WAITED),
     )
     inputs, target = batch("two_branch", 0)
     pm.step(*inputs, target=target)
@@ -109,7 +111,7 @@ def _run(moment: str, out: Path) -> dict[int, tuple[float, str, str]]:
 @pytest.mark.parametrize("moment", ["between_steps", "forward"])
 def test_every_survivor_names_the_dead_store_host(moment: str, tmp_path: Path) -> None:
     for rank, (seconds, fields, text) in _run(moment, tmp_path).items():
-        assert seconds < 15, (rank, text)  # the timeout is 60 s
+        assert seconds < TOLD, (rank, text)  # named, not left to time out
         assert fields == f"{FailureKind.DIED.value}|0|(0,)", (rank, fields, text)
         assert "rank 0, which served the store, is gone with it" in text, (rank, text)
         assert "rank 2 closed its connection" not in text, (rank, text)
@@ -118,6 +120,6 @@ def test_every_survivor_names_the_dead_store_host(moment: str, tmp_path: Path) -
 def test_every_survivor_quotes_the_store_hosts_own_error(tmp_path: Path) -> None:
     """Rank 0 raises and exits: its post must reach the others before its store goes."""
     for rank, (seconds, fields, text) in _run("raises", tmp_path).items():
-        assert seconds < 15, (rank, text)
+        assert seconds < TOLD, (rank, text)
         assert fields.startswith(f"{FailureKind.ECHO.value}|0|"), (rank, fields, text)
         assert "RuntimeError: boom in the stage" in text, (rank, text)
