@@ -590,3 +590,60 @@ def test_fp16_on_the_mesh_agrees_on_one_loss_scale_over_every_dp_rank() -> None:
         assert r["skipped"] == [0, 1, 1], f"rank {rank}"
         assert r["scales"] == [2.0**16, 2.0**15, 2.0**15], f"rank {rank}"
         assert r["losses"][0] == pytest.approx(fp32_losses[0], rel=BF16_RTOL), f"rank {rank}"
+
+
+def _shaped_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The compiled shape, two shorter sequences, then the compiled shape again (fewer rows
+    would leave one row per dp slice here, a size torch.export traces to another graph)."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(B, L), (B, L - 2), (B, L - 1), (B, L)]
+    return [
+        (torch.randint(3, V, s, generator=gen), torch.randint(3, V, s, generator=gen))
+        for s in shapes
+    ]
+
+
+def _shapes_reference() -> dict[str, Any]:
+    model = llama()
+    opt = _bf16_optimizer()(model.parameters())
+    losses = []
+    for ids, target in _shaped_batches():
+        total = 0.0
+        for j in range(M):
+            loss = lm_loss(model(input_ids=ids.chunk(M)[j], use_cache=False), target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def _shapes_worker() -> dict[str, Any]:
+    """The exported Llama stepping at other shapes on pp 2 x dp 2 and on pp 2 x tp 2."""
+    out = {}
+    for dims in ("dp", "tp"):
+        pm = _compile_llama(
+            optimizer=_bf16_optimizer(),
+            mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", dims)),
+        )
+        losses = [pm.step(input_ids=ids, target=t) for ids, t in _shaped_batches()]
+        out[dims] = {"losses": losses, "state": pm.state_dict()}
+    return out
+
+
+def test_an_exported_graph_steps_at_other_shapes_on_a_mesh_as_one_process() -> None:
+    """A new shape's stage graph runs through the live stage module, so FSDP2 gathers its
+    shards and tp makes its outputs whole around it as around the compiled graph."""
+    want = _shapes_reference()
+    for rank, result in enumerate(launch(_shapes_worker, 4, timeout=TIMEOUT)):
+        for dims, got in result.items():
+            where = f"rank {rank} {dims}"
+            assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), where
+            for key, value in want["state"].items():
+                torch.testing.assert_close(
+                    got["state"][key], value, rtol=1e-5, atol=ATOL_SHAPES, msg=_named(key)
+                )
+
+
+ATOL_SHAPES = 2e-6  # tp's all-reduces sum in another order than one process

@@ -32,6 +32,7 @@ from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.state import ModelState
 from graphpipe.runtime.stepping import Programs, Stepper
 from graphpipe.runtime.timelines import Recorder
+from graphpipe.runtime.tp import for_dtensor
 from graphpipe.runtime.weights import WeightPolicy
 from graphpipe.runtime.wiring import Wiring, wire
 from graphpipe.tracing.annotate import is_meta, trace_info
@@ -281,8 +282,8 @@ def _shapes(
     fixed = None
     if w.spec.runtime.emulate is not None:
         fixed = refusal("emulated-shapes", "emulate=")
-    elif model is not None and w.layout is not None and w.layout.sharded:
-        fixed = refusal("mesh-export-shapes", "this exported graph")
+    meshed = w.layout is not None and w.layout.sharded
+    tp = meshed and w.layout is not None and w.layout.tp_mesh is not None
     return Shapes(
         w.gm,
         w.plan,
@@ -295,4 +296,6 @@ def _shapes(
         model,
         w.spec.compile_stages,
         fixed,
+        on_live=meshed,  # new shapes' graphs through the live stage's FSDP2 and tp hooks
+        rewrite=for_dtensor if tp else None,
     )

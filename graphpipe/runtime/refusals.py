@@ -5,8 +5,9 @@ or the design ("by design"), and what to do instead. Each place that refuses bui
 message from its row (`refusal`), naming the offending value, so the table and the errors
 cannot drift apart; the guides quote `table()` (tests/test_refusals.py checks they do).
 What is not here runs: bf16 and fp16 on every mesh, a weight tied across pp ranks under dp
-and tp, `pm(...)` and `eval_step` under a mesh, the production recipe (pp x dp x tp, bf16,
-interleaved, recompute) on a model torch.export traced.
+and tp, `pm(...)` and `eval_step` under a mesh, an exported graph at other shapes under a
+mesh, the production recipe (pp x dp x tp, bf16, interleaved, recompute) on a model
+torch.export traced.
 
     raise ConfigError(refusal("mesh-weights", f"weights={weights!r}"))
 """
@@ -74,13 +75,6 @@ REFUSALS: tuple[Refusal, ...] = (
         True,
         "put its readers in one stage, or on two pp ranks (summed as Megatron's embedding "
         "group is)",
-    ),
-    Refusal(
-        "mesh-export-shapes",
-        "a graph torch.export traced, at a shape other than the compiled one, with a mesh",
-        "such a graph runs another shape as a new stage module, and FSDP2 shards the compiled one",
-        True,
-        "compile at the largest shape (max_shapes=) and pad, or use a model torch.fx traces",
     ),
     Refusal(
         "tp-hsdp",

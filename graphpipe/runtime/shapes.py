@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from graphpipe.errors import ConfigError, GraphPipeError
 from graphpipe.ir import Plan
 from graphpipe.planning.opgraph import graph_hash
 from graphpipe.runtime.comm import Spec
-from graphpipe.runtime.stage import build_stage, retarget, shapes_at
+from graphpipe.runtime.stage import arrive_as_traced, build_stage, retarget, shapes_at
 from graphpipe.tracing import bind
 from graphpipe.tracing.annotate import trace_info
 from graphpipe.tracing.tracer import LeafSpec, retrace, trace
@@ -121,8 +122,11 @@ class Shapes:
         model: The model, to export again at new shapes (through a `stand_in` made at the
             first one); None for an fx-traced graph.
         compile_stages: torch.compile each new stage module, as compile did the others.
-        fixed: Why shapes cannot change in this run (emulated stages, an exported graph
-            under a mesh); None: they can.
+        fixed: Why shapes cannot change in this run (emulated stages); None: they can.
+        on_live: Under a mesh: a new shape's stage graph runs on the live stage module
+            (`OnLive`), whose hooks gather its FSDP2 shards and make its tp outputs whole;
+            `rewrite` (tp's for DTensors) is applied to the graph first.
+        rewrite: A rewrite of each new stage graph, as the live one had (None: none).
     """
 
     def __init__(
@@ -138,10 +142,13 @@ class Shapes:
         model: nn.Module | None = None,
         compile_stages: bool = False,
         fixed: str | None = None,
+        on_live: bool = False,
+        rewrite: Callable[[fx.GraphModule], None] | None = None,
     ) -> None:
         self.gm, self.plan, self.modules, self.compiled = gm, plan, dict(modules), compiled
         self.traced_on, self.device, self.crossing = traced_on, device, crossing
         self.model, self.compile_stages, self.fixed = model, compile_stages, fixed
+        self.on_live, self.rewrite = on_live, rewrite
         self._stand_in: nn.Module | None = None
         self._cache: dict[Signature, Lowered] = {compiled: Lowered(specs, self.modules)}
 
@@ -182,7 +189,8 @@ class Shapes:
         crossing = {name: (shape, self.crossing(dtype)) for name, (shape, dtype) in specs.items()}
         if self.model is None:
             return Lowered(crossing, self.modules)
-        return Lowered(crossing, {i: self._carved(gm, i) for i in self.modules})
+        traced = {name: dtype for name, (_, dtype) in specs.items()}
+        return Lowered(crossing, {i: self._carved(gm, i, traced) for i in self.modules})
 
     def _exported(self, signature: Signature) -> fx.GraphModule:
         """The model exported again at `signature`, checked to have the compiled ops."""
@@ -206,16 +214,48 @@ class Shapes:
             )
         return gm
 
-    def _carved(self, gm: fx.GraphModule, index: int) -> nn.Module:
-        """Stage `index` of the new graph, on the live stage module's tensors."""
-        carved, _ = build_stage(gm, self.plan, index)
+    def _carved(
+        self, gm: fx.GraphModule, index: int, traced: dict[str, torch.dtype]
+    ) -> nn.Module | OnLive:
+        """Stage `index` of the new graph, on the live stage module's tensors (through the
+        live module itself under a mesh); values arriving in a half-width dtype cast back
+        to their traced one, as compile's stages do (`arrive_as_traced`)."""
+        carved, io = build_stage(gm, self.plan, index)
         live = self.modules[index]
         _check_constants(carved, live, index)
         module = fx.GraphModule(live, carved.graph, f"Stage{index}")
+        if any(self.crossing(d) != d for d in traced.values()):
+            arrive_as_traced(module, io, traced)
         retarget(module, self.device)
+        if self.on_live:
+            if self.rewrite is not None:
+                self.rewrite(module)
+            return OnLive(live, module)
         if self.compile_stages:
             module.compile()
         return module
+
+
+class OnLive:
+    """A stage graph made for other shapes, run as the live stage module's forward for the
+    call: the live module's hooks (FSDP2's all-gather of its shards before, the reshard
+    after; tp's whole outputs) run around it, as they do around the compiled graph. Both
+    graphs read the same tensors by name (`_check_constants`).
+
+    Args:
+        live: The stage module compile built (wrapped by FSDP2 or tp).
+        shaped: The stage module at the new shapes.
+    """
+
+    def __init__(self, live: nn.Module, shaped: fx.GraphModule) -> None:
+        self.live, self.forward = live, types.MethodType(type(shaped).forward, live)
+
+    def __call__(self, *args: Any) -> Any:
+        self.live.forward = self.forward  # an instance attribute: Module.__call__ reads it
+        try:
+            return self.live(*args)
+        finally:
+            del self.live.forward
 
 
 def _difference(compiled: fx.GraphModule, new: fx.GraphModule) -> str:

@@ -59,6 +59,7 @@ from graphpipe.planning.mesh import TP_LAYOUTS, path_matches
 __all__ = [
     "STYLES",
     "apply_tp",
+    "for_dtensor",
     "model_tp_plan",
     "placements",
     "resolve_tp_plan",
@@ -189,11 +190,11 @@ def apply_tp(
         source = None if p.is_meta else 0
         sharded = distribute_tensor(p.detach(), mesh, where, src_data_rank=source)
         setattr(owner, leaf, nn.Parameter(sharded, requires_grad=p.requires_grad))
-    _for_dtensor(stage)
+    for_dtensor(stage)
     stage.register_forward_hook(_whole_outputs)
 
 
-def _for_dtensor(stage: fx.GraphModule) -> None:
+def for_dtensor(stage: fx.GraphModule) -> None:
     """Drop export's metadata asserts; replace scaled dot-product attention by plain ops."""
     graph = stage.graph
     for node in list(graph.nodes):
