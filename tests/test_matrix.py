@@ -1,0 +1,194 @@
+"""The composition matrix: every pair of values of (schedule family, mesh dims, precision,
+tracing path) meets in at least one tiny case trained against one process.
+
+The factors:
+- schedule family: 1f1b (one stage per pp rank), zb (zero bubble, its backward split),
+  interleaved (four stages folded loop-wise on pp 2), zbv (four stages folded as a V);
+- mesh dims: ("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp");
+- precision: fp32, bf16;
+- tracing path: fx (test_mesh's chain of Linear + Tanh blocks with a tp plan of its own),
+  export (the tiny Hugging Face Llama of test_mesh_models, with its own tp plan).
+
+`CASES` is a covering array of 12 rows (the 4 x 3 family-mesh pairs, each once, the other
+two factors spread over them); `test_the_cases_cover_every_pair` checks that it still does.
+fp32 runs equal one process at rtol 1e-5; bf16 runs are within 2% of one process's float32
+losses and not equal to them, and their parameters within bf16's tolerance of float32's (the
+bf16 recipes' exact comparisons are tests/test_mesh_models.py's). Two steps each; the 4-rank
+rows in one launch, the 8-rank rows in another.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from test_mesh import Chain
+from test_mesh import _optimizer as chain_optimizer
+from test_mesh_models import PINS as LLAMA_PINS
+from test_mesh_models import PINS_FOLDED, V, lm_loss
+from test_mesh_models import llama as build_llama
+from torch.distributed.device_mesh import init_device_mesh
+from zoo import dict_loss
+
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.planning.profile import ProfileConfig
+from graphpipe.runtime.launch import launch
+
+FAMILIES = ("1f1b", "zb", "interleaved", "zbv")
+MESHES = ("dp", "tp", "dp_tp")
+PRECISIONS = ("fp32", "bf16")
+TRACING = ("fx", "export")
+CASES = [  # (family, mesh, precision, tracing)
+    ("1f1b", "dp", "fp32", "fx"),
+    ("1f1b", "tp", "bf16", "export"),
+    ("1f1b", "dp_tp", "bf16", "fx"),
+    ("zb", "dp", "bf16", "export"),
+    ("zb", "tp", "fp32", "fx"),
+    ("zb", "dp_tp", "fp32", "export"),
+    ("interleaved", "dp", "bf16", "fx"),
+    ("interleaved", "tp", "fp32", "export"),
+    ("interleaved", "dp_tp", "bf16", "export"),
+    ("zbv", "dp", "fp32", "export"),
+    ("zbv", "tp", "bf16", "fx"),
+    ("zbv", "dp_tp", "fp32", "fx"),
+]
+SHAPES = {"dp": ((2, 2), ("pp", "dp")), "tp": ((2, 2), ("pp", "tp")),
+          "dp_tp": ((2, 2, 2), ("pp", "dp", "tp"))}  # fmt: skip
+M, STEPS, B, L, TIMEOUT = 2, 2, 8, 6, 400
+CHAIN_TP = {"blocks.0.0": "colwise", "blocks.1.0": "rowwise", "blocks.2.0": "colwise",
+            "blocks.3.0": "rowwise"}  # fmt: skip
+CHAIN_PINS = {
+    2: {"blocks.0": 0, "blocks.1": 0, "blocks.2": 1, "blocks.3": 1, "head": 1},
+    4: {"blocks.0": 0, "blocks.1": 1, "blocks.2": 2, "blocks.3": 3, "head": 3},
+}
+
+
+def test_the_cases_cover_every_pair() -> None:
+    factors = (FAMILIES, MESHES, PRECISIONS, TRACING)
+    for (i, a), (j, b) in itertools.combinations(enumerate(factors), 2):
+        met = {(case[i], case[j]) for case in CASES}
+        assert met == set(itertools.product(a, b)), (i, j, set(itertools.product(a, b)) - met)
+
+
+def _chain() -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Chain()
+
+
+def _data(tracing: str, step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    gen = torch.Generator().manual_seed(300 + step)
+    if tracing == "fx":
+        return {"x": torch.randn(B, 16, generator=gen)}, torch.randn(B, 4, generator=gen)
+    ids, target = (torch.randint(3, V, (B, L), generator=gen) for _ in range(2))
+    return {"input_ids": ids}, target
+
+
+def _setup(tracing: str) -> tuple[torch.nn.Module, Any, Any, dict[str, Any]]:
+    """The model, its loss, its optimizer and compile's example keywords."""
+    if tracing == "fx":
+        return _chain(), dict_loss, chain_optimizer(), {}
+    return build_llama(), lm_loss, chain_optimizer(), {"use_cache": False}
+
+
+def _run(case: tuple[str, str, str, str]) -> dict[str, Any]:
+    family, mesh, precision, tracing = case
+    model, loss, optimizer, constants = _setup(tracing)
+    folded = family in ("interleaved", "zbv")
+    if tracing == "fx":
+        pins: dict[str, int] = CHAIN_PINS[4 if folded else 2]
+    else:
+        pins = PINS_FOLDED if folded else LLAMA_PINS
+    shape, names = SHAPES[mesh]
+    inputs, _ = _data(tracing, 0)
+    pm = gp_compile(
+        model,
+        {**inputs, **constants} if tracing == "export" else (inputs["x"],),
+        loss_fn=loss,
+        optimizer=optimizer,
+        micro_batches=M,
+        schedule=family,
+        pins=pins,
+        mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
+        tp_plan=CHAIN_TP if tracing == "fx" and "tp" in mesh else None,
+        precision=None if precision == "fp32" else precision,
+        profile_config=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=120, quiet=True),
+    )
+    losses = []
+    for step in range(STEPS):
+        inputs, target = _data(tracing, step)
+        if tracing == "fx":
+            losses.append(pm.step(inputs["x"], target=target))
+        else:
+            losses.append(pm.step(**inputs, target=target))
+    return {"losses": losses, "state": pm.state_dict(), "stages": len(pm.plan.stages)}
+
+
+def _worker(cases: list[tuple[str, str, str, str]]) -> dict[tuple[str, str, str, str], Any]:
+    return {case: _run(case) for case in cases}
+
+
+def _reference(tracing: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process in float32, gradient accumulation over the same M micro-batches."""
+    model, loss_fn, optimizer, constants = _setup(tracing)
+    opt = optimizer(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        inputs, target = _data(tracing, step)
+        total = 0.0
+        for j in range(M):
+            part = {k: v.chunk(M)[j] for k, v in inputs.items()}
+            out = model(**part, **constants) if tracing == "export" else model(part["x"])
+            loss = loss_fn(out, target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[str, str, str, str], list[dict[str, Any]]]:
+    out: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
+    for world, meshes in ((4, ("dp", "tp")), (8, ("dp_tp",))):
+        cases = [case for case in CASES if case[1] in meshes]
+        for rank, by_case in enumerate(launch(_worker, world, args=(cases,), timeout=TIMEOUT)):
+            for case, result in by_case.items():
+                out.setdefault(case, []).append(result)
+                assert len(out[case]) == rank + 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    return {tracing: _reference(tracing) for tracing in TRACING}
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_each_composition_trains_as_one_process(
+    runs: dict[tuple[str, str, str, str], list[dict[str, Any]]],
+    references: dict[str, tuple[list[float], dict[str, torch.Tensor]]],
+    case: tuple[str, str, str, str],
+) -> None:
+    family, _, precision, tracing = case
+    ref_losses, ref_state = references[tracing]
+    exact = precision == "fp32"
+    for rank, result in enumerate(runs[case]):
+        where = f"rank {rank}"
+        assert result["stages"] == (4 if family in ("interleaved", "zbv") else 2), where
+        if exact:
+            assert result["losses"] == pytest.approx(ref_losses, rel=1e-5), where
+        else:
+            assert result["losses"] == pytest.approx(ref_losses, rel=0.02), where
+            assert result["losses"] != pytest.approx(ref_losses, rel=1e-6), where  # bf16 ran
+        for key, value in ref_state.items():
+            got = result["state"][key]
+            if exact:
+                torch.testing.assert_close(got, value, rtol=1e-5, atol=2e-6, msg=f"{where} {key}")
+            else:
+                torch.testing.assert_close(got, value, rtol=5e-2, atol=1e-2, msg=f"{where} {key}")
