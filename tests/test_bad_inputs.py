@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import importlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,17 +31,7 @@ TIMEOUT = 240  # seconds for the launch
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank() -> Iterator[None]:
-    """A one-rank gloo process group for the module's single-process compiles."""
-    if dist.is_initialized():  # pragma: no cover - another module left one
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank")  # conftest: a one-rank gloo group
 
 
 def _compile(model: nn.Module, inputs: Any, **kw: Any) -> Any:

@@ -4,11 +4,9 @@ API and the CLI share: a pipeline of distinct stages unless replication is asked
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
@@ -19,17 +17,7 @@ from graphpipe.tools.train import TrainConfig
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank() -> Iterator[None]:
-    """A one-rank gloo process group for the module's compiles."""
-    if dist.is_initialized():  # pragma: no cover - another module left one
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank")  # conftest: a one-rank gloo group
 
 
 def test_compile_says_in_one_line_what_it_chose(capsys: pytest.CaptureFixture[str]) -> None:
