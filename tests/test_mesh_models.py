@@ -385,9 +385,10 @@ def _bf16_worker() -> dict[bool, dict[str, Any]]:
     return {shard: _bf16_run(shard) for shard in (True, False)}
 
 
-def _bf16_run(shard: bool) -> dict[str, Any]:
+def _chain_on_the_mesh(precision: str, dp_shard: bool = True) -> Any:
+    """test_mesh's chain under 1f1b on pp 2 x dp 2, in `precision`."""
     model, inputs = chain()
-    pm = gp_compile(
+    return gp_compile(
         model,
         inputs,
         loss_fn=dict_loss,
@@ -395,12 +396,16 @@ def _bf16_run(shard: bool) -> dict[str, Any]:
         micro_batches=M,
         schedule="1f1b",
         pins=CHAIN_PINS["chain"],
-        precision="bf16",
+        precision=precision,
         data_parallel=2,
-        dp_shard=shard,
+        dp_shard=dp_shard,
         profile_config=ProfileConfig(mode="flops"),
-        runtime=RuntimeConfig(timeout=60),
+        runtime=RuntimeConfig(timeout=60, quiet=True),
     )
+
+
+def _bf16_run(shard: bool) -> dict[str, Any]:
+    pm = _chain_on_the_mesh("bf16", dp_shard=shard)
     seen: set[torch.dtype] = set()  # a layer's parameters' dtype in its forward: FSDP2's cast
     for layer in pm.module.modules():
         if any(True for _ in layer.parameters(recurse=False)):
@@ -545,20 +550,7 @@ def _fp16_on_the_mesh() -> dict[str, Any]:
     """The chain in fp16 on pp 2 x dp 2 (FSDP2 gathers fp16 parameters, reduces in float32).
     At step 1 one rank's gradient shard alone holds an inf (planted after FSDP2's
     reduce-scatter, as the scaler is about to unscale it): every rank must skip that step."""
-    model, inputs = chain()
-    pm = gp_compile(
-        model,
-        inputs,
-        loss_fn=dict_loss,
-        optimizer=chain_optimizer(),
-        micro_batches=M,
-        schedule="1f1b",
-        pins=CHAIN_PINS["chain"],
-        precision="fp16",
-        data_parallel=2,
-        profile_config=ProfileConfig(mode="flops"),
-        runtime=RuntimeConfig(timeout=60, quiet=True),
-    )
+    pm = _chain_on_the_mesh("fp16")
     scaler = pm._wiring.scaler
     unscale = scaler.unscale
 
