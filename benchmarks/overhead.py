@@ -20,7 +20,8 @@ they bound, not split, what each costs. CPU ms: the busiest rank's median CPU ti
 less than the wall time.
 
 A last line times one wait handed to the watch's waiter thread (`graphpipe.runtime.failures`),
-alone and as one of 32 handed over together.
+alone and as one of 32 handed over together, and a stage's backward per micro-batch in one
+process: whole, graphpipe's input and weight halves, torch's (`split_backward`).
 
 With `--host overlapped` the emulated devices run ahead of the host as a GPU does
 (`graphpipe.runtime.emulate`): what is left per action is what the host cannot hide (posting
