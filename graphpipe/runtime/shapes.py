@@ -216,7 +216,7 @@ class Shapes:
 
     def _carved(
         self, gm: fx.GraphModule, index: int, traced: dict[str, torch.dtype]
-    ) -> nn.Module | OnLive:
+    ) -> nn.Module:
         """Stage `index` of the new graph, on the live stage module's tensors (through the
         live module itself under a mesh); values arriving in a half-width dtype cast back
         to their traced one, as compile's stages do (`arrive_as_traced`)."""
@@ -236,26 +236,30 @@ class Shapes:
         return module
 
 
-class OnLive:
+class OnLive(nn.Module):
     """A stage graph made for other shapes, run as the live stage module's forward for the
     call: the live module's hooks (FSDP2's all-gather of its shards before, the reshard
     after; tp's whole outputs) run around it, as they do around the compiled graph. Both
     graphs read the same tensors by name (`_check_constants`).
 
     Args:
-        live: The stage module compile built (wrapped by FSDP2 or tp).
+        live: The stage module compile built (wrapped by FSDP2 or tp); not registered as a
+            submodule here (its parameters are its own).
         shaped: The stage module at the new shapes.
     """
 
     def __init__(self, live: nn.Module, shaped: fx.GraphModule) -> None:
-        self.live, self.forward = live, types.MethodType(type(shaped).forward, live)
+        super().__init__()
+        object.__setattr__(self, "_live", live)
+        object.__setattr__(self, "_shaped", types.MethodType(type(shaped).forward, live))
 
-    def __call__(self, *args: Any) -> Any:
-        self.live.forward = self.forward  # an instance attribute: Module.__call__ reads it
+    def forward(self, *args: Any) -> Any:
+        live: nn.Module = self.__dict__["_live"]
+        live.forward = self.__dict__["_shaped"]  # an instance attribute: __call__ reads it
         try:
-            return self.live(*args)
+            return live(*args)
         finally:
-            del self.live.forward
+            del live.forward
 
 
 def _difference(compiled: fx.GraphModule, new: fx.GraphModule) -> str:
