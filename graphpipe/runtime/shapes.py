@@ -214,9 +214,7 @@ class Shapes:
             )
         return gm
 
-    def _carved(
-        self, gm: fx.GraphModule, index: int, traced: dict[str, torch.dtype]
-    ) -> nn.Module:
+    def _carved(self, gm: fx.GraphModule, index: int, traced: dict[str, torch.dtype]) -> nn.Module:
         """Stage `index` of the new graph, on the live stage module's tensors (through the
         live module itself under a mesh); values arriving in a half-width dtype cast back
         to their traced one, as compile's stages do (`arrive_as_traced`)."""
