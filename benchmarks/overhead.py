@@ -167,7 +167,8 @@ def split_backward(width: int = 1024, rows: int = 32, layers: int = 4) -> dict[s
     runtime's second chain stage. Whole: one `torch.autograd.backward`; graphpipe: its
     input and weight halves (`graphpipe.runtime.backward`); torch: `stage_backward_input`
     then `stage_backward_weight` (torch.distributed.pipelining's zero bubble). Each is
-    timed in turn, forward excluded, the median of 60 rounds after 5."""
+    timed in turn, forward excluded, the median of 60 rounds after 5; the gradients are
+    zeroed every M rounds, so most rounds add into them, as a step's micro-batches do."""
     from torch.distributed.pipelining._backward import (
         stage_backward_input,
         stage_backward_weight,
@@ -210,7 +211,8 @@ def split_backward(width: int = 1024, rows: int = 32, layers: int = 4) -> dict[s
             run(x, y)
             if i >= 5:
                 times[name].append(time.perf_counter() - start)
-            stage.zero_grad()
+            if i % M == M - 1:  # a step's M micro-batches add into the gradients
+                stage.zero_grad()
     return {k: statistics.median(v) * 1e6 for k, v in times.items()}
 
 
