@@ -19,11 +19,11 @@ until the others have posted theirs (`linger`), so that its post reaches them.
 Every wait of a rank (a receive, a send's completion, a collective) goes through `Watch.wait`
 (several at once through `Watch.wait_each`): the blocking call runs on a waiter thread while
 this thread polls the board (an asynchronous collective's Work, whose future says when it is
-done, is waited for on this thread: `Watch.wait_work`), so a failure anywhere stops every other rank at once with a
-`PipelineError` of kind ECHO that quotes the first cause (`origin`, `cause`, `quoted`).
-`RuntimeConfig.timeout` bounds each wait. A timeout is diagnosed by following who waits for
-whom on the board: the ranks at the end of that chain, which wait for nobody and posted nothing,
-are the ones named (busy or stalled), so no rank blames a live neighbour that is itself waiting.
+done, is waited for on this thread: `Watch.wait_work`), so a failure anywhere stops every other
+rank at once with a `PipelineError` of kind ECHO that quotes the first cause (`origin`,
+`cause`, `quoted`). `RuntimeConfig.timeout` bounds each wait. A timeout is diagnosed by
+following who waits for whom on the board: the ranks at the end of that chain, which wait for
+nobody and posted nothing, are the ones named (busy or stalled), so no rank blames a live neighbour that is itself waiting.
 Every collective of the runtime runs through `guarded`, which puts it under the watch.
 On CUDA, waits are stream dependencies and the process group's timeout and watchdog bound them.
 """
