@@ -23,9 +23,10 @@ done, is waited for on this thread: `Watch.wait_work`), so a failure anywhere st
 rank at once with a `PipelineError` of kind ECHO that quotes the first cause (`origin`,
 `cause`, `quoted`). `RuntimeConfig.timeout` bounds each wait. A timeout is diagnosed by
 following who waits for whom on the board: the ranks at the end of that chain, which wait for
-nobody and posted nothing, are the ones named (busy or stalled), so no rank blames a live neighbour that is itself waiting.
-Every collective of the runtime runs through `guarded`, which puts it under the watch.
-On CUDA, waits are stream dependencies and the process group's timeout and watchdog bound them.
+nobody and posted nothing, are the ones named (busy or stalled), so no rank blames a live
+neighbour that is itself waiting. Every collective of the runtime runs through `guarded`,
+which puts it under the watch. On CUDA, waits are stream dependencies and the process group's
+timeout and watchdog bound them.
 """
 
 from __future__ import annotations
