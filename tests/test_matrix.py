@@ -11,6 +11,8 @@ The factors:
 
 `CASES` is a covering array of 12 rows (the 4 x 3 family-mesh pairs, each once, the other
 two factors spread over them); `test_the_cases_cover_every_pair` checks that it still does.
+Four rows are trained by another test already (`ELSEWHERE`, checked to exist) and run here
+no second time.
 fp32 runs equal one process at rtol 1e-5; bf16 runs are within 2% of one process's float32
 losses and not equal to them, and their parameters within bf16's tolerance of float32's (the
 bf16 recipes' exact comparisons are tests/test_mesh_models.py's). Two steps each; the 4-rank
@@ -19,6 +21,7 @@ rows in one launch, the 8-rank rows in another.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from typing import Any
 
@@ -55,6 +58,27 @@ CASES = [  # (family, mesh, precision, tracing)
     ("zbv", "tp", "bf16", "fx"),
     ("zbv", "dp_tp", "fp32", "fx"),
 ]
+# rows another test already trains against one process, with the same model, mesh,
+# schedule and precision (and more): they are not run twice
+ELSEWHERE = {
+    ("1f1b", "dp", "fp32", "fx"): (
+        "test_mesh",
+        "test_a_mesh_step_equals_one_process_on_the_whole_mini_batch",
+    ),
+    ("1f1b", "tp", "bf16", "export"): (
+        "test_mesh_models",
+        "test_bf16_with_tensor_parallel_stages_is_the_autocast_recipe",
+    ),
+    ("zb", "tp", "fp32", "fx"): (  # with clipping and recompute too
+        "test_tp",
+        "test_an_fx_traced_chain_with_its_own_tp_plan_and_clipping_trains_as_one_process",
+    ),
+    ("interleaved", "dp_tp", "bf16", "export"): (  # with recompute too
+        "test_mesh_models",
+        "test_the_full_recipe_on_eight_ranks_is_the_autocast_recipe_of_one_process",
+    ),
+}
+RUN = [case for case in CASES if case not in ELSEWHERE]
 SHAPES = {"dp": ((2, 2), ("pp", "dp")), "tp": ((2, 2), ("pp", "tp")),
           "dp_tp": ((2, 2, 2), ("pp", "dp", "tp"))}  # fmt: skip
 M, STEPS, B, L, TIMEOUT = 2, 2, 8, 6, 400
@@ -64,6 +88,11 @@ CHAIN_PINS = {
     2: {"blocks.0": 0, "blocks.1": 0, "blocks.2": 1, "blocks.3": 1, "head": 1},
     4: {"blocks.0": 0, "blocks.1": 1, "blocks.2": 2, "blocks.3": 3, "head": 3},
 }
+
+
+def test_the_rows_run_elsewhere_are_tests_there() -> None:
+    for module, name in ELSEWHERE.values():
+        assert callable(getattr(importlib.import_module(module), name, None)), (module, name)
 
 
 def test_the_cases_cover_every_pair() -> None:
@@ -156,7 +185,7 @@ def _reference(tracing: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 def runs() -> dict[tuple[str, str, str, str], list[dict[str, Any]]]:
     out: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
     for world, meshes in ((4, ("dp", "tp")), (8, ("dp_tp",))):
-        cases = [case for case in CASES if case[1] in meshes]
+        cases = [case for case in RUN if case[1] in meshes]
         for rank, by_case in enumerate(launch(_worker, world, args=(cases,), timeout=TIMEOUT)):
             for case, result in by_case.items():
                 out.setdefault(case, []).append(result)
@@ -169,7 +198,7 @@ def references() -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
     return {tracing: _reference(tracing) for tracing in TRACING}
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize("case", RUN, ids=["-".join(c) for c in RUN])
 def test_each_composition_trains_as_one_process(
     runs: dict[tuple[str, str, str, str], list[dict[str, Any]]],
     references: dict[str, tuple[list[float], dict[str, torch.Tensor]]],
