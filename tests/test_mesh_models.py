@@ -273,10 +273,18 @@ def _sgd_run(bf16: bool) -> dict[str, Any]:
     if bf16:
         model.model.layers[0].register_forward_hook(_crossing)
         model.model.rotary_emb.register_forward_hook(_crossing)
+    return _accumulated(model, [batch(step) for step in range(STEPS)], bf16)
+
+
+def _accumulated(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], bf16: bool = False
+) -> dict[str, Any]:
+    """One process stepping `_bf16_optimizer` once per batch, each batch's gradient
+    accumulated over its M micro-batches (under `torch.autocast(bfloat16)` with `bf16`):
+    the losses and the state after."""
     opt = _bf16_optimizer()(model.parameters())
     losses = []
-    for step in range(STEPS):
-        ids, target = batch(step)
+    for ids, target in batches:
         total = 0.0
         for j in range(M):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -596,19 +604,7 @@ def _shaped_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _shapes_reference() -> dict[str, Any]:
-    model = llama()
-    opt = _bf16_optimizer()(model.parameters())
-    losses = []
-    for ids, target in _shaped_batches():
-        total = 0.0
-        for j in range(M):
-            loss = lm_loss(model(input_ids=ids.chunk(M)[j], use_cache=False), target.chunk(M)[j])
-            (loss / M).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / M)
-    return {"losses": losses, "state": model.state_dict()}
+    return _accumulated(llama(), _shaped_batches())
 
 
 def _shapes_worker() -> dict[str, Any]:
