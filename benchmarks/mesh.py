@@ -244,7 +244,7 @@ def _steps(p: Plan, emulate: Emulate, steps: int) -> float:
         micro_batches=p.micro_batches,
         schedule=DEFAULT_SCHEDULE,
         plan=p,
-        data_parallel=dp if dp > 1 else None,
+        dp=dp if dp > 1 else None,
         runtime=RuntimeConfig(timeout=600, emulate=emulate),
     )
     pm.step(*inputs, target=target)  # warm-up

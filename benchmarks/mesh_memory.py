@@ -77,9 +77,9 @@ def _worker(width: int, count: int, use_init: bool) -> dict[str, Any]:
         optimizer=functools.partial(torch.optim.SGD, lr=0.01),
         micro_batches=2,
         pins={str(i): i * 2 // count for i in range(count)},
-        data_parallel=2,
+        dp=2,
         init_weights=init_by_name if use_init else None,
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=300),
     )
     compile_peak = _status("VmHWM")
@@ -88,7 +88,7 @@ def _worker(width: int, count: int, use_init: bool) -> dict[str, Any]:
     pm.step(x, target=torch.zeros_like(x))
     return {
         "rank": dist.get_rank(),
-        "coords": (pm.rank, dist.get_rank() % 2),  # data_parallel=2: mesh rows of 2 ranks
+        "coords": (pm.rank, dist.get_rank() % 2),  # dp=2: mesh rows of 2 ranks
         "local": sum(p.to_local().numel() * p.element_size() for p in params),
         "stage": sum(p.numel() * p.element_size() for p in params),  # whole (global) shape
         "before": before,

@@ -113,7 +113,7 @@ def _timed(step: Callable[[], Any]) -> float:
 def _graphpipe_plan(name: str, schedule: str, model: nn.Module, x: torch.Tensor) -> Any:
     """The split: the chain's halves or quarters by pins, the towers' graph plan."""
     if name == "towers":
-        measured = {"replication": False, "profile_config": ProfileConfig(mode="measure")}
+        measured = {"replication": False, "profile": ProfileConfig(mode="measure")}
         return {**measured, "interleave": schedule == "graph_interleaved"}
     if schedule in ("interleaved", "zbv"):
         pins = {str(i): i // 2 for i in range(8)}

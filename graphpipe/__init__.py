@@ -43,6 +43,7 @@ from graphpipe.errors import (
     TraceError,
 )
 from graphpipe.ir import Plan, Schedule
+from graphpipe.planning.options import Init, Memory, Numerics, Parallelism, Planning
 from graphpipe.planning.partition import plan
 from graphpipe.runtime.checkpoint import export_checkpoint
 from graphpipe.runtime.launch import launch
@@ -58,10 +59,15 @@ __all__ = [
     "ConfigError",
     "FailureKind",
     "GraphPipeError",
+    "Init",
+    "Memory",
+    "Numerics",
+    "Parallelism",
     "PipelineError",
     "PipelinedModel",
     "Plan",
     "PlanError",
+    "Planning",
     "RuntimeConfig",
     "Schedule",
     "ScheduleError",

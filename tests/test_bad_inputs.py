@@ -241,11 +241,11 @@ def test_a_good_step_still_runs_after_refusals(pm: Any) -> None:
     ("flags", "line"),
     [
         (["--weights", "bogus"], "unknown weight policy 'bogus'"),
-        (["-m", "0"], "micro_batches=0 must be a positive integer"),
+        (["-m", "0"], "micro_batches=0: it must be a positive int or None"),
         (["-m", "3"], "a batch of 8 does not split into 3 equal micro-batches"),
         (["--steps", "0"], "steps=0 must be positive"),
-        (["--timeout", "-1"], "timeout=-1.0 must be positive"),
-        (["--max-grad-norm", "-1"], "max_grad_norm must be positive, got -1.0"),
+        (["--timeout", "-1"], "timeouts must be positive, got timeout=-1.0"),
+        (["--max-grad-norm", "-1"], "max_grad_norm=-1.0: it must be a positive number or None"),
         (["--preset", "bogus"], "nbranch: unknown preset 'bogus'"),
         (["--weights", "stash", "--schedule", "1f1b"], "runs with async, not schedule='1f1b'"),
     ],
@@ -277,10 +277,10 @@ def test_misspelt_plan_options_are_named_at_once_before_profiling(monkeypatch: A
     message = str(err.value)
     assert message.startswith("4 problems: "), message
     for named in (
-        "unknown plan option 'memory_budjet' (did you mean 'memory_budget'?)",
-        "max_units must be >= 1, got 0",
+        "unknown option 'memory_budjet' (did you mean 'memory_budget'?)",
+        "max_units=0: it must be a positive int",
         "placement must be one of ('loop', 'v'), got 'w'",
-        "plan option 'profile' is compile's profile_config= argument",
+        "profile=None: it must be a ProfileConfig",
     ):
         assert named in message
 

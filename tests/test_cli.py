@@ -115,11 +115,11 @@ TP_MMT = ["plan", "models.mmt", "--preset", "tiny", "--devices", "4", "--tp", "2
         (["run", "no.such.module", "--devices", "2"], "cannot import 'no.such.module'"),
         (
             ["run", "models.mmt", "--devices", "4", "--dp", "3"],
-            "data_parallel=3 does not divide devices=4",
+            "dp=3 x tp=1 does not divide devices=4",
         ),
         (
             ["run", "models.mmt", "--preset", "tiny", "--devices", "8", "--dp", "8"],
-            "data_parallel=8 does not divide a micro-batch of 4 rows",
+            "dp=8 does not divide a micro-batch of 4 rows",
         ),
         (["plan", "models.mmt", "--preset", "huge", "--devices", "2"], "'huge'"),
         (
@@ -136,7 +136,7 @@ TP_MMT = ["plan", "models.mmt", "--preset", "tiny", "--devices", "4", "--tp", "2
         ),
         (["plan", "models.mmt", "--preset", "tiny", "--devices", "99"], "99 devices"),
         (
-            ["plan", "models.mmt", "--preset", "tiny", "--devices", "2", "--memory", "0.000001"],
+            ["plan", "models.mmt", "--preset", "tiny", "--devices", "2", "--memory-budget", "1000"],
             "memory budget",
         ),
     ],
@@ -216,6 +216,5 @@ def test_run_trains_pp_x_dp_on_local_processes(
 
 
 def test_run_takes_a_dp_degree_not_auto(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        main(["run", "models.mmt", "--devices", "4", "--dp", "auto"])
+    assert main(["run", "models.mmt", "--devices", "4", "--dp", "auto"]) == 2
     assert "graphpipe plan ... --dp auto" in capsys.readouterr().err

@@ -220,7 +220,7 @@ def _mesh_plan() -> Plan:
 def _mesh_step(the_plan: Plan, host: str) -> tuple[float, int, int]:
     """Seconds per step, and the stand-in weight's local and whole element counts."""
     emulate = Emulate(time_scale=MESH_SCALE, byte_scale=4, host=host)
-    seconds, pm = _timed(the_plan, emulate, schedule="1f1b", data_parallel=2)
+    seconds, pm = _timed(the_plan, emulate, schedule="1f1b", dp=2)
     (weight,) = pm.module.parameters()
     return seconds, weight.to_local().numel(), weight.numel()
 

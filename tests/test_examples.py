@@ -28,7 +28,7 @@ def test_every_example_trains_on_two_processes(name: str, tmp_path: Path) -> Non
             steps=2,
             profile="flops",
             out=str(tmp_path),
-            timeout=60,
+            compile_options={"timeout": 60},
             deadline=240,
         )
     )

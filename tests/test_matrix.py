@@ -144,7 +144,7 @@ def _run(case: tuple[str, str, str, str]) -> dict[str, Any]:
         mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
         tp_plan=CHAIN_TP if tracing == "fx" and "tp" in mesh else None,
         precision=None if precision == "fp32" else precision,
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120, quiet=True),
     )
     losses = []

@@ -29,7 +29,8 @@ from graphpipe.planning.partition import plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.launch import launch
-from graphpipe.runtime.mesh import MeshLayout, stage_blocks
+from graphpipe.ir.cost import LinkModel
+from graphpipe.runtime.mesh import ParallelLayout, stage_blocks
 from graphpipe.runtime.spec import RunSpec
 from graphpipe.tracing.tracer import trace
 
@@ -118,7 +119,7 @@ def _compile(name: str, schedule: str, variant: str, m: int = M) -> Any:
     model, inputs = MODELS[name]()
     mesh_args: dict[str, Any] = {
         "mesh": None if variant == "shorthand" else _mesh(),
-        "data_parallel": 2 if variant == "shorthand" else None,
+        "dp": 2 if variant == "shorthand" else None,
         "dp_shard": variant != "replicate",
         "reshard_after_forward": None if schedule == "zb" else variant != "keep",
     }
@@ -130,7 +131,7 @@ def _compile(name: str, schedule: str, variant: str, m: int = M) -> Any:
         micro_batches=m,
         schedule=schedule,
         pins=PINS[name],
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=60),
         **mesh_args,
     )
@@ -374,12 +375,12 @@ def _spec(**kwargs: Any) -> RunSpec:
         ({"nan_check": True}, "nan_check=True"),
         ({"compile_stages": True}, "compile_stages=True"),
         ({"replication": True}, "replication=True"),
-        ({"data_parallel": 0}, "data_parallel=0"),
-        ({"data_parallel": 3, "micro_batches": None}, "M * dp = 12"),
+        ({"dp": 0}, "dp=0"),
+        ({"dp": 3, "micro_batches": None}, "M * dp = 12"),
     ],
 )
 def test_what_a_mesh_cannot_run_yet_is_refused_by_name(kwargs: dict[str, Any], named: str) -> None:
-    kwargs = {"data_parallel": 2, **kwargs}
+    kwargs = {"dp": 2, **kwargs}
     if kwargs.get("micro_batches", 2) is None:
         kwargs.pop("micro_batches")
         with pytest.raises(ConfigError, match=named.replace("*", r"\*")):
@@ -391,7 +392,7 @@ def test_what_a_mesh_cannot_run_yet_is_refused_by_name(kwargs: dict[str, Any], n
 
 def test_a_mesh_traces_each_rank_s_slice_of_a_micro_batch() -> None:
     assert _spec().micro_batch_size == 4
-    assert _spec(data_parallel=2).micro_batch_size == 2
+    assert _spec(dp=2).micro_batch_size == 2
 
 
 def test_a_mesh_that_is_not_one_is_refused() -> None:
@@ -400,7 +401,7 @@ def test_a_mesh_that_is_not_one_is_refused() -> None:
 
 
 def test_the_identity_layout_translates_nothing() -> None:
-    layout = MeshLayout.identity(2, 4)
+    layout = ParallelLayout.identity(2, 4)
     assert (layout.pp, layout.dp, layout.pp_index, layout.rank) == (4, 1, 2, 2)
     assert [layout.rank_of(d) for d in range(4)] == [0, 1, 2, 3]
     assert not layout.sharded
@@ -421,8 +422,8 @@ def _refusal_worker() -> list[str]:
     refused(
         lambda: _compile_with(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")))
     )
-    refused(lambda: _compile_with(mesh=_mesh(), data_parallel=2))
-    refused(lambda: _compile_with(data_parallel=3, micro_batches=1, example=torch.randn(6, D)))
+    refused(lambda: _compile_with(mesh=_mesh(), dp=2))
+    refused(lambda: _compile_with(dp=3, micro_batches=1, example=torch.randn(6, D)))
     model, inputs = ZOO["tied"]()  # embed and out share a weight: stages 0 and 3, pp rank 0
     pins = {"embed": 0, "body.0": 1, "body.1": 2, "body.2": 3, "out": 3}
     folded = plan(model, inputs, devices=4, dp=2, micro_batches=2, pins=pins, virtual_stages=2,
@@ -435,7 +436,7 @@ def _refusal_worker() -> list[str]:
             optimizer=_optimizer(),
             schedule="zbv",
             plan=folded,
-            data_parallel=2,
+            dp=2,
         )
     )
     return said
@@ -489,7 +490,7 @@ def _tied_worker(cases: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
             pins=TIED_PINS,
             mesh=mesh,
             tp_plan=TIED_TP if dims == "tp" else None,
-            profile_config=ProfileConfig(mode="flops"),
+            profile=ProfileConfig(mode="flops"),
             runtime=RuntimeConfig(timeout=60, quiet=True),
         )
         losses, held = [], []
@@ -542,7 +543,7 @@ def _tied_on_meta_worker() -> list[torch.Tensor]:
         optimizer=_optimizer(),
         micro_batches=M,
         pins=TIED_PINS,
-        data_parallel=2,
+        dp=2,
         runtime=RuntimeConfig(timeout=60, quiet=True),
     )
     params = dict(pm.module.named_parameters(remove_duplicate=False))
@@ -571,7 +572,7 @@ def _compile_with(
         optimizer=_optimizer(),
         micro_batches=micro_batches,
         pins=PINS["chain"],
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         **kwargs,
     )
 
@@ -581,8 +582,8 @@ def test_what_needs_the_process_group_is_refused_by_name() -> None:
     assert all(s == said[0] for s in said)
     expected = [
         "mesh_dim_names=('pp', 'dp')",
-        "data_parallel=2 both given",
-        "data_parallel=3 does not divide the world size 4",
+        "mesh= and dp=2, tp=None given",
+        "dp=3 x tp=1 does not divide the world size 4",
         "embed.weight is held by stages [0, 3] on one pp rank",
     ]
     assert len(said[0]) == len(expected)
@@ -590,10 +591,13 @@ def test_what_needs_the_process_group_is_refused_by_name() -> None:
         assert part in message, message
 
 
-@pytest.mark.parametrize("field", ["dp", "shard", "dp_link"])
-def test_the_planners_mesh_fields_are_refused_by_compile(field: str) -> None:
-    with pytest.raises(ConfigError, match=rf"\['{field}'\].*mesh= or data_parallel="):
-        _spec(**{field: 2})
+def test_compile_takes_the_planners_mesh_options_under_their_names() -> None:
+    """dp=, dp_shard= and dp_link= mean in compile what they mean in plan() (one option each,
+    `graphpipe.planning.options`): the degree, the sharding and the dp link's cost."""
+    link = LinkModel(bandwidth=1e9)
+    spec = _spec(dp=2, dp_shard=False, dp_link=link)
+    assert (spec.data_parallel, spec.parallelism.dp_shard) == (2, False)
+    assert spec.plan_options["dp_link"] is link  # the planner costs the dp link given
 
 
 def test_a_given_plan_is_checked_against_the_runs_dp_and_tp() -> None:

@@ -90,8 +90,8 @@ def _stalls_in_all_gather() -> None:
         optimizer=functools.partial(torch.optim.SGD, lr=0.05),
         micro_batches=2,
         pins=PINS["chain"],
-        data_parallel=2,
-        profile_config=ProfileConfig(mode="flops"),
+        dp=2,
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=STALL),
     )
     inputs, target = batch("chain", 0)

@@ -159,7 +159,7 @@ def _compile_llama(
         schedule=schedule,
         pins=PINS,
         mesh=mesh or init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")),
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
         **kwargs,
     )
@@ -348,9 +348,9 @@ def _recompute_worker() -> dict[tuple[str, bool], Any]:
             schedule=schedule,
             pins=CHAIN_PINS["chain"],
             recompute=True,
-            data_parallel=2,
+            dp=2,
             reshard_after_forward=reshard,
-            profile_config=ProfileConfig(mode="flops"),
+            profile=ProfileConfig(mode="flops"),
             runtime=RuntimeConfig(timeout=60),
         )
         out[(schedule, reshard)] = {
@@ -405,9 +405,9 @@ def _chain_on_the_mesh(precision: str, dp_shard: bool = True) -> Any:
         schedule="1f1b",
         pins=CHAIN_PINS["chain"],
         precision=precision,
-        data_parallel=2,
+        dp=2,
         dp_shard=dp_shard,
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=60, quiet=True),
     )
 
@@ -485,7 +485,7 @@ def _bf16_without_a_mesh() -> list[float]:
         micro_batches=M,
         pins=PINS,
         precision="bf16",
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120, quiet=True),
     )
     return [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
@@ -537,7 +537,7 @@ def _full_recipe() -> dict[str, Any]:
         precision="bf16",
         recompute=True,
         mesh=init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp")),
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120, quiet=True),
     )
     losses = [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]

@@ -66,7 +66,7 @@ def test_a_stage_on_k_dp_ranks_holds_its_state_sharded_and_1_over_k_of_the_activ
     model, x = _wide()
     alone = plan(model, x, devices=1, micro_batches=2)
     sharded = plan(model, x, devices=4, micro_batches=2, dp=4)
-    replicas = plan(model, x, devices=4, micro_batches=2, dp=4, shard=False)
+    replicas = plan(model, x, devices=4, micro_batches=2, dp=4, dp_shard=False)
     (s1,), (s4,), (r4,) = alone.stages, sharded.stages, replicas.stages
     p, a = s1.param_bytes, s1.activation_bytes
     assert s4.param_bytes == r4.param_bytes == p
@@ -202,7 +202,7 @@ def test_dp_must_divide_the_devices_and_the_micro_batch() -> None:
 
 def test_dp_turns_replication_off_and_says_dp_is_uniform() -> None:
     model, x = two_branch()
-    p = plan(model, x, devices=8, micro_batches=2, dp=2)
+    p = plan(model, x, devices=8, micro_batches=2, dp=2, replication=True)
     assert all(s.replicas == 1 for s in p.stages) and p.num_devices == 4
     mesh = p.info["mesh"]
     assert mesh["dp"] == 2 and mesh["pp"] == 4 and "same dp degree" in mesh["uniform"]

@@ -32,7 +32,6 @@ from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
-from graphpipe.runtime.mesh import MESH_DIMS
 
 MAX_NORM = 0.01  # below every step's gradient norm: clipping is active each step
 
@@ -48,7 +47,7 @@ def _compile(name: str, **kwargs: Any) -> Any:
         micro_batches=M,
         schedule="1f1b",
         pins=PINS[name],
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=60),
         mesh=_mesh(),
         **kwargs,
@@ -151,9 +150,9 @@ def _chain_under(layout: tuple[int, int]) -> Any:
         micro_batches=M,
         schedule="1f1b",
         pins=pins,
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=60),
-        mesh=None if shape is None else init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIMS),
+        mesh=None if shape is None else init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp")),
     )
 
 

@@ -281,12 +281,12 @@ def test_memory_budget_is_respected_and_infeasible_budget_is_an_error() -> None:
     rng = random.Random(7)
     g = random_dag(rng, 10)
     c = cost(micro_batches=8, budget=60000.0)
-    p = partition_op_graph(g, c, PlanConfig(devices=4), "x")
+    p = partition_op_graph(g, c, PlanConfig(devices=4, replication=True), "x")
     assert all(s.memory_bytes <= 60000 for s in p.stages)
-    unlimited = partition_op_graph(g, cost(micro_batches=8), PlanConfig(devices=4), "x")
+    unlimited = partition_op_graph(g, cost(micro_batches=8), PlanConfig(devices=4, replication=True), "x")
     assert max(s.memory_bytes for s in unlimited.stages) > 60000  # the budget changed the plan
     with pytest.raises(PlanError, match="memory budget"):
-        partition_op_graph(g, cost(budget=100.0), PlanConfig(devices=4), "x")
+        partition_op_graph(g, cost(budget=100.0), PlanConfig(devices=4, replication=True), "x")
 
 
 def test_a_named_schedule_is_planned_at_the_micro_batches_its_order_holds() -> None:
@@ -301,7 +301,7 @@ def test_a_named_schedule_is_planned_at_the_micro_batches_its_order_holds() -> N
     c = cost(micro_batches=8, budget=20000.0)
 
     def planned(schedule: str | None) -> Any:
-        config = PlanConfig(devices=4, schedule=schedule, layouts=("one",))
+        config = PlanConfig(devices=4, schedule=schedule, layouts=("one",), replication=True)
         return partition_op_graph(g, c, config, "x")
 
     def peak_under_zb(p: Any) -> int:
@@ -611,9 +611,9 @@ def test_a_stage_that_updates_buffers_is_never_replicated() -> None:
     """Replicas of a BatchNorm would each see only their own micro-batches, and their running
     statistics would differ from one device's; a GroupNorm holds no such state."""
     x = torch.randn(16, 3, 32, 32)
-    free = plan(_normed(nn.GroupNorm(4, 16)), x, devices=2, micro_batches=4, profile=FLOPS)
+    free = plan(_normed(nn.GroupNorm(4, 16)), x, devices=2, micro_batches=4, profile=FLOPS, replication=True)
     assert [s.replicas for s in free.stages] == [2]  # data parallel over both devices
-    bound = plan(_normed(nn.BatchNorm2d(16)), x, devices=2, micro_batches=4, profile=FLOPS)
+    bound = plan(_normed(nn.BatchNorm2d(16)), x, devices=2, micro_batches=4, profile=FLOPS, replication=True)
     assert all(s.replicas == 1 for s in bound.stages)
 
 
@@ -746,7 +746,7 @@ def _compiled_chain_worker(schedules: list[str | None]) -> dict[str | None, dict
     for schedule in schedules:
         pm = gp_compile(
             _chain(), x, loss_fn=F.mse_loss, optimizer=_sgd(), micro_batches=4,
-            schedule=schedule, profile_config=SLOW, replication=False,
+            schedule=schedule, profile=SLOW, replication=False,
             runtime=RuntimeConfig(timeout=60),
         )  # fmt: skip
         losses = [pm.step(x * (s + 1), target=target) for s in range(3)]

@@ -75,7 +75,7 @@ def _worker(world: int) -> dict[tuple[str, str], dict[str, Any]]:
 
 def _folded_worker() -> dict[tuple[str, str], dict[str, Any]]:
     flops = ProfileConfig(mode="flops")  # the same cut, with its skip, on every run
-    return {(n, s): _run(n, s, 2, profile_config=flops) for n, s in FOLDED}
+    return {(n, s): _run(n, s, 2, profile=flops) for n, s in FOLDED}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2_ranks", "3_ranks"])
@@ -91,7 +91,7 @@ def folded_runs() -> list[dict[tuple[str, str], dict[str, Any]]]:
 def _moe_worker() -> dict[tuple[str, str], dict[str, Any]]:
     """The MoE models with the default (measured) profile, whose routers write in place, on
     pp 2 x dp 2: Mixtral under zb (its backward split), Qwen2-MoE under 1f1b."""
-    return {(n, s): _run(n, s, 2, data_parallel=2) for n, s in MOE_RUNS}
+    return {(n, s): _run(n, s, 2, dp=2) for n, s in MOE_RUNS}
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def test_a_mesh_refusal_is_its_row_naming_the_value(
             loss_fn=dict_loss,
             optimizer=torch.optim.SGD,
             micro_batches=2,
-            data_parallel=2,
+            dp=2,
             **kwargs,
         )
     assert refusal(key, subject) in str(err.value)

@@ -200,7 +200,7 @@ def _compiled(run: str, schedule: str) -> Any:
     example, _ = batches()[0]
     options: dict[str, Any] = {"replication": False}
     if schedule == "graph_interleaved":  # stages of a DAG folded onto the ranks: FLOP
-        options.update(interleave=True, profile_config=FLOPS)  # costs, so that it folds
+        options.update(interleave=True, profile=FLOPS)  # costs, so that it folds
     if schedule == "interleaved":  # Megatron's: a chain of 4 stages, 2 per rank, looped
         options.update(virtual_stages=2, placement="loop", pins=CHAIN_PINS)
     if schedule in PIPEMARE:

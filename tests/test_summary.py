@@ -51,7 +51,7 @@ def test_compile_and_graphpipe_run_plan_a_pipeline_by_default() -> None:
     _, inputs = ZOO["two_branch"]()
     spec = RunSpec.build(inputs, loss_fn=dict_loss, optimizer=SGD, micro_batches=4)
     assert spec.plan_options["replication"] is False
-    assert TrainConfig(model="models.mmt").replication is False
+    assert TrainConfig(model="models.mmt").option("replication") is False
     asked = RunSpec.build(
         inputs, loss_fn=dict_loss, optimizer=SGD, micro_batches=4, replication=True
     )

@@ -78,7 +78,7 @@ def _llama(pins: dict[str, int], mesh: Any) -> Any:
         schedule="1f1b",
         pins=pins,
         mesh=mesh,
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
     )
 
@@ -149,7 +149,7 @@ def _chain_on_tp() -> dict[str, Any]:
         max_grad_norm=MAX_NORM,  # active every step: the norm over pp and tp's DTensors
         schedule="zb",  # split backward: the weight halves add into DTensor gradients
         recompute=True,  # every stage's forward again in the backward, on the DTensors
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
     )
     losses, norms = [], []
@@ -184,7 +184,7 @@ def _meta_chain_on_tp(shape: tuple[int, ...], names: tuple[str, ...]) -> dict[st
         mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
         tp_plan=META_TP,
         schedule="zb" if "dp" in names else "1f1b",  # zero bubble under FSDP2 x TP too
-        profile_config=ProfileConfig(mode="flops"),
+        profile=ProfileConfig(mode="flops"),
         runtime=RuntimeConfig(timeout=120),
     )
     losses = [pm.step(meta_data(s)[0], target=meta_data(s)[1]) for s in range(META_STEPS)]
@@ -443,7 +443,7 @@ def _fsdp_warnings() -> dict[str, Any]:
                 pins=pins,
                 mesh=init_device_mesh("cpu", shape, mesh_dim_names=dims),
                 tp_plan=tp_plan,
-                profile_config=ProfileConfig(mode="flops"),
+                profile=ProfileConfig(mode="flops"),
                 runtime=RuntimeConfig(timeout=60, quiet=True),
             )
             target = torch.zeros(8, 4 if name == "tp" else 2)

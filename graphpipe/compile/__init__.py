@@ -29,7 +29,7 @@ broadcast (or check a given plan), schedule and dry-run, and build the `Pipeline
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from graphpipe.compile.steps import (
     build_mesh,
@@ -51,22 +50,31 @@ from graphpipe.compile.steps import (
 )
 from graphpipe.compile.summary import announce
 from graphpipe.ir import Plan, Schedule
-from graphpipe.planning.profile import ProfileConfig
-from graphpipe.planning.recompute import RecomputeSpec, choose_recompute
+from graphpipe.planning.options import Init, Memory, Numerics, Parallelism, Planning
+from graphpipe.planning.recompute import choose_recompute
 from graphpipe.planning.schedule_memory import for_schedule
 from graphpipe.runtime.failures import install_watch, posted
-from graphpipe.runtime.materialize import InitFn
 from graphpipe.runtime.pipeline import PipelinedModel
 from graphpipe.runtime.shapes import check_max_shapes, planned_at
 from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig, schedule_for
 from graphpipe.runtime.tp import resolve_tp_plan
-from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.runtime.wiring import runtime_device
 from graphpipe.scheduling.generators import READS_TIMES, make_schedule
 from graphpipe.tracing.bind import check_output, flat_inputs, normalise
-from graphpipe.tracing.tracer import LeafSpec, trace
+from graphpipe.tracing.tracer import trace
 
-__all__ = ["PipelinedModel", "RunSpec", "RuntimeConfig", "compile", "schedule_for"]
+__all__ = [
+    "Init",
+    "Memory",
+    "Numerics",
+    "Parallelism",
+    "PipelinedModel",
+    "Planning",
+    "RunSpec",
+    "RuntimeConfig",
+    "compile",
+    "schedule_for",
+]
 
 
 def compile(
@@ -75,30 +83,14 @@ def compile(
     *,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: OptimizerFactory,
-    micro_batches: int | None = None,
-    schedule: str | None = None,
-    weights: str = "flush",
-    weight_options: PolicyOptions | None = None,
-    partitioner: str | None = None,
     plan: Plan | str | Path | None = None,
-    leaf_modules: Sequence[LeafSpec] = (),
-    profile_config: ProfileConfig | None = None,
+    planning: Planning | None = None,
+    parallelism: Parallelism | None = None,
+    numerics: Numerics | None = None,
+    memory: Memory | None = None,
+    init: Init | None = None,
     runtime: RuntimeConfig | None = None,
-    init_weights: InitFn | None = None,
-    checkpoint: str | Path | None = None,
-    max_grad_norm: float | None = None,
-    grad_norm_type: float = 2.0,
-    compile_stages: bool = False,
-    recompute: RecomputeSpec = False,
-    precision: str | None = None,
-    nan_check: bool = False,
-    mesh: DeviceMesh | None = None,
-    data_parallel: int | None = None,
-    dp_shard: bool = True,
-    reshard_after_forward: bool | None = None,
-    tp_plan: Mapping[str, str] | None = None,
-    max_shapes: Mapping[str, Sequence[int]] | None = None,
-    **plan_options: Any,
+    **options: Any,
 ) -> PipelinedModel:
     """Turn `model` into a pipelined model over every rank of the process group.
 
@@ -116,84 +108,44 @@ def compile(
         loss_fn: (model output, target) -> scalar, mean-reduced over the batch.
         optimizer: Builds the optimizer from a list of parameters, e.g.
             `functools.partial(torch.optim.SGD, lr=0.1)`.
-        micro_batches: M, micro-batches per mini-batch (default: the plan's, or 4).
-        schedule: "1f1b", "gpipe", "zb" (ZB-H1) or "zb2" (ZB-H2) for flush, or
-            "interleaved", "interleaved_zb" / "zbv" / "dualpipev" with several stages per rank
-            (the plan is a chain of 2 stages per device, folded "loop" or "v"; pin the stages,
-            or pass virtual_stages and placement); "graph_interleaved" for a stage DAG folded onto
-            the devices (`interleave=True`; the default for such a plan); "async" for stash
-            and pipemare; "2bw" for 2bw. Default: the one the weight policy needs, else
-            the one the planner chose with its layout (`graphpipe.planning.layouts`: 1f1b
-            on one stage per rank); a named schedule limits the planner to its layouts.
-        weights: The weight policy: "flush", "stash", "2bw" or "pipemare" (see
-            `graphpipe.runtime.weights`).
-        weight_options: PipeMare's fixes.
-        partitioner: "graph", "sequential" or "manual", when no plan is given. Default
-            "manual" when `pins` are given (a plan_options field), else "graph".
         plan: A Plan, or a path to its JSON, instead of planning.
-        leaf_modules: Module types or paths to trace as single nodes.
-        profile_config: How rank 0 obtains op times when it plans (default: measured on
-            the model's device; estimated from FLOPs for a model on the meta device).
-        runtime: Timeouts, backend, device, timeline recording.
-        init_weights: For a model on the meta device: `init_weights(model)` initialises
-            this rank's tensors once they are real (see `graphpipe.runtime.materialize`).
-            Default: each module's `reset_parameters()`.
-        checkpoint: For a model on the meta device: a state_dict file, safetensors file(s)
-            or a DCP directory to load this rank's stage from, by parameter name.
-        max_grad_norm: Clip the gradients of the whole model to this total norm in every
-            update, as `torch.nn.utils.clip_grad_norm_` on one process would (the norm is
-            reduced over the stages; tied copies and replicas count once). weights="flush"
-            only. `pm.last_grad_norm` is the norm before clipping.
-        grad_norm_type: p of the p-norm (`math.inf` for the largest value).
-        recompute: Activation checkpointing: True (every stage), a list of stage indices,
-            or "auto" (on each device over the plan's memory budget, the stages that save
-            most, until it fits). A recomputing stage keeps only its inputs per micro-batch
-            and re-runs its forward in its backward (`graphpipe.planning.recompute`); the
-            plan's times and memory say so.
-        compile_stages: `torch.compile` each of this rank's stage modules (in place: state
-            dict keys stay). Not with zero-bubble schedules (zb, zbv, ...), whose backward is
-            split into input and weight halves, which a compiled backward cannot do.
-        precision: "bf16" or "fp16": autocast on each stage's forward (under a mesh,
-            FSDP2's mixed precision for a graph torch.fx traced), float32 master weights,
-            values crossing stages in that dtype (half the bytes; the planner counts them
-            so), and for fp16 a loss scale agreed by every rank: an overflow anywhere skips
-            the step everywhere (`pm.loss_scale`, `pm.skipped_steps`; weights="flush"
-            only). None: float32 (`graphpipe.runtime.precision`).
-        nan_check: Stop a step at its first non-finite loss or gradient: every rank raises
-            the same PipelineError naming the stage, the micro-batch and (for a gradient)
-            the parameter, before the optimizer update, which is skipped and the gradients
-            dropped. Costs one all-reduce per step. weights="flush" only
-            (`graphpipe.runtime.nancheck`).
-        mesh: A `DeviceMesh` with mesh_dim_names ("pp", "dp"), ("pp", "tp") or ("pp",
-            "dp", "tp"): the plan is made for its pp devices, and each stage runs on the dp
-            and tp ranks of its pp coordinate, sharded by FSDP2 over dp (each dp rank on its
-            slice of every micro-batch) and split by `tp_plan` over tp
-            (`graphpipe.runtime.mesh`). Every flushed schedule runs; what a mesh refuses is
-            in `graphpipe.runtime.refusals`.
-        data_parallel: k: the shorthand for `mesh=init_device_mesh(device, (world // k, k),
-            mesh_dim_names=("pp", "dp"))`.
-        dp_shard: With a mesh, FSDP2 shards each stage over dp; False replicates it (HSDP
-            with one shard: whole gradients all-reduced).
-        reshard_after_forward: With a mesh, FSDP2 frees each unit's gathered parameters
-            after its forward and gathers them again for its backward; False keeps them.
-            None (the default): True, but False under a zero-bubble schedule, whose weight
-            gradients come after later forwards (True is refused there).
-        tp_plan: With a mesh that has a "tp" dimension: the tensor-parallel plan, module
-            path ("*" for one component) -> "colwise" or "rowwise" (`graphpipe.runtime.tp`);
-            None: the model's own (a Hugging Face model's base_model_tp_plan).
-        max_shapes: Input name -> the largest whole-batch shape a step may bring (rows
-            included), at least the example's in every dimension; inputs not named: the
-            example's. The planner plans memory at these shapes (each rank traces the
-            model once more at them: the plan's activation and message bytes are theirs, its op
-            times the example's), and a step beyond them is refused by name on every rank,
-            before any communication (`graphpipe.runtime.shapes`); a given `plan` is used
-            as it is, the bound still applies. None: the example is the largest batch.
-        **plan_options: More `PlanConfig` fields (memory_budget, replication, ...),
-            checked on every rank before any work (a misspelt name is a ConfigError naming
-            the closest field); devices, if given, must equal the world size (one device
-            per rank), or with a mesh its pp size. compile plans a pipeline of distinct
-            stages (replication=False, as `graphpipe run`); replication=True lets the
-            planner copy a stage over ranks where that simulates faster (no mesh).
+        planning, parallelism, numerics, memory, init, runtime: The option groups
+            (`graphpipe.planning.options`, `RuntimeConfig`): every option is defined there
+            once, with its default and meaning, under the name `graphpipe.plan` and the
+            command line use too (docs/training.md has the table).
+        **options: Any option by name, routed to its group: `micro_batches=4`,
+            `schedule="zb"`, `weights="2bw"`, `dp=2`, `tp=2`, `precision="bf16"`,
+            `recompute="auto"`, `memory_budget=...`, `max_shapes={...}`, ... An unknown
+            name is a ConfigError naming the closest known one; an option given both as a
+            keyword and in its group is one too. The main ones:
+
+            - micro_batches: M (default: the plan's, or 4). The example batch splits into
+              M micro-batches (and each into dp slices).
+            - schedule: "1f1b", "gpipe", "zb" (ZB-H1) or "zb2" (ZB-H2) for flush, or
+              "interleaved", "interleaved_zb" / "zbv" / "dualpipev" with several stages per
+              rank, "graph_interleaved" for a stage DAG folded onto the devices, "async"
+              for stash and pipemare, "2bw" for 2bw. Default: the one the weight policy
+              needs, else the one the planner chose with its layout; a named schedule
+              limits the planner to its layouts.
+            - weights: "flush", "stash", "2bw" or "pipemare" (`graphpipe.runtime.weights`).
+            - mesh, dp, tp, tp_plan, dp_shard, reshard_after_forward: a DeviceMesh with dims
+              ("pp", "dp"), ("pp", "tp") or ("pp", "dp", "tp"), or `dp=k` and/or `tp=t`, from
+              which compile builds a (world // (k t), k, t) mesh. The plan is made for the
+              pp devices; each stage runs on the dp and tp ranks of its pp coordinate,
+              sharded by FSDP2 over dp and split by `tp_plan` (None: the model's own) over
+              tp (`graphpipe.runtime.mesh`, docs/meshes.md). What a mesh refuses is in
+              `graphpipe.runtime.refusals`.
+            - precision: "bf16" or "fp16" on float32 masters (`graphpipe.runtime.precision`).
+            - max_grad_norm, grad_norm_type, nan_check: the update's checks (flush only).
+            - recompute: True, stage indices or "auto" (`graphpipe.planning.recompute`).
+            - max_shapes: input name -> the largest whole-batch shape a step may bring
+              (`graphpipe.runtime.shapes`).
+            - checkpoint, init_weights: a meta-device model's weights
+              (`graphpipe.runtime.materialize`).
+            - replication: compile plans a pipeline of distinct stages (False, as
+              `graphpipe run` and `graphpipe.plan`); True lets the planner copy a stage
+              over ranks where that simulates faster (no mesh).
+            - devices: if given, must equal the world size (with a mesh, its pp size).
 
     Returns:
         The pipelined model. rank 0 prints one line of what was chosen and why (stages,
@@ -205,34 +157,12 @@ def compile(
             (`RunSpec.build`); later, a world size the plan was not made for.
         PlanError: no plan fits, or the given plan is not for this model.
     """
+    groups = dict(
+        planning=planning, parallelism=parallelism, numerics=numerics, memory=memory,
+        init=init, runtime=runtime,
+    )  # fmt: skip
     spec = RunSpec.build(
-        example_inputs,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        micro_batches=micro_batches,
-        schedule=schedule,
-        weights=weights,
-        weight_options=weight_options,
-        partitioner=partitioner,
-        plan=plan,
-        leaf_modules=leaf_modules,
-        profile_config=profile_config,
-        runtime=runtime,
-        init_weights=init_weights,
-        checkpoint=checkpoint,
-        max_grad_norm=max_grad_norm,
-        grad_norm_type=grad_norm_type,
-        compile_stages=compile_stages,
-        recompute=recompute,
-        precision=precision,
-        nan_check=nan_check,
-        mesh=mesh,
-        data_parallel=data_parallel,
-        dp_shard=dp_shard,
-        reshard_after_forward=reshard_after_forward,
-        tp_plan=tp_plan,
-        max_shapes=max_shapes,
-        **plan_options,
+        example_inputs, loss_fn=loss_fn, optimizer=optimizer, plan=plan, groups=groups, **options
     )
     spec = _join(spec)
     if spec.tensor_parallel > 1:  # the model's own plan when none is given, checked
@@ -267,7 +197,7 @@ def _trace(
     gm = trace(
         model,
         example_inputs,
-        leaf_modules=spec.leaf_modules,
+        leaf_modules=spec.planning.leaf_modules,
         micro_batch_size=spec.micro_batch_size,
     )
     check_output(gm)
@@ -285,7 +215,7 @@ def _planned_at(
     if spec.max_shapes is None or spec.plan is not None:
         return nullcontext()
     return planned_at(
-        model, gm, example_inputs, spec.max_shapes, spec.micro_batches, spec.leaf_modules
+        model, gm, example_inputs, spec.max_shapes, spec.micro_batches, spec.planning.leaf_modules
     )
 
 
@@ -308,9 +238,9 @@ def _scheduled(plan: Plan, spec: RunSpec) -> tuple[Plan, Schedule]:
     """
     name = schedule_name(plan, spec)
     sched = make_schedule(plan, name, spec.micro_batches)
-    if spec.recompute is not False:
+    if spec.memory.recompute is not False:
         held = for_schedule(plan, sched)
-        plan = choose_recompute(held, spec.recompute)
+        plan = choose_recompute(held, spec.memory.recompute)
         if sched.name in READS_TIMES and plan.stages != held.stages:
             sched = make_schedule(plan, name, spec.micro_batches)
     sched = schedule_plan(plan, spec, sched)

@@ -25,7 +25,7 @@ from graphpipe.planning.partition import PlanConfig, partition, partition_mesh
 from graphpipe.planning.profile import ProfileConfig, noted, profile
 from graphpipe.planning.validate import validate_plan
 from graphpipe.runtime.failures import guarded, restart_count
-from graphpipe.runtime.mesh import MESH_DIMS
+from graphpipe.runtime.mesh import ParallelLayout
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig, plan_schedule
 from graphpipe.scheduling.dryrun import check_run
 from graphpipe.scheduling.generators import make_schedule
@@ -46,16 +46,27 @@ log = logging.getLogger("graphpipe")
 
 def pipeline_devices(spec: RunSpec) -> int:
     """The devices a plan is made for: the world size, or with a mesh its pp size."""
+    if spec.layout is not None:
+        return int(spec.layout.pp)
     return dist.get_world_size() // (spec.data_parallel * spec.tensor_parallel)
 
 
 def build_mesh(spec: RunSpec, device_type: str) -> RunSpec:
-    """The spec with its mesh: the given one checked against the world, or data_parallel=k's
-    (world // k, k) mesh built (a collective); without either, as it is.
+    """The spec with its mesh and this rank's layout: the given mesh checked against the
+    world, or dp= and tp='s (world // (dp x tp), dp, tp) mesh built (a collective), or
+    without either none; the layout (`ParallelLayout`) built once from the mesh or the
+    world, for the planner and the runtime to read.
 
     Raises:
-        ConfigError: k does not divide the world size, or the mesh does not span the world.
+        ConfigError: dp x tp does not divide the world size, or the mesh does not span the
+            world.
     """
+    spec = _with_mesh(spec, device_type)
+    return replace(spec, layout=ParallelLayout.current(spec.mesh, spec.micro_batch_size))
+
+
+def _with_mesh(spec: RunSpec, device_type: str) -> RunSpec:
+    """The spec with its mesh: the given one checked, dp= and tp='s built, or none."""
     world = dist.get_world_size()
     if spec.mesh is not None:
         if spec.mesh.size() != world:
@@ -64,15 +75,19 @@ def build_mesh(spec: RunSpec, device_type: str) -> RunSpec:
                 f"process group {world}: the mesh must span every rank"
             )
         return spec
-    k = spec.data_parallel
-    if k == 1:
+    k, t = spec.data_parallel, spec.tensor_parallel
+    if k * t == 1:
         return spec
-    if world % k:
+    if world % (k * t):
         raise ConfigError(
-            f"data_parallel={k} does not divide the world size {world}: launch a multiple "
-            f"of {k} processes"
+            f"dp={k} x tp={t} does not divide the world size {world}: launch a multiple "
+            f"of {k * t} processes"
         )
-    mesh = init_device_mesh(device_type, (world // k, k), mesh_dim_names=MESH_DIMS)
+    dims = {"pp": world // (k * t), "dp": k, "tp": t}
+    kept = [name for name in ("pp", "dp", "tp") if name == "pp" or dims[name] > 1]
+    mesh = init_device_mesh(
+        device_type, tuple(dims[n] for n in kept), mesh_dim_names=tuple(kept)
+    )
     return replace(spec, mesh=mesh)
 
 
@@ -83,9 +98,10 @@ def check_world(spec: RunSpec, plan: Plan | None) -> None:
         ConfigError: naming both numbers.
     """
     world = pipeline_devices(spec)
-    if spec.devices is not None and spec.devices != world:
+    asked = spec.parallelism.devices
+    if asked is not None and asked != world:
         raise ConfigError(
-            f"devices={spec.devices!r}, but the process group has {world} ranks: "
+            f"devices={asked!r}, but the process group has {world} ranks: "
             "compile plans for one device per rank; launch that many processes (devices= is "
             "only needed by plan(), without a process group)"
         )
@@ -212,12 +228,11 @@ def checked_plan(plan: Plan, gm: fx.GraphModule, dp: int = 1, tp: int = 1) -> Pl
     return plan
 
 
-def _profile_config(gm: fx.GraphModule, config: ProfileConfig | None) -> ProfileConfig:
+def _profile_config(gm: fx.GraphModule, config: ProfileConfig) -> ProfileConfig:
     """The profile settings rank 0 plans with. By default (mode "auto") op times are measured
     on the model's device, and for a model on the meta device, which cannot run, estimated
     from FLOPs (`planning.profile.resolved`). A model on the meta device asked to be
     measured (mode "measure") is estimated too, with a warning."""
-    config = config or ProfileConfig()
     if config.mode == "measure" and is_meta(gm):
         log.warning(
             "graphpipe: the model is on the meta device, so op times are estimated from "
@@ -239,8 +254,8 @@ def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -
     and the tp dimension by the run's tp plan (`spec.tp_plan`, resolved by compile: the
     planned layers' bytes and times split, their all-reduces in the stage times).
     """
-    dp, tp, b = spec.data_parallel, spec.tensor_parallel, trace_info(gm).micro_batch_size
-    prof = profile(gm, inputs, b, _profile_config(gm, spec.profile_config))
+    dp, tp, b = spec.layout.dp, spec.layout.tp, trace_info(gm).micro_batch_size
+    prof = profile(gm, inputs, b, _profile_config(gm, spec.planning.profile))
     if dp == 1 and tp == 1:
         config = PlanConfig.build(
             pipeline_devices(spec), micro_batches=spec.micro_batches, **spec.plan_options
@@ -251,7 +266,7 @@ def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -
         dist.get_world_size(),  # pp x dp x tp
         micro_batches=spec.micro_batches,
         dp=dp,
-        shard=spec.dp_shard,
+        dp_shard=spec.parallelism.dp_shard,
         reshard_after_forward=spec.reshard_after_forward,
         **tp_options,
         **spec.plan_options,

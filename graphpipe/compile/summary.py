@@ -29,8 +29,8 @@ def describe(plan: Plan, schedule: Schedule, spec: RunSpec) -> str:
         _stages(plan, spec),
         f"{_layout(plan)}, schedule {schedule.name} ({_why_schedule(plan, schedule, spec)})",
         f"M={spec.micro_batches} x {spec.micro_batch_size} rows",
-        f"weights {spec.weights}",
-        spec.precision or "fp32",
+        f"weights {spec.numerics.weights}",
+        spec.numerics.precision or "fp32",
         _replicas(plan, spec),
         f"recompute {_recompute(plan)}",
     ]
@@ -65,8 +65,8 @@ def _layout(plan: Plan) -> str:
 def _why_schedule(plan: Plan, schedule: Schedule, spec: RunSpec) -> str:
     if spec.schedule_given:
         return "named"
-    if policy_spec(spec.weights).schedule is not None:
-        return f"weights={spec.weights!r} runs it"
+    if policy_spec(spec.numerics.weights).schedule is not None:
+        return f"weights={spec.numerics.weights!r} runs it"
     considered = plan.info.get("layouts", {}).get("considered", [])
     rows = [_considered(c) for c in considered if c.get("step") is not None]
     if rows:

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_SCHEDULE",
     "POLICIES",
     "SCHEDULES",
+    "PolicyOptions",
     "PolicySpec",
     "ScheduleSpec",
     "policy_spec",
@@ -235,3 +236,13 @@ def policy_spec(name: str) -> PolicySpec:
     if name not in POLICIES:
         raise ConfigError(f"unknown weight policy {name!r}; known: {sorted(POLICIES)}")
     return POLICIES[name]
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Settings of the PipeMare fixes (the other policies have none)."""
+
+    lr_reschedule: bool = True  # scale the rate by 1 / tau^(1 - min(k/K, 1))
+    correction: bool = True  # backward with w - w_i * delta instead of the live weights
+    warmup_updates: int = 100  # K: updates until the rate is back to the full rate
+    ema: float = 0.9  # delta <- ema * delta + (1 - ema) * (w_new - w_old)

@@ -31,7 +31,6 @@ int from a size query, None) in the stage of all its users; pins that would spli
 
 from __future__ import annotations
 
-import difflib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +44,7 @@ from torch import fx, nn
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan, schedule_spec
 from graphpipe.ir.cost import CostModel, DataParallel, LinkModel, MemoryModel, TensorParallel
+from graphpipe.ir.registry import POLICIES, SCHEDULES, policy_spec
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.fold import folded_groups
 from graphpipe.planning.interleave import interleavings
@@ -68,6 +68,16 @@ from graphpipe.planning.mesh import (
     tp_rank_graph,
 )
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph, wire_bytes
+from graphpipe.planning.options import (
+    Memory,
+    Numerics,
+    OptionGroup,
+    Parallelism,
+    Planning,
+    default,
+    split,
+    unknown_option,
+)
 from graphpipe.planning.place import PLACEMENTS, place_stages
 from graphpipe.planning.profile import Profile, ProfileConfig, noted, profile
 from graphpipe.planning.schedule_memory import held_floor
@@ -86,6 +96,8 @@ __all__ = [
     "partition_mesh",
     "partition_op_graph",
     "plan",
+    "plan_options",
+    "planner_config",
 ]
 
 PARTITIONERS = ("graph", "sequential", "manual")
@@ -93,38 +105,41 @@ PARTITIONERS = ("graph", "sequential", "manual")
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """What to plan for. Every field but `devices` has a default."""
+    """What to plan for: the planner's options (`graphpipe.planning.options`, where each is
+    defined once, under the same name as in compile and on the command line), resolved.
+    Every field but `devices` has a default: the option's, where the option's is not
+    "decided later" (None: M, the partitioner and the weight versions are resolved here)."""
 
     devices: int  # N: devices (ranks) to spread the model over
-    micro_batches: int = 4  # M: micro-batches per mini-batch
+    micro_batches: int = 4  # M: micro-batches per mini-batch (the option's None: 4)
     partitioner: str = "graph"  # "graph", "sequential" or "manual" (needs pins)
-    memory_budget: float | None = None  # bytes per device; None = unlimited
+    memory_budget: float | None = default("memory_budget")  # bytes per device; None: unlimited
     weight_versions: int = 1  # weight copies the weight policy keeps (flush 1, 2bw 2)
-    optimizer_slots: int = 2  # optimizer state tensors per parameter (Adam 2)
+    optimizer_slots: int = default("optimizer_slots")  # optimizer state tensors per parameter
     link: LinkModel = field(default_factory=LinkModel)  # bandwidth and latency between devices
-    replication: bool = True  # allow data-parallel stages (replicas > 1)
-    objective: str = "pipeline"  # "pipeline": least (M+depth-1)*bottleneck; "bottleneck": least
-    pins: Mapping[str, int] | None = None  # manual: op name or module path -> stage
+    replication: bool = default("replication")  # allow data-parallel stages (replicas > 1)
+    objective: str = default("objective")  # "pipeline": least (M+depth-1)*bottleneck, or least
+    pins: Mapping[str, int] | None = default("pins")  # manual: op or module path -> stage
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # how op times are obtained
-    leaf_modules: Sequence[LeafSpec] = ()  # module types/paths traced as single nodes
-    max_units: int = 128  # the most units the DP searches (at least 4N); more are merged
-    virtual_stages: int = 1  # stages per device (a chain of N*v stages, folded by placement)
-    placement: str = "loop"  # with virtual_stages > 1: "loop" (interleaved) or "v" (ZB-V)
-    interleave: bool = False  # graph: only one stage per device or finer DAGs folded (old)
+    leaf_modules: Sequence[LeafSpec] = default("leaf_modules")  # types/paths traced as one node
+    max_units: int = default("max_units")  # the most units the DP searches (at least 4N)
+    virtual_stages: int = default("virtual_stages")  # stages per device (a chain, folded)
+    placement: str = default("placement")  # with virtual_stages > 1: "loop" or "v" (ZB-V)
+    interleave: bool = default("interleave")  # graph: also finer DAGs folded onto the devices
     # graph: the layouts tried (planning.layouts), the fastest simulated one kept
-    layouts: tuple[str, ...] = LAYOUTS
-    schedule: str | None = None  # the schedule the run names: only the layouts it runs
-    split_backward: bool = True  # with no schedule named: zero-bubble ones may be chosen
-    precision: str | None = None  # "bf16"/"fp16": floating values cross stages in 2 bytes
+    layouts: tuple[str, ...] = default("layouts")
+    schedule: str | None = default("schedule")  # the schedule the run names: its layouts only
+    split_backward: bool = default("split_backward")  # no schedule named: zero bubble may win
+    precision: str | None = default("precision")  # "bf16"/"fp16": values cross in 2 bytes
     # the mesh (planning.mesh): devices = pp x dp; each stage FSDP-sharded over dp ranks
     dp: int | str = 1  # k: ranks per stage on the "dp" dim, or "auto" (the planner chooses)
-    shard: bool = True  # dp shards parameters, gradients, optimizer state (False: replicas)
+    dp_shard: bool = default("dp_shard")  # dp shards parameters, gradients, optimizer state
     reshard_after_forward: bool = True  # FSDP2's option: parameters gathered again for B
-    dp_link: LinkModel | None = None  # the dp dimension's link; None: the same as `link`
+    dp_link: LinkModel | None = default("dp_link")  # the dp dimension's link; None: `link`
     # tensor parallelism (planning.mesh): devices = pp x dp x tp; tp_plan's layers split
     tp: int = 1  # t: ranks per stage on the "tp" dim, splitting the layers of `tp_plan`
-    tp_plan: Mapping[str, str] | None = None  # module path ("*": one component) -> style
-    tp_link: LinkModel | None = None  # the tp dimension's link; None: the same as `link`
+    tp_plan: Mapping[str, str] | None = default("tp_plan")  # module path -> style
+    tp_link: LinkModel | None = default("tp_link")  # the tp dimension's link; None: `link`
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -190,6 +205,11 @@ class PlanConfig:
                 self.partitioner != "manual" or bool(self.pins),
                 "partitioner='manual' needs pins: {module path or op: stage}",
             ),
+            _unless(
+                not self.pins or self.partitioner == "manual",
+                f"pins={dict(self.pins or {})} place stages by hand, which needs "
+                f"partitioner='manual' (or none), not {self.partitioner!r}",
+            ),
         ]
 
     def _check_mesh(self) -> None:
@@ -231,7 +251,7 @@ class PlanConfig:
         """Every problem `build(devices, **options)` would raise, at once: unknown names
         (with the closest known one), then the known fields' values."""
         known = {f.name for f in fields(cls)}
-        problems = [_unknown_option(name, known) for name in sorted(set(options) - known)]
+        problems = [unknown_option(name, known) for name in sorted(set(options) - known)]
         given = {k: v for k, v in options.items() if k in known}
         if given.get("pins") and "partitioner" not in given:
             given["partitioner"] = "manual"
@@ -263,17 +283,15 @@ def _default(f: Any) -> Any:
     return f.default
 
 
-def _unknown_option(name: str, known: set[str]) -> str:
-    """The problem of an unknown plan option, naming the closest known ones."""
-    close = difflib.get_close_matches(name, sorted(known), n=2)
-    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-    return f"unknown plan option {name!r}{hint}; known: {sorted(known)}"
-
-
 def plan(
     model: nn.Module,
     example_inputs: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any],
-    devices: int,
+    devices: int | None = None,
+    *,
+    planning: Planning | None = None,
+    parallelism: Parallelism | None = None,
+    numerics: Numerics | None = None,
+    memory: Memory | None = None,
     **options: Any,
 ) -> Plan:
     """Trace, profile and partition a model: the whole planner in one call.
@@ -284,16 +302,18 @@ def plan(
             dim 0 is the batch and must split into `micro_batches` equal micro-batches. The
             model is traced at the micro-batch size.
         devices: N, the number of devices: pp x dp x tp with `dp=k` and `tp=t` (see
-            `graphpipe.planning.mesh`).
-        **options: Any `PlanConfig` field (micro_batches, partitioner, memory_budget, ...).
-            `dp=k` plans the stages over N / k pp coordinates, each stage sharded over k dp
-            ranks that take 1/k of every micro-batch's rows; `dp="auto"` tries every k
-            dividing N and the rows and keeps the fastest simulated step under the memory
-            budget, recording what bound the others in `plan.info["mesh"]`. dp is uniform
-            over the stages; with dp > 1 replication inside the pp dimension is turned off
-            (said in `plan.info["mesh"]`). `tp=t` with `tp_plan={module path: style}`
-            splits the plan's layers over t ranks of every stage, costed as Megatron-LM's
-            (its all-reduces in the stage times).
+            `graphpipe.planning.mesh`); or `parallelism.devices`.
+        planning, parallelism, numerics, memory: Option groups
+            (`graphpipe.planning.options`), the same values compile takes.
+        **options: Any option by name (micro_batches, partitioner, memory_budget, dp, ...),
+            routed to its group. `dp=k` plans the stages over N / k pp coordinates, each
+            stage sharded over k dp ranks that take 1/k of every micro-batch's rows;
+            `dp="auto"` tries every k dividing N and the rows and keeps the fastest
+            simulated step under the memory budget, recording what bound the others in
+            `plan.info["mesh"]`. dp is uniform over the stages; with dp > 1 replication
+            inside the pp dimension is turned off (said in `plan.info["mesh"]`). `tp=t` with
+            `tp_plan={module path: style}` splits the plan's layers over t ranks of every
+            stage, costed as Megatron-LM's (its all-reduces in the stage times).
 
     Returns:
         A validated `Plan`.
@@ -313,13 +333,75 @@ def plan(
         >>> len(p.stages) <= 2
         True
     """
-    config = PlanConfig.build(devices, **options)
+    config = planner_config(
+        devices, dict(planning=planning, parallelism=parallelism, numerics=numerics, memory=memory),
+        options,
+    )  # fmt: skip
     args, kwargs = normalise(example_inputs)
     b = micro_batch_size(batch_of(args, kwargs), config.micro_batches)
     gm = trace(model, example_inputs, leaf_modules=config.leaf_modules, micro_batch_size=b)
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     prof = profile(gm, flat_inputs(gm, *args, **tensors), b, config.profile)
     return partition(gm, prof, config)
+
+
+_PLAN_FIELDS = frozenset(f.name for f in fields(PlanConfig)) - {"devices"}
+PLAN_GROUPS = (Planning, Parallelism, Numerics, Memory)  # the option groups plan() takes
+# options plan() does not take, and why
+PLAN_ELSEWHERE: Mapping[str, str] = {
+    "mesh": "is compile's (a DeviceMesh of running ranks); plan() takes dp= and tp=",
+    "max_shapes": "is compile's; plan() plans at the example's shapes",
+    "checkpoint": "is compile's (a meta model's weights)",
+    "init_weights": "is compile's (a meta model's weights)",
+}
+
+
+def planner_config(
+    devices: int | None,
+    groups: Mapping[str, OptionGroup | None],
+    options: Mapping[str, Any],
+) -> PlanConfig:
+    """The PlanConfig of plan()'s arguments: the groups with the keywords routed into them,
+    resolved (`plan_options`), every problem found at once.
+
+    Raises:
+        ConfigError: every problem, naming the values.
+    """
+    got, problems = split(groups, options, PLAN_GROUPS, elsewhere=PLAN_ELSEWHERE)
+    n = devices if devices is not None else got["parallelism"].devices  # type: ignore[attr-defined]
+    if n is None:
+        problems.append("devices= is needed: the number of devices to plan for")
+    kwargs = plan_options(got)
+    if not problems:
+        problems.extend(PlanConfig.problems_of(n, **kwargs))
+    if problems:
+        raise ConfigError(_joined(problems))
+    return PlanConfig(devices=n, **kwargs)
+
+
+def plan_options(groups: Mapping[str, OptionGroup]) -> dict[str, Any]:
+    """PlanConfig's fields (but devices) from the option groups, each under its one name,
+    with what the options leave open resolved: M None is 4; no partitioner is manual with
+    pins, else graph; no weight_versions is the policy's (2 for a policy without a flush);
+    no dp or tp is 1; reshard_after_forward None is True but False under a zero-bubble
+    schedule."""
+    values = {f.name: getattr(g, f.name) for g in groups.values() for f in fields(g)}  # type: ignore[arg-type]
+    out = {k: v for k, v in values.items() if k in _PLAN_FIELDS and v is not None}
+    out.setdefault("partitioner", "manual" if values.get("pins") else "graph")
+    weights = values.get("weights", "flush")
+    if values.get("weight_versions") is None and weights in POLICIES:
+        out["weight_versions"] = 1 if policy_spec(weights).replicas else 2
+    schedule = values.get("schedule")
+    named = schedule_spec(schedule) if schedule in SCHEDULES else None
+    if values.get("reshard_after_forward") is None:
+        out["reshard_after_forward"] = not (named is not None and named.split_backward)
+    return out
+
+
+def _joined(problems: list[str]) -> str:
+    return (
+        problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems)
+    )
 
 
 def micro_batch_size(batch: int, micro_batches: int) -> int:
@@ -571,7 +653,7 @@ def cost_model(
     """The CostModel a PlanConfig implies for micro-batches of `micro_batch_size`, with dp
     degree `dp` (by default `config.dp`, 1 when it is "auto")."""
     k = dp if dp is not None else (config.dp if isinstance(config.dp, int) else 1)
-    mesh = DataParallel(k, config.shard, config.reshard_after_forward, link=config.dp_link)
+    mesh = DataParallel(k, config.dp_shard, config.reshard_after_forward, link=config.dp_link)
     tp = TensorParallel(config.tp, config.tp_link)
     return CostModel(
         micro_batch_size=micro_batch_size,

@@ -48,7 +48,7 @@ class Inputs:
         device: This rank's device.
         has_output: This rank holds the stage computing the loss (which needs the target).
         dp: Data-parallel slices of each micro-batch (a mesh's dp size; 1 without one).
-        dp_index: The slice this rank runs (`graphpipe.runtime.mesh.MeshLayout.dp_index`).
+        dp_index: The slice this rank runs (`graphpipe.runtime.mesh.ParallelLayout.dp_index`).
         shapes: The stages at each micro-batch's shapes; None: only the compiled shapes.
         max_shapes: Input name -> the largest whole-batch shape a step may bring (compile's
             `max_shapes`); an input not named: the example's.

@@ -193,7 +193,7 @@ class Transport:
         device: Where buffers live.
         watch: Runs the waits and posts failures (none: plain waits with a timeout).
         rank_of: A message's peer (a plan device) -> its global rank; None: the same
-            (no mesh; `graphpipe.runtime.mesh.MeshLayout.rank_of`).
+            (no mesh; `graphpipe.runtime.mesh.ParallelLayout.rank_of`).
     """
 
     def __init__(

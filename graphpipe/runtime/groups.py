@@ -15,7 +15,7 @@ from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.ir.registry import schedule_spec
 from graphpipe.runtime.failures import guarded
-from graphpipe.runtime.mesh import MeshLayout
+from graphpipe.runtime.mesh import ParallelLayout
 from graphpipe.runtime.refusals import refusal
 from graphpipe.runtime.spec import RunSpec
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
@@ -33,7 +33,7 @@ def sum_groups(
     canon: dict[str, str],
     modules: Modules,
     mine: tuple[int, ...],
-    layout: MeshLayout | None = None,
+    layout: ParallelLayout | None = None,
 ) -> tuple[GradSync, dict[str, tuple[int, ...]]]:
     """Gradient sums over replicas and tied copies; groups created in the same order
     everywhere. Also returns the tied names, each with the stages holding it.
@@ -95,7 +95,7 @@ def _on_one_rank_twice(held: tuple[int, ...], stages: Any) -> bool:
 
 
 def _per_coordinate(
-    tied: list[tuple[tuple[int, ...], str]], layout: MeshLayout
+    tied: list[tuple[tuple[int, ...], str]], layout: ParallelLayout
 ) -> list[tuple[tuple[int, ...], str]]:
     """Each tie across pp ranks as one membership per dp and tp coordinate (d, t), in global
     ranks, the same list on every rank: `make_groups` gives this rank its own (d, t)'s."""
@@ -117,7 +117,7 @@ def _refuse_tied(tied: tuple[tuple[int, ...], str], weights: str, schedule: str)
     raise ConfigError(refusal("async-tie", subject))
 
 
-def update_group(plan: Plan, timeout: float, layout: MeshLayout) -> dist.ProcessGroup | None:
+def update_group(plan: Plan, timeout: float, layout: ParallelLayout) -> dist.ProcessGroup | None:
     """The ranks that agree on an update (clipping's norm, fp16's overflow): every busy plan
     device's process for this rank's dp index (a collective: every rank, same order).
 
@@ -147,7 +147,7 @@ def update_group(plan: Plan, timeout: float, layout: MeshLayout) -> dist.Process
     return groups[(layout.dp_index, layout.tp_index)]
 
 
-def scale_group(plan: Plan, timeout: float, layout: MeshLayout) -> dist.ProcessGroup | None:
+def scale_group(plan: Plan, timeout: float, layout: ParallelLayout) -> dist.ProcessGroup | None:
     """The ranks that agree on fp16's loss scale: every rank of every busy plan device, at
     every dp and tp coordinate (a collective: every rank, same order). A dp rank's gradient
     shard can overflow where its peers' do not, so the found-inf flag is reduced over all of

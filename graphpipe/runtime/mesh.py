@@ -1,13 +1,13 @@
 """Mesh: pipeline stages over the "pp" dimension of a DeviceMesh, FSDP2 over its "dp" one.
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pm = graphpipe.compile(model, x, ..., mesh=mesh)     # or data_parallel=2
+    pm = graphpipe.compile(model, x, ..., mesh=mesh)     # or dp=2
 
 The plan is made for `pp` devices; its device numbers are pp coordinates. The process at
 mesh coordinate (p, d) (global rank `mesh.mesh[p, d]`) runs plan device p, on the d-th slice
 of every micro-batch, and talks only to the processes of its own dp index d: plan device q
-is global rank `mesh.mesh[q, d]` for it (`MeshLayout.rank_of`). Everything that names a
-rank in plan terms (the program, the stages a rank holds) reads `MeshLayout.pp_index`;
+is global rank `mesh.mesh[q, d]` for it (`ParallelLayout.rank_of`). Everything that names a
+rank in plan terms (the program, the stages a rank holds) reads `ParallelLayout.pp_index`;
 everything that reaches a process (the transport's peers, and through it the failure
 watch's) translates with `rank_of`. Without a mesh the layout is the identity (pp = world,
 dp = 1) and nothing changes.
@@ -37,7 +37,7 @@ the public `fully_shard`.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -53,9 +53,9 @@ from graphpipe.errors import ConfigError
 from graphpipe.runtime.precision import Precision
 
 __all__ = [
-    "MESH_DIMS",
     "MESH_SHAPES",
     "MeshLayout",
+    "ParallelLayout",
     "prepare_backward",
     "reduce_gradients",
     "reshard",
@@ -65,15 +65,18 @@ __all__ = [
     "whole",
 ]
 
-MESH_DIMS = ("pp", "dp")  # the data_parallel= shorthand's mesh dimensions
 MESH_SHAPES = (("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp"))  # the dims a mesh may name
 
 Ranks = tuple[tuple[tuple[int, ...], ...], ...]  # ranks[p][d][t]
 
 
 @dataclass(frozen=True)
-class MeshLayout:
-    """Where this process sits: its pp, dp and tp coordinates, and the ranks of the mesh.
+class ParallelLayout:
+    """The run's parallel layout, seen from this process: the pp, dp and tp sizes, its
+    coordinates, the ranks of the mesh and the rows it runs per micro-batch. The one value
+    of the layout: compile builds it once, from the mesh or the world, when it joins
+    (`graphpipe.compile.steps.build_mesh`, `RunSpec.layout`); the planning step reads its
+    sizes, the runtime its coordinates and ranks.
 
     Attributes:
         pp: Pipeline devices (the plan's num_devices).
@@ -84,6 +87,7 @@ class MeshLayout:
         mesh: The DeviceMesh; None without one (the identity layout).
         tp: Tensor-parallel ranks of each stage (1 without a "tp" dimension).
         tp_index: This process's tp coordinate.
+        rows: Rows of each micro-batch this process runs (its dp slice's); 0: not known.
     """
 
     pp: int
@@ -94,14 +98,15 @@ class MeshLayout:
     mesh: DeviceMesh | None = None
     tp: int = 1
     tp_index: int = 0
+    rows: int = 0
 
     @classmethod
-    def identity(cls, rank: int, world: int) -> MeshLayout:
+    def identity(cls, rank: int, world: int) -> ParallelLayout:
         """No mesh: plan device = global rank, one data-parallel copy."""
         return cls(world, 1, rank, 0, tuple(((r,),) for r in range(world)))
 
     @classmethod
-    def of(cls, mesh: DeviceMesh, rank: int) -> MeshLayout:
+    def of(cls, mesh: DeviceMesh, rank: int) -> ParallelLayout:
         """The layout of `mesh` (dims ("pp", "dp"), ("pp", "tp") or ("pp", "dp", "tp"))
         seen from global rank `rank`.
 
@@ -130,10 +135,17 @@ class MeshLayout:
         return cls(len(ranks), len(ranks[0]), p, d, ranks, mesh, len(ranks[0][0]), t)
 
     @classmethod
-    def current(cls, mesh: DeviceMesh | None) -> MeshLayout:
-        """This process's layout: of `mesh`, or the identity without one."""
+    def current(cls, mesh: DeviceMesh | None, rows: int = 0) -> ParallelLayout:
+        """This process's layout: of `mesh`, or the identity without one; `rows` per
+        micro-batch."""
         rank = dist.get_rank()
-        return cls.identity(rank, dist.get_world_size()) if mesh is None else cls.of(mesh, rank)
+        made = cls.identity(rank, dist.get_world_size()) if mesh is None else cls.of(mesh, rank)
+        return replace(made, rows=rows)
+
+    @property
+    def world(self) -> int:
+        """Every process: pp x dp x tp."""
+        return self.pp * self.dp * self.tp
 
     @property
     def sharded(self) -> bool:
@@ -180,6 +192,9 @@ class MeshLayout:
             mesh_dim_names=("pp", "dp", "dp_shard"),
         )
         return grid["dp", "dp_shard"]
+
+
+MeshLayout = ParallelLayout  # the old name, read by wiring until it takes spec.layout
 
 
 def stage_blocks(stage: nn.Module, model: nn.Module) -> list[list[nn.Module]]:

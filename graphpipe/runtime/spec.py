@@ -1,14 +1,16 @@
 """RunSpec: everything `graphpipe.compile` was asked for, checked once and frozen.
 
-`compile()` keeps its keyword arguments for users; it turns them into one `RunSpec` with
-`RunSpec.build`, which checks every argument at once and reports every problem in one
-ConfigError, naming the values. Everything downstream (the planning step, `PipelinedModel`
-and the runtime's parts) reads the spec, never loose arguments:
+compile's options are defined once, in groups (`graphpipe.planning.options`, and the
+runtime's group `RuntimeConfig` here), and `RunSpec.build` routes compile's keywords into
+them, checks every option at once (every problem in one ConfigError, naming the values) and
+resolves what they leave open (M, the schedule, dp and tp, the planner's options).
+Everything downstream (the planning step, `PipelinedModel` and the runtime's parts) reads
+the spec, never loose arguments:
 
     >>> spec = RunSpec.build(torch.randn(8, 4), loss_fn=F.mse_loss,
     ...                      optimizer=functools.partial(torch.optim.SGD, lr=0.1))
-    >>> spec.schedule, spec.micro_batches, spec.micro_batch_size
-    ('1f1b', 4, 2)
+    >>> spec.schedule, spec.micro_batches, spec.micro_batch_size, spec.numerics.precision
+    ('1f1b', 4, 2, None)
 
 It lives in the runtime, not in `graphpipe.compile`, because the runtime consumes it and
 must not import the layer above it.
@@ -29,21 +31,29 @@ from torch.distributed.device_mesh import DeviceMesh
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.ir.registry import DEFAULT_SCHEDULE, policy_spec, schedule_spec
-from graphpipe.planning.partition import PlanConfig, micro_batch_size
-from graphpipe.planning.profile import ProfileConfig
-from graphpipe.planning.recompute import RecomputeSpec
+from graphpipe.planning.options import (
+    GROUPS,
+    Init,
+    Memory,
+    Numerics,
+    OptionGroup,
+    Parallelism,
+    Planning,
+    default,
+    option,
+    split,
+)
+from graphpipe.planning.partition import PlanConfig, micro_batch_size, plan_options
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.emulate import Emulate
-from graphpipe.runtime.materialize import InitFn
 from graphpipe.runtime.mesh import MESH_SHAPES
 from graphpipe.runtime.nancheck import check_nan_check
 from graphpipe.runtime.precision import check_precision
 from graphpipe.runtime.refusals import refusal
-from graphpipe.runtime.weights import PolicyOptions
 from graphpipe.tracing.bind import batch_of, normalise
-from graphpipe.tracing.tracer import LeafSpec
 
 __all__ = [
+    "RUN_GROUPS",
     "OptimizerFactory",
     "RunSpec",
     "RuntimeConfig",
@@ -62,79 +72,134 @@ DEFAULT_MICRO_BATCHES = 4
 
 
 @dataclass(frozen=True)
-class RuntimeConfig:
-    """How the pipeline runs."""
+class RuntimeConfig(OptionGroup):
+    """How the pipeline runs: the runtime's group of options (`graphpipe.planning.options`
+    holds the others)."""
 
-    timeout: float = 60.0  # seconds any receive or collective may wait before failing
-    backend: str | None = None  # None: "nccl" when CUDA is available, else "gloo"
-    device: str | None = None  # None: cuda:LOCAL_RANK with nccl, else cpu
-    record: bool = False  # time every action (see PipelinedModel.timeline)
-    timer: str | None = None  # how: "host" ranges or "profiler"; None: profiler on CUDA only
-    plan_timeout: float = 1800.0  # seconds ranks wait for rank 0's plan (profiling included)
-    prefetch: bool | None = None  # post every receive of a call first; None: on gloo only
-    emulate: Emulate | None = None  # stages wait the plan's times instead of computing
-    quiet: bool = False  # rank 0 prints no line of what compile chose (compile.summary)
+    name = "runtime"
+    timeout: float = option(
+        60.0, "seconds any receive or collective may wait before failing", "--timeout"
+    )
+    backend: str | None = option(None, "None: nccl when CUDA is available, else gloo")
+    device: str | None = option(None, "None: cuda:LOCAL_RANK with nccl, else cpu")
+    record: bool = option(False, "time every action (PipelinedModel.timeline)")
+    timer: str | None = option(None, "host ranges or profiler; None: profiler on CUDA only")
+    plan_timeout: float = option(1800.0, "seconds ranks wait for rank 0's plan (profiling too)")
+    prefetch: bool | None = option(None, "post every receive of a call first; None: on gloo")
+    emulate: Emulate | None = option(None, "stages wait the plan's times instead of computing")
+    quiet: bool = option(False, "rank 0 prints no line of what compile chose")
+    compile_stages: bool = option(
+        False, "torch.compile each stage module in place (not with zero bubble)", "--compile-stages"
+    )
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0 or self.plan_timeout <= 0:
-            raise ConfigError(
+        problems = self.problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every problem with the values, each naming its value."""
+        out = []
+        if not (_positive(self.timeout) and _positive(self.plan_timeout)):
+            out.append(
                 f"timeouts must be positive, got timeout={self.timeout}, "
                 f"plan_timeout={self.plan_timeout}"
             )
         if self.timer not in (None, "host", "profiler"):
-            raise ConfigError(f"timer must be 'host' or 'profiler', got {self.timer!r}")
+            out.append(f"timer must be 'host' or 'profiler', got {self.timer!r}")
+        if not isinstance(self.compile_stages, bool):
+            out.append(f"compile_stages={self.compile_stages!r}: it must be True or False")
+        return out
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+RUN_GROUPS: tuple[type[OptionGroup], ...] = (*GROUPS, RuntimeConfig)  # compile's groups
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One compiled run, as asked for and checked (see `graphpipe.compile` for each argument).
+    """One compiled run, as asked for (its option groups, `graphpipe.planning.options`) and
+    resolved: the values the groups leave open (M, the schedule, dp and tp, the plan's
+    options) decided once, consistent with each other.
 
-    Build it with `RunSpec.build`, which checks every field; the fields are then consistent
-    with each other (the schedule runs the policy, M agrees with a given plan, ...).
+    Build it with `RunSpec.build`, which checks every option at once.
     """
 
-    # -- the training problem
     loss_fn: LossFn  # (model output, target) -> scalar, mean-reduced over the batch
     optimizer: OptimizerFactory  # builds one rank's optimizer from its parameter list
-    # -- the pipeline's shape
+    planning: Planning
+    parallelism: Parallelism
+    numerics: Numerics
+    memory: Memory
+    init: Init
+    runtime: RuntimeConfig
+    # -- resolved
     micro_batches: int  # M: the asked one, the given plan's, or 4
-    micro_batch_size: int  # samples per micro-batch: the example batch / M
-    weights: str  # the weight policy (`graphpipe.ir.registry.POLICIES`)
+    micro_batch_size: int  # rows per micro-batch on each rank: the example batch / (M x dp)
     schedule: str  # the schedule: the asked one, or the policy's (`SCHEDULES`)
-    schedule_given: bool  # the user named the schedule (else a folded plan may change it)
-    weight_options: PolicyOptions | None = None  # PipeMare's fixes
-    # -- planning (rank 0), or the plan to use
     plan: Plan | None = None  # a given plan (loaded from its JSON); None: plan on rank 0
     plan_options: Mapping[str, Any] = field(default_factory=dict)  # PlanConfig fields
-    devices: int | None = None  # the device count asked for; must equal the world size
-    leaf_modules: tuple[LeafSpec, ...] = ()  # module types or paths traced as single nodes
-    profile_config: ProfileConfig | None = None  # how rank 0 obtains op times
-    recompute: RecomputeSpec = False  # activation checkpointing: True, stage list, "auto"
+    data_parallel: int = 1  # dp: the mesh's, or dp= (the mesh is built then)
+    tensor_parallel: int = 1  # tp: the mesh's, or tp= (the mesh is built then)
+    mesh: DeviceMesh | None = None  # the mesh given, or built by compile from dp= and tp=
+    reshard_after_forward: bool = True  # FSDP2 frees gathered parameters after each forward
+    tp_plan: Mapping[str, str] | None = None  # module path -> style; None: the model's own
     # input name -> the largest whole-batch shape a step brings; None: the example's
     max_shapes: Mapping[str, tuple[int, ...]] | None = None
-    # -- the runtime
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # timeouts, device, ...
-    init_weights: InitFn | None = None  # initialises a meta model's real tensors
-    checkpoint: Path | None = None  # a meta model's weights: state dict, safetensors, DCP
-    compile_stages: bool = False  # torch.compile each stage module in place
-    precision: str | None = None  # "bf16", "fp16" or None (float32)
-    # -- the update hooks, in the order they run (fp16 unscale, NaN check, clipping)
-    nan_check: bool = False  # stop a step at its first non-finite loss or gradient
-    max_grad_norm: float | None = None  # clip the whole model's gradient norm to this
-    grad_norm_type: float = 2.0  # p of that p-norm
-    # -- data parallelism by FSDP2 over a ("pp", "dp") mesh (`graphpipe.runtime.mesh`)
-    mesh: DeviceMesh | None = None  # the mesh; None: one device per rank, no dp
-    data_parallel: int = 1  # dp: the mesh's dp size, or data_parallel= (the mesh is built then)
-    dp_shard: bool = True  # FSDP2 shards each stage over dp; False: replicates it
-    reshard_after_forward: bool = True  # FSDP2 frees gathered parameters after each forward
-    # -- tensor parallelism by DTensor over the mesh's "tp" dimension (`graphpipe.runtime.tp`)
-    tensor_parallel: int = 1  # the mesh's tp size
-    tp_plan: Mapping[str, str] | None = None  # module path -> style; None: the model's own
+    layout: Any = None  # this rank's ParallelLayout (`runtime.mesh`), set once joined
+
+    @property
+    def schedule_given(self) -> bool:
+        """The user named the schedule (else a folded plan may change it)."""
+        return self.planning.schedule is not None
 
     @property
     def meshed(self) -> bool:
-        """Stages run under FSDP2 over a ("pp", "dp") mesh (given or to be built)."""
-        return self.mesh is not None or self.data_parallel > 1
+        """Stages run over a mesh (given, or to be built from dp= and tp=)."""
+        return self.mesh is not None or self.data_parallel * self.tensor_parallel > 1
+
+    @property
+    def clip(self) -> tuple[float, float] | None:
+        """(max norm, p) when clipping, else None."""
+        n = self.numerics
+        return None if n.max_grad_norm is None else (n.max_grad_norm, n.grad_norm_type)
+
+    # the options the runtime reads most, by their names
+    @property
+    def weights(self) -> str:
+        return self.numerics.weights
+
+    @property
+    def precision(self) -> str | None:
+        return self.numerics.precision
+
+    @property
+    def nan_check(self) -> bool:
+        return self.numerics.nan_check
+
+    @property
+    def weight_options(self) -> Any:
+        return self.numerics.weight_options
+
+    @property
+    def compile_stages(self) -> bool:
+        return self.runtime.compile_stages
+
+    @property
+    def dp_shard(self) -> bool:
+        return self.parallelism.dp_shard
+
+    @property
+    def init_weights(self) -> Any:
+        return self.init.init_weights
+
+    @property
+    def checkpoint(self) -> Path | None:
+        c = self.init.checkpoint
+        return None if c is None else Path(c)
 
     @classmethod
     def build(
@@ -143,32 +208,19 @@ class RunSpec:
         *,
         loss_fn: LossFn,
         optimizer: OptimizerFactory,
-        micro_batches: int | None = None,
-        schedule: str | None = None,
-        weights: str = "flush",
-        weight_options: PolicyOptions | None = None,
-        partitioner: str | None = None,
         plan: Plan | str | Path | None = None,
-        leaf_modules: Sequence[LeafSpec] = (),
-        profile_config: ProfileConfig | None = None,
-        runtime: RuntimeConfig | None = None,
-        init_weights: InitFn | None = None,
-        checkpoint: str | Path | None = None,
-        max_grad_norm: float | None = None,
-        grad_norm_type: float = 2.0,
-        compile_stages: bool = False,
-        recompute: RecomputeSpec = False,
-        precision: str | None = None,
-        nan_check: bool = False,
-        mesh: DeviceMesh | None = None,
-        data_parallel: int | None = None,
-        dp_shard: bool = True,
-        reshard_after_forward: bool | None = None,
-        tp_plan: Mapping[str, str] | None = None,
-        max_shapes: Mapping[str, Sequence[int]] | None = None,
-        **plan_options: Any,
+        groups: Mapping[str, OptionGroup | None] | None = None,
+        **options: Any,
     ) -> RunSpec:
-        """Check `compile()`'s arguments and freeze them (the same names and meanings).
+        """Check compile's arguments and resolve them (the same names and meanings).
+
+        Args:
+            example_inputs: One mini-batch.
+            loss_fn: The loss.
+            optimizer: The optimizer's factory.
+            plan: A given plan, or its JSON file.
+            groups: Group keyword ("planning", ...) -> the group given, or None.
+            **options: Any option by name (`graphpipe.planning.options`), routed to its group.
 
         Raises:
             ConfigError: every problem found, at once, naming the values.
@@ -176,30 +228,23 @@ class RunSpec:
         problems: list[str] = []
         _check(problems, _check_loss_fn, loss_fn)
         _check(problems, _check_optimizer, optimizer)
-        known = len(problems)
-        _check(problems, _check_micro_batches, micro_batches)
-        bad_m = len(problems) > known
-        resolved = _check(problems, schedule_for, weights, schedule)
-        _check(problems, check_clipping, max_grad_norm, grad_norm_type, weights)
-        _check(problems, check_precision, precision, weights)
-        _check(problems, check_nan_check, nan_check, weights)
-        _check(problems, _check_combinations, nan_check, precision, compile_stages, resolved)
-        dp = _check(problems, check_mesh, mesh, data_parallel)
-        bounds = _check(problems, _max_shapes, max_shapes)
-        reshard = _check(problems, check_reshard, reshard_after_forward, resolved)
-        tp = tp_degree(mesh) if isinstance(mesh, DeviceMesh) and dp is not None else 1
-        problems.extend(tp_refusals(tp=tp, tp_plan=tp_plan, dp_shard=dp_shard))
-        if mesh is not None or (dp or 1) > 1:
-            asked = dict(
-                weights=weights, nan_check=nan_check, compile_stages=compile_stages,
-                replication=plan_options.get("replication", False),
-            )  # fmt: skip
-            problems.extend(mesh_refusals(**asked))
-        devices = plan_options.pop("devices", None)  # the world size; said if it differs
-        options = _check(problems, _plan_options, partitioner, plan_options)
-        problems.extend(_plan_option_problems(plan_options, partitioner, devices))
+        got, found = split(groups or {}, options, RUN_GROUPS, elsewhere=COMPILE_ELSEWHERE)
+        problems.extend(found)
+        g = _Groups(**got)  # type: ignore[arg-type]
+        resolved = _check(problems, schedule_for, g.numerics.weights, g.planning.schedule)
+        problems.extend(_run_problems(g, resolved))
+        dp, tp = _check(problems, check_mesh, g.parallelism) or (None, None)
+        bounds = _check(problems, _max_shapes, g.memory.max_shapes)
+        reshard = _check(problems, check_reshard, g.parallelism.reshard_after_forward, resolved)
+        if dp is not None:
+            problems.extend(
+                tp_refusals(tp=tp, tp_plan=g.parallelism.tp_plan, dp_shard=g.parallelism.dp_shard)
+            )
+            if dp * tp > 1 or g.parallelism.mesh is not None:
+                problems.extend(mesh_refusals(g))
+        problems.extend(_plan_option_problems(g))
         given = None if plan is None else _load_plan(plan)
-        m = None if bad_m else _check(problems, _micro_batches, micro_batches, given)
+        m = _check(problems, _micro_batches, g.planning.micro_batches, given)
         b = (
             None
             if m is None or dp is None
@@ -207,47 +252,60 @@ class RunSpec:
         )
         if problems:
             raise ConfigError(_joined(problems))
-        assert resolved is not None and options is not None and m is not None and b is not None
-        assert dp is not None and reshard is not None
+        assert resolved is not None and m is not None and b is not None
+        assert dp is not None and tp is not None and reshard is not None
+        tp_plan = g.parallelism.tp_plan
         return cls(
             loss_fn=loss_fn,
             optimizer=optimizer,
+            **got,  # type: ignore[arg-type]
             micro_batches=m,
             micro_batch_size=b,
-            weights=weights,
             schedule=resolved,
-            schedule_given=schedule is not None,
-            weight_options=weight_options,
             plan=given,
-            plan_options=MappingProxyType(
-                _planner_defaults(options, precision, weights, resolved)
-                | _layout_defaults(options, schedule, resolved, compile_stages, mesh, dp)
-            ),
-            devices=devices,
-            leaf_modules=tuple(leaf_modules),
-            profile_config=profile_config,
-            recompute=recompute,
-            runtime=runtime or RuntimeConfig(),
-            init_weights=init_weights,
-            checkpoint=None if checkpoint is None else Path(checkpoint),
-            compile_stages=compile_stages,
-            precision=precision,
-            nan_check=nan_check,
-            max_grad_norm=max_grad_norm,
-            grad_norm_type=grad_norm_type,
-            mesh=mesh,
+            plan_options=MappingProxyType(planner_options(g, resolved, dp * tp > 1)),
             data_parallel=dp,
-            dp_shard=dp_shard,
-            reshard_after_forward=reshard,
             tensor_parallel=tp,
+            mesh=g.parallelism.mesh,
+            reshard_after_forward=reshard,
             tp_plan=None if tp_plan is None else MappingProxyType(dict(tp_plan)),
             max_shapes=bounds,
         )
 
-    @property
-    def clip(self) -> tuple[float, float] | None:
-        """(max norm, p) when clipping, else None."""
-        return None if self.max_grad_norm is None else (self.max_grad_norm, self.grad_norm_type)
+
+@dataclass(frozen=True)
+class _Groups:
+    """A run's option groups, by name (what `split` returns)."""
+
+    planning: Planning
+    parallelism: Parallelism
+    numerics: Numerics
+    memory: Memory
+    init: Init
+    runtime: RuntimeConfig
+
+
+# options compile does not take, and why
+COMPILE_ELSEWHERE: Mapping[str, str] = MappingProxyType({})
+
+
+def _run_problems(g: _Groups, schedule: str | None) -> list[str]:
+    """What the run's options refuse together: clipping, precision and the NaN check under
+    the weight policy, and the combinations that exclude each other."""
+    problems: list[str] = []
+    n, weights = g.numerics, g.numerics.weights
+    _check(problems, check_clipping, n.max_grad_norm, n.grad_norm_type, weights)
+    _check(problems, check_precision, n.precision, weights)
+    _check(problems, check_nan_check, n.nan_check, weights)
+    _check(
+        problems,
+        _check_combinations,
+        n.nan_check,
+        n.precision,
+        g.runtime.compile_stages,
+        schedule,
+    )
+    return problems
 
 
 def _check(problems: list[str], check: Callable[..., Any], *args: Any) -> Any:
@@ -305,21 +363,6 @@ def _check_optimizer(optimizer: Any) -> None:
         )
 
 
-def _check_micro_batches(micro_batches: Any) -> None:
-    """M must be a positive int (or None for the default).
-
-    Raises:
-        ConfigError: naming the value.
-    """
-    if micro_batches is None:
-        return
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ConfigError(
-            f"micro_batches={micro_batches!r}: it must be a positive integer (or None for the "
-            f"plan's, or {DEFAULT_MICRO_BATCHES})"
-        )
-
-
 def _check_combinations(
     nan_check: bool, precision: str | None, compile_stages: bool, schedule: str | None
 ) -> None:
@@ -373,93 +416,39 @@ def plan_schedule(spec: RunSpec, plan: Plan) -> str:
     return plan.schedule
 
 
-MESH_PLAN_FIELDS = frozenset({"dp", "shard", "dp_link", "tp"})  # PlanConfig's
-# PlanConfig fields that compile takes as arguments of its own (the rest are bound by name)
-RENAMED_PLAN_FIELDS = MappingProxyType({"profile": "profile_config"})
+def _plan_option_problems(g: _Groups) -> list[str]:
+    """The planner's options' problems, found on every rank before any work (rank 0 would
+    otherwise meet them only after profiling): `PlanConfig.problems_of`, at the given
+    devices or 1 (the world is not joined yet; its size is checked against the plan later),
+    without what is said elsewhere once: the mesh's degrees (`check_mesh`), the precision
+    (`check_precision`) and a value of the wrong type (its group's `problems`)."""
+    said = {"dp", "tp", "tp_plan", "precision"}  # by check_mesh and check_precision
+    said |= {name for group in vars(g).values() for name in group.bad_fields()}
+    options = {k: v for k, v in plan_options(vars(g)).items() if k not in said}
+    return PlanConfig.problems_of(g.parallelism.devices or 1, **options)
 
 
-def _plan_options(partitioner: str | None, options: dict[str, Any]) -> dict[str, Any]:
-    """PlanConfig options: pins imply the manual partitioner, and refuse any other.
-
-    Raises:
-        ConfigError: pins with a partitioner other than "manual", or the planner's mesh
-            fields (compile takes its mesh as `mesh=` or `data_parallel=`).
-    """
-    mesh_fields = sorted(set(options) & MESH_PLAN_FIELDS)
-    if mesh_fields:
-        raise ConfigError(
-            f"{mesh_fields} are the planner's mesh options (graphpipe.plan(..., dp=k)); "
-            "compile takes the mesh as mesh= or data_parallel= (with dp_shard= and "
-            "reshard_after_forward=) and does not yet hand it to the planner's cost model"
-        )
-    pins = options.get("pins")
-    if pins and partitioner not in (None, "manual"):
-        raise ConfigError(
-            f"pins={dict(pins)} place stages by hand, which needs partitioner='manual' "
-            f"(or none), not {partitioner!r}"
-        )
-    chosen = partitioner or ("manual" if pins else "graph")
-    return {**options, "partitioner": chosen}
-
-
-def _plan_option_problems(
-    options: Mapping[str, Any], partitioner: str | None, devices: int | None
-) -> list[str]:
-    """The plan options' problems, found on every rank before any work (rank 0 would
-    otherwise meet them only after profiling): unknown names, a field compile takes under
-    another name, and bad values (`PlanConfig.problems_of`, at the given devices or 1: the
-    world is not joined yet, and its size is checked against the plan later)."""
-    problems = [
-        f"plan option {name!r} is compile's {RENAMED_PLAN_FIELDS[name]}= argument"
-        for name in sorted(set(options) & set(RENAMED_PLAN_FIELDS))
-    ]
-    skip = RENAMED_PLAN_FIELDS.keys() | MESH_PLAN_FIELDS  # said by _plan_options
-    rest = {k: v for k, v in options.items() if k not in skip}
-    if partitioner is not None:
-        rest["partitioner"] = partitioner
-    return problems + PlanConfig.problems_of(devices or 1, **rest)
-
-
-def _planner_defaults(
-    options: dict[str, Any], precision: str | None, weights: str, schedule: str
-) -> dict[str, Any]:
-    """What the planner must know of the run, unless the options say otherwise: the dtype
-    crossing stages; no replicated stages (`graphpipe run`'s default too: compile builds a
-    pipeline of distinct stages, and data parallelism is the mesh's, `data_parallel=k`;
-    `replication=True` lets the planner copy a stage over ranks where that is faster, for
-    a policy that keeps replicas in step, without a mesh); a folded chain for a placed
-    schedule."""
-    options = dict(options)
-    options.setdefault("precision", precision)
-    options.setdefault("replication", False)
-    if not policy_spec(weights).replicas:
-        options.setdefault("weight_versions", 2)
+def planner_options(g: _Groups, schedule: str, meshed: bool) -> dict[str, Any]:
+    """The PlanConfig fields rank 0 plans with (`plan_options`), with what a run adds: the
+    schedule named (or the weight policy's) limits the layouts; no zero-bubble schedule with
+    compile_stages; a placed schedule (interleaved, zbv) folds a chain of 2 stages per
+    device; one stage per device under a mesh (a weight tied across two stages of one rank
+    is refused there). M, devices and the mesh's degrees are set by compile when it plans
+    (`graphpipe.compile.steps`)."""
+    out = plan_options(vars(g))
+    for name in ("micro_batches", "dp", "tp", "tp_plan", "dp_shard", "reshard_after_forward"):
+        out.pop(name, None)
+    out.pop("devices", None)
+    if g.planning.schedule is None and schedule != DEFAULT_SCHEDULE:
+        out["schedule"] = schedule  # the weight policy's
+    if g.runtime.compile_stages:
+        out["split_backward"] = False
     placement = schedule_spec(schedule).placement
-    if placement in ("loop", "v"):  # a chain of stages folded onto the devices
-        options.setdefault("placement", placement)
-        options.setdefault("virtual_stages", 2)
-    return options
-
-
-def _layout_defaults(
-    options: dict[str, Any],
-    schedule: str | None,
-    resolved: str,
-    compile_stages: bool,
-    mesh: DeviceMesh | None,
-    dp: int,
-) -> dict[str, Any]:
-    """What the planner's layout choice (`planning.layouts`) must respect, unless the options
-    say otherwise: the schedule named (or the weight policy's), no zero-bubble schedule with
-    compile_stages, one stage per device under a mesh (a weight tied across two stages of
-    one rank is refused there)."""
-    out: dict[str, Any] = {}
-    if schedule is not None or resolved != DEFAULT_SCHEDULE:
-        out["schedule"] = options.get("schedule", resolved)
-    if compile_stages:
-        out["split_backward"] = options.get("split_backward", False)
-    if mesh is not None or dp > 1:
-        out["layouts"] = options.get("layouts", ("one",))
+    if placement in ("loop", "v") and g.planning.virtual_stages == 1:
+        out["virtual_stages"] = 2  # a chain of 2 stages per device, folded as it names
+        out["placement"] = placement
+    if meshed and g.planning.layouts == default("layouts"):
+        out["layouts"] = ("one",)
     return out
 
 
@@ -499,18 +488,20 @@ def _micro_batch_size(example_inputs: Any, m: int, dp: int = 1) -> int:
     return micro_batch_size(batch, m * dp)
 
 
-def check_mesh(mesh: Any, data_parallel: Any) -> int:
-    """dp, the data-parallel size: the mesh's "dp" size, data_parallel=, or 1.
+def check_mesh(parallelism: Parallelism) -> tuple[int, int]:
+    """(dp, tp): the mesh's "dp" and "tp" sizes, or dp= and tp= (compile builds the mesh
+    from them), or 1.
 
     Raises:
-        ConfigError: both given, a mesh that is not a DeviceMesh with dims ("pp", "dp"),
-            ("pp", "tp") or ("pp", "dp", "tp"), or a data_parallel that is not a positive
-            integer.
+        ConfigError: a mesh with dp= or tp= too, a mesh that is not a DeviceMesh with dims
+            ("pp", "dp"), ("pp", "tp") or ("pp", "dp", "tp"), or dp="auto" (the planner's:
+            plan with it, then compile with the degree it chose).
     """
-    if mesh is not None and data_parallel is not None:
+    mesh, dp, tp = parallelism.mesh, parallelism.dp, parallelism.tp
+    if mesh is not None and (dp is not None or tp is not None):
         raise ConfigError(
-            f"mesh= and data_parallel={data_parallel!r} both given; data_parallel=k is the "
-            "shorthand for a (world // k, k) mesh: pass one of them"
+            f"mesh= and dp={dp!r}, tp={tp!r} given; dp= and tp= are the shorthand for a "
+            "(world // (dp x tp), dp, tp) mesh: pass one or the other"
         )
     if mesh is not None:
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
@@ -520,12 +511,13 @@ def check_mesh(mesh: Any, data_parallel: Any) -> int:
                 f"mesh_dim_names one of {list(MESH_SHAPES)}, e.g. init_device_mesh('cpu', "
                 "(2, 2), mesh_dim_names=('pp', 'dp'))"
             )
-        return int(mesh["dp"].size()) if "dp" in names else 1
-    if data_parallel is None:
-        return 1
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise ConfigError(f"data_parallel={data_parallel!r}: it must be a positive integer")
-    return data_parallel
+        return (int(mesh["dp"].size()) if "dp" in names else 1), tp_degree(mesh)
+    if dp == "auto":
+        raise ConfigError(
+            "dp='auto' is the planner's: choose the degree with graphpipe.plan(..., "
+            "dp='auto') (or `graphpipe plan --dp auto`), then compile with dp=k and that plan"
+        )
+    return dp or 1, tp or 1
 
 
 def tp_degree(mesh: DeviceMesh | None) -> int:
@@ -581,21 +573,15 @@ def check_reshard(reshard_after_forward: bool | None, schedule: str | None) -> b
     return reshard_after_forward
 
 
-def mesh_refusals(
-    *,
-    weights: str,
-    nan_check: bool,
-    compile_stages: bool,
-    replication: Any,
-) -> list[str]:
+def mesh_refusals(g: _Groups) -> list[str]:
     """What a mesh refuses (`graphpipe.runtime.refusals`), each named; empty if all is well."""
     out = []
-    if weights != "flush":
-        out.append(refusal("mesh-weights", f"weights={weights!r}"))
-    if nan_check:
+    if g.numerics.weights != "flush":
+        out.append(refusal("mesh-weights", f"weights={g.numerics.weights!r}"))
+    if g.numerics.nan_check:
         out.append(refusal("mesh-nan-check", "nan_check=True"))
-    if compile_stages:
+    if g.runtime.compile_stages:
         out.append(refusal("mesh-compile-stages", "compile_stages=True"))
-    if replication:
-        out.append(refusal("mesh-replication", f"replication={replication!r}"))
+    if g.parallelism.replication:
+        out.append(refusal("mesh-replication", "replication=True"))
     return out

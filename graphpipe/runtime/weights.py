@@ -64,13 +64,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from graphpipe.ir.registry import POLICIES, policy_spec
+from graphpipe.ir.registry import POLICIES, PolicyOptions, policy_spec
 from graphpipe.runtime.sync import FinalGrads, GradSync
 
 __all__ = [
@@ -92,16 +91,6 @@ OnGrad = Callable[[torch.Tensor], None]  # called with a tensor once its .grad w
 # runs after the gradient sums, before the optimizer step; False skips the step (on every
 # rank alike) and drops the gradients (`graphpipe.runtime.hooks`)
 UpdateHook = Callable[[], bool]
-
-
-@dataclass(frozen=True)
-class PolicyOptions:
-    """Settings of the PipeMare fixes (the other policies have none)."""
-
-    lr_reschedule: bool = True  # scale the rate by 1 / tau^(1 - min(k/K, 1))
-    correction: bool = True  # backward with w - w_i * delta instead of the live weights
-    warmup_updates: int = 100  # K: updates until the rate is back to the full rate
-    ema: float = 0.9  # delta <- ema * delta + (1 - ema) * (w_new - w_old)
 
 
 class WeightPolicy:

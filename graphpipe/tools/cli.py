@@ -34,11 +34,12 @@ from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan, schedule_names, 
 from graphpipe.ir.cost import LinkModel
 from graphpipe.ir.plan import layout_lines
 from graphpipe.planning.layouts import LAYOUTS
-from graphpipe.planning.partition import PlanConfig, micro_batch_size, partition
+from graphpipe.planning.partition import micro_batch_size, partition, planner_config
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.runtime.checkpoint import export_checkpoint
 from graphpipe.runtime.tp import resolve_tp_plan
 from graphpipe.scheduling.simulate import SimResult, simulate
+from graphpipe.tools.flags import add_flags, given
 from graphpipe.tools.render import render, side_by_side
 from graphpipe.tools.report import (
     compare_plans,
@@ -58,7 +59,6 @@ __all__ = ["main"]
 GIB = 1 << 30
 TRAINING = schedule_names(training=True)
 FLUSHED = schedule_names(training=True, asynchronous=False, placement=None)  # "best" tries them
-RECOMPUTE_FLAG: dict[str | None, bool | str] = {"all": True, "auto": "auto", None: False}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,6 +81,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# compile's options each subcommand takes as flags (`graphpipe.tools.flags`: one definition)
+PLAN_OPTIONS = (
+    "micro_batches", "memory_budget", "replication", "dp", "tp", "tp_plan", "interleave",
+    "precision", "weights",
+)  # fmt: skip
+RUN_OPTIONS = (
+    "micro_batches", "schedule", "weights", "dp", "tp", "tp_plan", "replication",
+    "max_grad_norm", "recompute", "compile_stages", "precision", "memory_budget", "timeout",
+)  # fmt: skip
+
+
 def _plan_parser(commands: Any) -> None:
     """`graphpipe plan`: its arguments."""
     plan = commands.add_parser(
@@ -95,12 +106,7 @@ def _plan_parser(commands: Any) -> None:
         default="both",
         help="which plan(s) to make (default: both, side by side)",
     )
-    plan.add_argument(
-        "--memory",
-        type=float,
-        metavar="GiB",
-        help="memory budget per device in GiB (default: unlimited)",
-    )
+    add_flags(plan, PLAN_OPTIONS, help_extra={"dp": "'auto' tries every K, keeps the fastest"})
     plan.add_argument(
         "--profile",
         choices=("auto", "flops", "measure"),
@@ -117,14 +123,6 @@ def _plan_parser(commands: Any) -> None:
         default=12.5,
         metavar="GB/s",
         help="link bandwidth per device (default: 12.5)",
-    )
-    plan.add_argument("--no-replication", action="store_true", help="forbid data-parallel stages")
-    _mesh_options(plan)
-    plan.add_argument(
-        "--interleave",
-        action="store_true",
-        help="graph plan: also try finer stage DAGs folded onto the devices (a device may "
-        "hold a later stage next to an earlier branch; scheduled graph_interleaved)",
     )
     plan.add_argument("--json", type=Path, metavar="FILE", help="write the (graph) plan as JSON")
     plan.add_argument(
@@ -159,34 +157,6 @@ def _plan_parser(commands: Any) -> None:
     plan.set_defaults(func=_plan_command)
 
 
-def _mesh_options(plan: argparse.ArgumentParser) -> None:
-    """`graphpipe plan`'s mesh dimensions: --dp, --tp and --tp-plan."""
-    plan.add_argument(
-        "--dp",
-        type=_dp_degree,
-        default=1,
-        metavar="K|auto",
-        help="data-parallel degree of the (pp, dp) mesh: every stage sharded over K ranks, "
-        "pp = devices / K; 'auto' tries every K and keeps the fastest (default: 1)",
-    )
-    plan.add_argument(
-        "--tp",
-        type=_positive,
-        default=1,
-        metavar="T",
-        help="tensor-parallel degree: every stage's planned layers split over T ranks, "
-        "pp = devices / (dp x T) (default: 1)",
-    )
-    plan.add_argument(
-        "--tp-plan",
-        type=_tp_plan,
-        default=None,
-        metavar="JSON",
-        help='with --tp: {"module path": "colwise" | "rowwise"} ("*" one path component; '
-        "default: the model's own base_model_tp_plan)",
-    )
-
-
 def _run_parser(commands: Any) -> None:
     """`graphpipe run`: its arguments."""
     run = commands.add_parser(
@@ -197,12 +167,6 @@ def _run_parser(commands: Any) -> None:
         ),
     )
     _model_arguments(run, devices_default=2)
-    run.add_argument(
-        "--schedule",
-        choices=sorted(TRAINING),
-        help=f"default: {DEFAULT_SCHEDULE}, or the one the weight policy needs (async, 2bw)",
-    )
-    run.add_argument("--weights", default="flush", help="weight policy (default: flush)")
     run.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
     run.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default: 3e-3)")
     run.add_argument(
@@ -212,44 +176,7 @@ def _run_parser(commands: Any) -> None:
         help="op times for planning (default: measured on this machine)",
     )
     run.add_argument("--out", help="folder for the pictures (default: runs/<model>)")
-    run.add_argument(
-        "--timeout",
-        type=float,
-        default=120.0,
-        help="seconds a receive may wait before failing (default: 120)",
-    )
-    run.add_argument(
-        "--dp",
-        type=_dp_ranks,
-        default=1,
-        metavar="K",
-        help="data-parallel degree: a (devices / K, K) pp x dp mesh, every stage sharded "
-        "by FSDP2 over K ranks (default: 1, no mesh)",
-    )
-    run.add_argument(
-        "--replication",
-        action="store_true",
-        help="allow data-parallel stages (default: every device a distinct stage)",
-    )
-    run.add_argument(
-        "--max-grad-norm",
-        type=float,
-        metavar="NORM",
-        help="clip the global gradient norm to NORM in every update (weights=flush)",
-    )
-    run.add_argument(
-        "--recompute",
-        choices=("all", "auto"),
-        help="activation checkpointing: every stage, or 'auto' by the memory budget",
-    )
-    run.add_argument(
-        "--compile-stages", action="store_true", help="torch.compile each stage (not with zb)"
-    )
-    run.add_argument(
-        "--precision",
-        choices=("bf16", "fp16"),
-        help="autocast each stage; values cross stages in that dtype; fp16 scales the loss",
-    )
+    add_flags(run, RUN_OPTIONS, help_extra={"micro_batches": "None here: the preset's"})
     _checkpoint_arguments(run)
     run.set_defaults(func=_run_command)
 
@@ -311,20 +238,11 @@ def _run_command(args: argparse.Namespace) -> int:
             preset=args.preset,
             options=parse_options(args.option),
             devices=args.devices,
-            data_parallel=args.dp,
-            schedule=args.schedule,
-            weights=args.weights,
+            compile_options=given(args, RUN_OPTIONS),
             steps=args.steps,
             lr=args.lr,
-            micro_batches=args.micro_batches,
             profile=args.profile,
             out=args.out,
-            timeout=args.timeout,
-            replication=args.replication,
-            max_grad_norm=args.max_grad_norm,
-            recompute=RECOMPUTE_FLAG[args.recompute],
-            compile_stages=args.compile_stages,
-            precision=args.precision,
             checkpoint_every=args.checkpoint_every,
             checkpoint_dir=args.checkpoint_dir,
             keep_checkpoints=args.keep_checkpoints,
@@ -357,13 +275,6 @@ def _model_arguments(parser: argparse.ArgumentParser, devices_default: int | Non
         metavar="KEY=VALUE",
         help="model option, e.g. -o branches=4 (repeatable)",
     )
-    parser.add_argument(
-        "--micro-batches",
-        "-m",
-        type=int,
-        metavar="M",
-        help="micro-batches per mini-batch (default: the preset's)",
-    )
 
 
 def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -378,55 +289,6 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             options[key] = text
     return options
-
-
-def _dp_degree(text: str) -> int | str:
-    """--dp's value: a positive int or "auto"."""
-    if text == "auto":
-        return text
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--dp takes a positive int or 'auto', got {text!r}"
-        ) from None
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"--dp takes a positive int or 'auto', got {k}")
-    return k
-
-
-def _positive(text: str) -> int:
-    """A positive int argument."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
-
-
-def _tp_plan(text: str) -> dict[str, str]:
-    """--tp-plan's value: a JSON object of module path -> style."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--tp-plan is not JSON ({exc}): {text!r}") from None
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise argparse.ArgumentTypeError(
-            f'--tp-plan takes {{"module path": "colwise" | "rowwise"}}, got {text!r}'
-        )
-    return value
-
-
-def _dp_ranks(text: str) -> int:
-    """run --dp's value: a positive int (compile takes no "auto": plan with --dp auto)."""
-    k = _dp_degree(text)
-    if not isinstance(k, int):
-        raise argparse.ArgumentTypeError(
-            "run --dp takes a positive int; choose one with `graphpipe plan ... --dp auto`"
-        )
-    return k
 
 
 def _log(message: str) -> None:
@@ -449,29 +311,31 @@ def load(args: argparse.Namespace) -> Workload:
 def _plan_command(args: argparse.Namespace) -> int:
     w = load(args)
     gm = _timed("traced", lambda: trace(w.model, w.example_inputs, w.leaf_modules))
-    m = args.micro_batches or w.micro_batches
+    options = given(args, PLAN_OPTIONS)
+    m = options.pop("micro_batches", None) or w.micro_batches
     b = micro_batch_size(w.batch_size, m)
     prof_cfg = ProfileConfig(mode=args.profile, device=args.device)
     prof = _timed(
         f"profiled ({args.profile})", lambda: profile(gm, w.example_inputs, b, prof_cfg, log=_log)
     )
+    if (options.get("tp") or 1) > 1:
+        options["tp_plan"] = resolve_tp_plan(w.model, options.get("tp_plan"))
     named = None if args.schedule in (None, "best") else args.schedule
     kinds = ("graph", "sequential") if args.partitioner == "both" else (args.partitioner,)
     plans: dict[str, Plan] = {}
     for kind in kinds:
-        config = PlanConfig(
-            devices=args.devices,
-            micro_batches=m,
-            partitioner=kind,
-            memory_budget=args.memory * GIB if args.memory else None,
-            link=LinkModel(bandwidth=args.bandwidth * 1e9),
-            replication=not args.no_replication,
-            interleave=args.interleave and kind == "graph",
-            dp=args.dp,
-            tp=args.tp,
-            tp_plan=resolve_tp_plan(w.model, args.tp_plan) if args.tp > 1 else None,
-            schedule=named,
-            layouts=("one",) if args.schedule == "best" else LAYOUTS,
+        config = planner_config(
+            args.devices,
+            {},
+            options
+            | {
+                "micro_batches": m,
+                "partitioner": kind,
+                "link": LinkModel(bandwidth=args.bandwidth * 1e9),
+                "interleave": bool(options.get("interleave")) and kind == "graph",
+                "schedule": named,
+                "layouts": ("one",) if args.schedule == "best" else LAYOUTS,
+            },
         )
         plans[kind] = _timed(
             f"{kind} plan searched", functools.partial(partition, gm, prof, config)

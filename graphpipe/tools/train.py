@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,15 +46,17 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from graphpipe._units import format_time
-from graphpipe.compile import RuntimeConfig, schedule_for
 from graphpipe.compile import compile as pipeline
+from graphpipe.compile import schedule_for
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
+from graphpipe.planning.options import default, split
 from graphpipe.planning.partition import micro_batch_size
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.resume import Checkpoints, latest, saved_plan
+from graphpipe.runtime.spec import RUN_GROUPS
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tools.calibrate import calibrated, measure_link
 from graphpipe.tools.render import render
@@ -78,23 +81,16 @@ class TrainConfig:
     model: str  # models.NAME or path/file.py:function
     preset: str = "cpu"  # the workload preset
     options: dict[str, Any] = field(default_factory=dict)  # workload options
-    devices: int = 2  # processes, one stage (or replica) each; pp x dp with a mesh
-    data_parallel: int = 1  # dp: > 1 is a (devices / dp, dp) mesh, stages sharded by FSDP2
-    schedule: str | None = None  # None: 1f1b, or the one the weight policy needs
-    weights: str = "flush"
+    devices: int = 2  # processes: pp x dp x tp (one stage or replica per pp rank)
+    # compile's options by name (`graphpipe.planning.options`: micro_batches, schedule,
+    # weights, dp, tp, precision, recompute, max_grad_norm, timeout, ...), checked here
+    compile_options: Mapping[str, Any] = field(default_factory=dict)
     steps: int = 40
     lr: float = 3e-3  # Adam's learning rate
-    micro_batches: int | None = None  # default: the preset's
     profile: str = "measure"  # op times for planning: "measure" (this machine) or "flops"
-    replication: bool = False  # allow data-parallel stages (off: a pipeline of distinct stages)
     out: str | None = None  # where pictures go; None: runs/<model name>
     seed: int = 0
-    timeout: float = 120.0  # seconds a receive may wait
     deadline: float = 3600.0  # seconds the local run may take (under torchrun: torchrun's)
-    max_grad_norm: float | None = None  # clip the global gradient norm (compile's argument)
-    recompute: bool | str = False  # activation checkpointing: True, False or "auto"
-    compile_stages: bool = False  # torch.compile each stage
-    precision: str | None = None  # "bf16" or "fp16" (compile's argument); None: float32
     checkpoint_every: int = 0  # keep a checkpoint every N steps and after the last (0: none)
     checkpoint_dir: str | None = None  # where; None: <out>/checkpoints
     keep_checkpoints: int = 3  # the newest kept
@@ -104,29 +100,60 @@ class TrainConfig:
         """Refuse bad settings here, in the launching process: one error, not one per rank.
 
         Raises:
-            ConfigError: the first bad setting, naming its value.
+            ConfigError: every bad setting, naming its value.
         """
-        positive = {"devices": self.devices, "steps": self.steps, "lr": self.lr}
-        positive |= {"data_parallel": self.data_parallel}
-        positive |= {"timeout": self.timeout, "deadline": self.deadline}
-        for name, value in positive.items():
-            if not value > 0:
-                raise ConfigError(f"{name}={value!r} must be positive")
-        m = self.micro_batches
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ConfigError(f"micro_batches={m!r} must be a positive integer")
+        problems = [
+            f"{name}={value!r} must be positive"
+            for name, value in {
+                "devices": self.devices, "steps": self.steps, "lr": self.lr,
+                "deadline": self.deadline,
+            }.items()
+            if not value > 0
+        ]  # fmt: skip
         if self.profile not in PROFILES:
-            raise ConfigError(f"profile={self.profile!r}; known: {list(PROFILES)}")
-        if self.devices % self.data_parallel:
-            raise ConfigError(
-                f"data_parallel={self.data_parallel} does not divide devices={self.devices} "
-                "into pp x dp"
-            )
+            problems.append(f"profile={self.profile!r}; known: {list(PROFILES)}")
         if self.resume not in RESUME:
-            raise ConfigError(f"resume={self.resume!r}; known: {list(RESUME)}")
+            problems.append(f"resume={self.resume!r}; known: {list(RESUME)}")
+        groups, found = split({}, self.compile_options, RUN_GROUPS)
+        problems.extend(found)
+        if not found:
+            problems.extend(_run_problems(groups, self.devices))
+        if problems:
+            raise ConfigError("; ".join(problems))
         Checkpoints(".", self.checkpoint_every, self.keep_checkpoints)  # checks both
-        schedule_for(self.weights, self.schedule)
-        check_clipping(self.max_grad_norm, 2.0, self.weights)
+
+    def option(self, name: str) -> Any:
+        """Compile's option `name` as this run sets it, or its default."""
+        return self.compile_options.get(name, default(name, RUN_GROUPS))
+
+    @property
+    def mesh_size(self) -> int:
+        """dp x tp: the processes of each pp rank."""
+        return (self.compile_options.get("dp") or 1) * (self.compile_options.get("tp") or 1)
+
+
+def _run_problems(groups: Mapping[str, Any], devices: int) -> list[str]:
+    """What compile would refuse of these options on `devices` processes."""
+    problems: list[str] = []
+    numerics, parallel = groups["numerics"], groups["parallelism"]
+    for check, args in (
+        (schedule_for, (numerics.weights, groups["planning"].schedule)),
+        (check_clipping, (numerics.max_grad_norm, numerics.grad_norm_type, numerics.weights)),
+    ):
+        try:
+            check(*args)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if parallel.dp == "auto":
+        problems.append(
+            "dp='auto' is the planner's: choose the degree with `graphpipe plan ... --dp auto`"
+        )
+    elif devices % ((parallel.dp or 1) * (parallel.tp or 1)):
+        problems.append(
+            f"dp={parallel.dp or 1} x tp={parallel.tp or 1} does not divide devices={devices} "
+            "into pp x dp x tp"
+        )
+    return problems
 
 
 @dataclass(frozen=True)
@@ -159,7 +186,7 @@ def train(config: TrainConfig) -> TrainResult | None:
         config.devices,
         args=(config,),
         timeout=config.deadline,
-        comm_timeout=config.timeout,
+        comm_timeout=config.option("timeout"),
     )
     result: TrainResult = results[0]
     return result
@@ -197,11 +224,11 @@ def _check_workload(config: TrainConfig) -> None:
         raise
     except Exception:
         return
-    m = config.micro_batches or w.micro_batches
-    rows, dp = micro_batch_size(w.batch_size, m), config.data_parallel
+    m = config.option("micro_batches") or w.micro_batches
+    rows, dp = micro_batch_size(w.batch_size, m), config.option("dp") or 1
     if rows % dp:
         raise ConfigError(
-            f"data_parallel={dp} does not divide a micro-batch of {rows} rows (batch "
+            f"dp={dp} does not divide a micro-batch of {rows} rows (batch "
             f"{w.batch_size} / M {m}): each dp rank takes 1/dp of every micro-batch"
         )
 
@@ -216,25 +243,17 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
         config.checkpoint_every,
         config.keep_checkpoints,
     )
-    m = config.micro_batches or w.micro_batches
+    m = config.option("micro_batches") or w.micro_batches
+    asked = dict(config.compile_options)
+    asked.setdefault("profile", ProfileConfig(mode=config.profile, warmup=2, repeats=5))
+    asked.setdefault("leaf_modules", tuple(w.leaf_modules))
     pm = pipeline(
         w.model,
         w.example_inputs,
         loss_fn=w.loss_fn,
         optimizer=functools.partial(torch.optim.Adam, lr=config.lr),
-        micro_batches=m,
-        schedule=config.schedule,
         plan=_resumed_plan(config, saver, m),
-        weights=config.weights,
-        leaf_modules=w.leaf_modules,
-        profile_config=ProfileConfig(mode=config.profile, warmup=2, repeats=5),
-        runtime=RuntimeConfig(timeout=config.timeout),
-        replication=config.replication,
-        data_parallel=config.data_parallel if config.data_parallel > 1 else None,
-        max_grad_norm=config.max_grad_norm,
-        recompute=config.recompute,
-        compile_stages=config.compile_stages,
-        precision=config.precision,
+        **(asked | {"micro_batches": m}),
     )
     first = dist.get_rank() == 0  # pm.rank is the plan device: dp ranks share it
     say = _printer(first)
@@ -307,7 +326,7 @@ def _resumed_plan(config: TrainConfig, saver: Checkpoints, micro_batches: int) -
     if path is None:
         return None
     plan = saved_plan(path)
-    pp = config.devices // config.data_parallel  # the plan's devices: pp of the mesh
+    pp = config.devices // config.mesh_size  # the plan's devices: pp of the mesh
     fits = (plan.num_devices, plan.micro_batches) == (pp, micro_batches)
     return plan if fits else None
 
