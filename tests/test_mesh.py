@@ -24,12 +24,12 @@ from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.compile.steps import checked_plan
 from graphpipe.errors import ConfigError
+from graphpipe.ir.cost import LinkModel
 from graphpipe.planning.interleave import place_graph
 from graphpipe.planning.partition import plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.launch import launch
-from graphpipe.ir.cost import LinkModel
 from graphpipe.runtime.mesh import ParallelLayout, stage_blocks
 from graphpipe.runtime.spec import RunSpec
 from graphpipe.tracing.tracer import trace

@@ -283,7 +283,9 @@ def test_memory_budget_is_respected_and_infeasible_budget_is_an_error() -> None:
     c = cost(micro_batches=8, budget=60000.0)
     p = partition_op_graph(g, c, PlanConfig(devices=4, replication=True), "x")
     assert all(s.memory_bytes <= 60000 for s in p.stages)
-    unlimited = partition_op_graph(g, cost(micro_batches=8), PlanConfig(devices=4, replication=True), "x")
+    unlimited = partition_op_graph(
+        g, cost(micro_batches=8), PlanConfig(devices=4, replication=True), "x"
+    )
     assert max(s.memory_bytes for s in unlimited.stages) > 60000  # the budget changed the plan
     with pytest.raises(PlanError, match="memory budget"):
         partition_op_graph(g, cost(budget=100.0), PlanConfig(devices=4, replication=True), "x")
@@ -611,9 +613,13 @@ def test_a_stage_that_updates_buffers_is_never_replicated() -> None:
     """Replicas of a BatchNorm would each see only their own micro-batches, and their running
     statistics would differ from one device's; a GroupNorm holds no such state."""
     x = torch.randn(16, 3, 32, 32)
-    free = plan(_normed(nn.GroupNorm(4, 16)), x, devices=2, micro_batches=4, profile=FLOPS, replication=True)
+    free = plan(
+        _normed(nn.GroupNorm(4, 16)), x, devices=2, micro_batches=4, profile=FLOPS, replication=True
+    )
     assert [s.replicas for s in free.stages] == [2]  # data parallel over both devices
-    bound = plan(_normed(nn.BatchNorm2d(16)), x, devices=2, micro_batches=4, profile=FLOPS, replication=True)
+    bound = plan(
+        _normed(nn.BatchNorm2d(16)), x, devices=2, micro_batches=4, profile=FLOPS, replication=True
+    )
     assert all(s.replicas == 1 for s in bound.stages)
 
 

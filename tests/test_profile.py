@@ -103,7 +103,9 @@ def test_compile_warns_only_when_a_meta_model_was_asked_to_be_measured(
         model, x = nn.Linear(4, 4), torch.randn(2, 4)
     gm = trace(model, x)
     with caplog.at_level(logging.WARNING, logger="graphpipe"):
-        assert _profile_config(gm, ProfileConfig()).mode == "auto"  # resolved to flops, as documented
+        assert (
+            _profile_config(gm, ProfileConfig()).mode == "auto"
+        )  # resolved to flops, as documented
         assert not caplog.records
         assert _profile_config(gm, ProfileConfig(mode="measure")).mode == "flops"
     assert "meta device" in caplog.text and "not measured" in caplog.text
