@@ -180,8 +180,8 @@ def compile(
 
 
 def _join(spec: RunSpec) -> RunSpec:
-    """Join the process group, build the mesh (data_parallel=), check the sizes, and start
-    watching the other ranks. Returns the spec with its mesh."""
+    """Join the process group, build the mesh (dp=, tp=) and the layout, check the sizes,
+    and start watching the other ranks. Returns the spec with its mesh and layout."""
     ensure_process_group(spec.runtime)
     install_watch(spec.runtime.timeout)  # every wait from here on stops when a rank fails
     device = runtime_device(spec.runtime)  # NCCL's object collectives need the rank's GPU
