@@ -228,7 +228,7 @@ class RunSpec:
         problems: list[str] = []
         _check(problems, _check_loss_fn, loss_fn)
         _check(problems, _check_optimizer, optimizer)
-        got, found = split(groups or {}, options, RUN_GROUPS, elsewhere=COMPILE_ELSEWHERE)
+        got, found = split(groups or {}, options, RUN_GROUPS)
         problems.extend(found)
         g = _Groups(**got)  # type: ignore[arg-type]
         resolved = _check(problems, schedule_for, g.numerics.weights, g.planning.schedule)
@@ -283,10 +283,6 @@ class _Groups:
     memory: Memory
     init: Init
     runtime: RuntimeConfig
-
-
-# options compile does not take, and why
-COMPILE_ELSEWHERE: Mapping[str, str] = MappingProxyType({})
 
 
 def _run_problems(g: _Groups, schedule: str | None) -> list[str]:
