@@ -10,10 +10,12 @@
     failures.py  the failure board and the watch every wait runs under
     precision.py autocast, half-width values between stages, fp16 loss scaling
     emulate.py   emulated devices: stage compute replaced by waits of the plan's times
+    factory.py   real stages or emulated stand-ins, chosen once from RuntimeConfig.emulate
     spec.py      RunSpec: compile's arguments, checked once and frozen; RuntimeConfig
     hooks.py     update hooks run before each optimizer step: fp16 unscale, NaN check, clip
     groups.py    process groups for replicas and tied weights
     wiring.py    build a rank's stages, groups, hooks, policy, transport and executor
+    pieces.py    what wiring returns, by concern (Place, Holdings, Update, Run)
     batching.py  a call's inputs and target checked and split into micro-batches
     stepping.py  step() and drain(), and the program each call runs
     inference.py eval_step() and __call__(): forward only, in eval mode

@@ -52,8 +52,9 @@ host work for an action (its Python, autograd's bookkeeping, the loss) runs befo
 the wait, as on a CPU device, whose compute is the host's. A GPU runs the host ahead of the
 device: the runtime launches an action's kernels and goes on with its Python while the device
 computes. `Emulate(host="overlapped")` stands for that: the stand-ins only add their time to
-the rank's `DeviceTime`, and the executor, once an action's host work is done, waits until the
-action's device time has passed since the action began (`DeviceTime.settle`). An action then
+the rank's `DeviceTime`, and the executor, once an action's host work is done, calls its
+`action_end`, here `DeviceTime.settle` (`graphpipe.runtime.factory`), which waits until the
+action's device time has passed since the action began. An action then
 takes max(its host work, its device time), not their sum. What is outside an action stays on
 the host's path in both: posting and waiting for messages (a gloo message needs the host), the
 step's collectives and the optimizer. Under a mesh the FSDP2 gathers of an emulated stage run

@@ -37,7 +37,6 @@ from graphpipe.ir import Action, ActionKind, Message, Plan, Span, sends
 from graphpipe.ir.program import Comm, Op
 from graphpipe.runtime import backward
 from graphpipe.runtime.comm import Incoming, Outgoing, Pending, Spec, Transport
-from graphpipe.runtime.emulate import DeviceTime
 from graphpipe.runtime.failures import action_failure
 from graphpipe.runtime.mesh import prepare_backward, reduce_gradients
 from graphpipe.runtime.nancheck import NanCheck
@@ -48,10 +47,14 @@ from graphpipe.runtime.stage import OUTPUT, StageIO, model_output
 from graphpipe.runtime.tp import tp_context, whole_tensor
 from graphpipe.runtime.weights import WeightPolicy
 
-__all__ = ["Batch", "Executor", "StageRuntime"]
+__all__ = ["Batch", "Executor", "StageRuntime", "host_only"]
 
 TOKEN: list[Spec] = [((1,), torch.uint8)]
 PROGRAMS_KEPT = 8  # resolved programs an executor keeps (training, evaluation, async calls)
+
+
+def host_only(start: float) -> None:
+    """An action ends with its host work (`Executor`'s `action_end` by default)."""
 
 
 @dataclass
@@ -110,9 +113,10 @@ class Executor:
         nancheck: Notes non-finite losses and gradients (`compile(nan_check=True)`).
         grad_scale: Reads the current loss scale each backward multiplies the loss by (fp16's
             `LossScaler.scale`); None: 1.
-        device_time: Emulated stages' device time under `Emulate(host="overlapped")`: each
-            action ends when both its host work and its device time are done
-            (`graphpipe.runtime.emulate`); None: an action ends with its host work.
+        action_end: Called with each compute or update action's `perf_counter()` start once
+            its host work is done; returns when the action is over. `host_only` (the
+            default) returns at once; a stage factory may wait out a device's time there
+            (`graphpipe.runtime.factory`).
     """
 
     def __init__(
@@ -123,10 +127,10 @@ class Executor:
         precision: Precision | None = None,
         nancheck: NanCheck | None = None,
         grad_scale: Callable[[], float] | None = None,
-        device_time: DeviceTime | None = None,
+        action_end: Callable[[float], None] = host_only,
     ) -> None:
         self.stages, self.policy, self.transport = stages, policy, transport
-        self.device_time = device_time
+        self.action_end = action_end
         self.precision = precision or Precision()
         self._grad_scale = grad_scale
         first = next(iter(stages.values()))
@@ -182,8 +186,7 @@ class Executor:
                 start = time.perf_counter()
                 with torch.profiler.record_function(step.label):
                     self._handlers[op.kind](op, batch)
-                if self.device_time is not None:
-                    self.device_time.settle(start)
+                self.action_end(start)
             except PipelineError:
                 raise  # posted where it was raised
             except ConfigError as exc:  # a refusal only this stage could make: posted, kept

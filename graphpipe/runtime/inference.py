@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
@@ -20,21 +21,37 @@ from graphpipe.runtime.batching import Inputs, cpu
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import LIVE_WEIGHTS, Batch, Executor
 from graphpipe.runtime.mesh import reshard
+from graphpipe.runtime.pieces import Place, Run
 from graphpipe.runtime.stage import OUTPUT
 from graphpipe.runtime.stepping import Programs, weighted
-from graphpipe.runtime.wiring import Wiring
 from graphpipe.scheduling.generators import make_schedule
 
 __all__ = ["Inference"]
 
 
 class Inference:
-    """The model's output or mean loss for one mini-batch, on every rank."""
+    """The model's output or mean loss for one mini-batch, on every rank.
+
+    Args:
+        run: The rank's run (its executor's stages, transport and precision; plan and M).
+        place: The rank's place (its dp and tp coordinates).
+        module: The rank's stage module (put in eval mode); None without a stage.
+        inputs: Checks and splits a call's inputs.
+        programs: The lowered forward schedule.
+        collectives: Gathers the outputs, the mean loss.
+    """
 
     def __init__(
-        self, w: Wiring, inputs: Inputs, programs: Programs, collectives: Collectives
+        self,
+        run: Run,
+        place: Place,
+        module: nn.Module | None,
+        inputs: Inputs,
+        programs: Programs,
+        collectives: Collectives,
     ) -> None:
-        self.w, self.inputs, self.programs, self.collectives = w, inputs, programs, collectives
+        self.run, self.place, self.module = run, place, module
+        self.inputs, self.programs, self.collectives = inputs, programs, collectives
 
     def outputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """The model's output for this mini-batch (see `PipelinedModel.__call__`).
@@ -48,8 +65,8 @@ class Inference:
         batch = self.inputs.batch(args, kwargs, None, first=0)
         run = self._forward_only(batch)
         mine: dict[tuple[int, int], Any] = {}
-        layout = self.w.layout
-        dp_index, tp_index = (0, 0) if layout is None else (layout.dp_index, layout.tp_index)
+        layout = self.place.layout
+        dp_index, tp_index = layout.dp_index, layout.tp_index
         if run is not None:
             mine = {
                 (j, dp_index): tree_map(_whole, mb.outputs[OUTPUT])
@@ -60,7 +77,7 @@ class Inference:
         gathered = self.collectives.gather(sent, "the outputs")
         merged = {key: out for part in gathered for key, out in part.items()}
         pieces = [
-            merged[(j, d)] for j in range(self.w.spec.micro_batches) for d in range(self.w.dp)
+            merged[(j, d)] for j in range(self.run.micro_batches) for d in range(self.place.dp)
         ]
         return tree_map(lambda *xs: torch.cat(xs), *pieces) if pieces else None
 
@@ -78,31 +95,32 @@ class Inference:
         self.inputs.check_loss(target, batch)
         run = self._forward_only(batch)
         # every rank's losses of its dp slices: the mean over the whole mini-batch
-        count = self.w.spec.micro_batches * self.w.loss_copies
-        return self.collectives.mean_loss(*weighted(run, batch, count, self.w.loss_copies))
+        copies = self.place.loss_copies
+        count = self.run.micro_batches * copies
+        return self.collectives.mean_loss(*weighted(run, batch, count, copies))
 
     def _forward_only(self, batch: Batch) -> Executor | None:
         """Run the forward schedule in eval mode with the live weights, outside the policy."""
-        w = self.w
-        if w.executor is None or w.module is None:
+        executor, module = self.run.executor, self.module
+        if executor is None or module is None:
             return None
         run = Executor(  # the run's precision: its messages are sized in its dtype
-            w.executor.stages,
+            executor.stages,
             LIVE_WEIGHTS,
-            w.executor.transport,
-            w.executor.precision,
-            device_time=w.executor.device_time,
+            executor.transport,
+            executor.precision,
+            action_end=executor.action_end,
         )
         run.training = False
-        modes = [(m, m.training) for m in w.module.modules()]
-        w.module.eval()
+        modes = [(m, m.training) for m in module.modules()]
+        module.eval()
         try:
-            forward = make_schedule(w.plan, "forward", w.spec.micro_batches)
+            forward = make_schedule(self.run.plan, "forward", self.run.micro_batches)
             run.run(self.programs.lowered(forward, 0), batch)
         finally:
             for m, training in modes:
                 m.training = training
-            reshard(w.module)  # FSDP2 (a mesh) keeps a root gathered, awaiting a backward
+            reshard(module)  # FSDP2 (a mesh) keeps a root gathered, awaiting a backward
         return run
 
 

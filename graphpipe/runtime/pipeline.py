@@ -2,9 +2,10 @@
 
 `graphpipe.compile` builds it (see there for the semantics of step()). Every public method is
 called on every rank: training, inference, state dicts, checkpoints and timelines all move
-data between ranks. The class only delegates, one part per concern:
+data between ranks. The class only delegates, one part per concern, each given the pieces
+it reads (`graphpipe.runtime.pieces`: Place, Holdings, Update, Run) and nothing more:
 
-    wiring.py     build the rank's stages, groups, hooks, policy, transport and executor
+    wiring.py     build the rank's pieces: stages, groups, hooks, policy, transport, executor
     stepping.py   step() and drain(), and the program each call runs
     inference.py  eval_step() and __call__()
     state.py      state dicts, the policy's versions, what a checkpoint reads
@@ -26,7 +27,7 @@ from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Executor
 from graphpipe.runtime.inference import Inference
-from graphpipe.runtime.refusals import refusal
+from graphpipe.runtime.pieces import Holdings, Place, Run
 from graphpipe.runtime.shapes import Shapes, signature_of
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.state import ModelState
@@ -34,7 +35,7 @@ from graphpipe.runtime.stepping import Programs, Stepper
 from graphpipe.runtime.timelines import Recorder
 from graphpipe.runtime.tp import for_dtensor
 from graphpipe.runtime.weights import WeightPolicy
-from graphpipe.runtime.wiring import Wiring, wire
+from graphpipe.runtime.wiring import wire
 from graphpipe.tracing.annotate import is_meta, trace_info
 
 __all__ = ["PipelinedModel", "RuntimeConfig"]
@@ -75,27 +76,31 @@ class PipelinedModel:
     ) -> None:
         traced_on = torch.device("meta") if is_meta(gm) else example_inputs[0].device
         exported = trace_info(gm).method == "export"  # exported again at new shapes
-        w = wire(model, gm, example_inputs, plan, schedule, spec)
-        self._wiring = w
+        pieces = wire(model, gm, example_inputs, plan, schedule, spec)
+        place, held, update, run = pieces.place, pieces.holdings, pieces.update, pieces.run
+        self._place, self._update, self._run = place, update, run
         self.plan, self.schedule, self.runtime, self.spec = plan, schedule, spec.runtime, spec
-        self.rank, self.device, self.program = w.rank, w.device, w.program
-        self.module, self.optimizer = w.module, w.optimizer
-        self.policy: WeightPolicy | None = w.policy
-        self._collectives = Collectives(w.device)
-        has_output = w.executor is not None and any(
-            r.io.has_output for r in w.executor.stages.values()
-        )
-        layout = w.layout
-        inputs = Inputs(
-            gm, example_inputs, w.model_inputs, spec.loss_fn, spec.micro_batches, w.device,
-            has_output, w.dp, 0 if layout is None else layout.dp_index,
-            _shapes(w, example_inputs, traced_on, model if exported else None), spec.max_shapes,
+        self.rank, self.device, self.program = place.rank, place.device, run.program
+        self.module, self.optimizer = held.module, update.optimizer
+        self.policy: WeightPolicy | None = update.policy
+        self._collectives = Collectives(place.device)
+        shapes = _shapes(
+            place, run, pieces.factory.fixed_shapes, gm, example_inputs, traced_on,
+            model if exported else None, spec.compile_stages,
         )  # fmt: skip
-        programs = Programs(w)
-        self._recorder = Recorder(w, self._collectives)
-        self._stepper = Stepper(w, inputs, programs, self._collectives, self._recorder)
-        self._inference = Inference(w, inputs, programs, self._collectives)
-        self._state = ModelState(w, self._stepper, self._collectives)
+        inputs = _inputs(place, run, held, gm, example_inputs, shapes, spec)
+        programs = Programs(run, place.rank)
+        self._recorder = Recorder(
+            run, place, self._collectives, spec.runtime.timer, spec.runtime.record
+        )
+        self._stepper = Stepper(
+            run, update.agree, place.loss_copies, inputs, programs, self._collectives,
+            self._recorder,
+        )  # fmt: skip
+        self._inference = Inference(run, place, held.module, inputs, programs, self._collectives)
+        self._state = ModelState(
+            place, held, update, plan, spec.micro_batches, self._stepper, self._collectives
+        )
 
     # -- training -------------------------------------------------------------------------------
 
@@ -146,13 +151,13 @@ class PipelinedModel:
     @property
     def skipped_steps(self) -> int:
         """Updates skipped because a gradient overflowed somewhere (fp16)."""
-        scaler = self._wiring.scaler
+        scaler = self._update.scaler
         return 0 if scaler is None else scaler.skipped
 
     @property
     def last_grad_norm(self) -> float | None:
         """The total gradient norm before clipping at the last update (max_grad_norm=)."""
-        clipper = self._wiring.clipper
+        clipper = self._update.clipper
         return None if clipper is None or clipper.last is None else float(clipper.last)
 
     # -- inference ------------------------------------------------------------------------------
@@ -259,42 +264,72 @@ class PipelinedModel:
     @property
     def _executor(self) -> Executor | None:
         """This rank's executor (None without a stage)."""
-        return self._wiring.executor
+        return self._run.executor
 
     @property
     def _stage_indices(self) -> tuple[int, ...]:
         """This rank's stages."""
-        return self._wiring.stage_indices
+        return self._place.stage_indices
+
+
+def _inputs(
+    place: Place,
+    run: Run,
+    held: Holdings,
+    gm: fx.GraphModule,
+    example_inputs: tuple[torch.Tensor, ...],
+    shapes: Shapes,
+    spec: RunSpec,
+) -> Inputs:
+    """What checks and splits a call's inputs (`graphpipe.runtime.batching`): this rank's
+    model inputs, its dp slice, and whether it holds the model output (its loss)."""
+    stages = {} if run.executor is None else run.executor.stages
+    has_output = any(r.io.has_output for r in stages.values())
+    return Inputs(
+        gm, example_inputs, held.model_inputs, spec.loss_fn, run.micro_batches, place.device,
+        has_output, place.dp, place.layout.dp_index, shapes, spec.max_shapes,
+    )  # fmt: skip
 
 
 def _shapes(
-    w: Wiring,
+    place: Place,
+    run: Run,
+    fixed: str | None,
+    gm: fx.GraphModule,
     example_inputs: tuple[torch.Tensor, ...],
     traced_on: torch.device,
     model: nn.Module | None,
+    compile_stages: bool,
 ) -> Shapes:
-    """The stages at every input shape a step brings (`graphpipe.runtime.shapes`); `model`
-    is the model to export again (None: an fx-traced graph)."""
-    executor = w.executor
+    """The stages at every input shape a step brings (`graphpipe.runtime.shapes`).
+
+    Args:
+        place: This rank's place.
+        run: Its run (the executor's stages, specs and precision).
+        fixed: Why a step must bring the compiled shapes (the stage factory's); None: any.
+        gm: The whole traced graph.
+        example_inputs: The flat example inputs.
+        traced_on: The device the graph was traced on.
+        model: The model to export again; None: an fx-traced graph.
+        compile_stages: torch.compile each new shape's stages.
+    """
+    executor = run.executor
     stages = {} if executor is None else executor.stages
     specs = next(iter(stages.values())).specs if stages else {}
-    rows = w.plan.micro_batch_size // w.dp  # one dp rank's slice of a micro-batch
-    fixed = None
-    if w.spec.runtime.emulate is not None:
-        fixed = refusal("emulated-shapes", "emulate=")
-    meshed = w.layout is not None and w.layout.sharded
-    tp = meshed and w.layout is not None and w.layout.tp_mesh is not None
+    rows = run.plan.micro_batch_size // place.dp  # one dp rank's slice of a micro-batch
+    meshed = place.layout.sharded
+    tp = meshed and place.layout.tp_mesh is not None
     return Shapes(
-        w.gm,
-        w.plan,
+        gm,
+        run.plan,
         {i: r.module for i, r in stages.items()},
         signature_of(example_inputs, rows),
         specs,
         traced_on,
-        w.device,
+        place.device,
         (lambda d: d) if executor is None else executor.precision.spec_dtype,
         model,
-        w.spec.compile_stages,
+        compile_stages,
         fixed,
         on_live=meshed,  # new shapes' graphs through the live stage's FSDP2 and tp hooks
         rewrite=for_dtensor if tp else None,

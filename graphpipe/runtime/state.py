@@ -18,60 +18,81 @@ from graphpipe.ir import Plan
 from graphpipe.runtime.batching import cpu
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.mesh import shaped_like, whole
+from graphpipe.runtime.pieces import Holdings, Place, Update
 from graphpipe.runtime.stepping import Stepper
 from graphpipe.runtime.weights import WeightPolicy
-from graphpipe.runtime.wiring import Wiring
 
 __all__ = ["ModelState"]
 
 
 class ModelState:
-    """This rank's weights, optimizer, policy and counters, by the model's names."""
+    """This rank's weights, optimizer, policy and counters, by the model's names.
 
-    def __init__(self, w: Wiring, stepper: Stepper, collectives: Collectives) -> None:
-        self.w, self.stepper, self.collectives = w, stepper, collectives
-        self.canonical: Mapping[str, str] = w.canonical
-        self.names: tuple[str, ...] = tuple(w.model.state_dict())  # the model's order
-        self._by_name = {n: names for names in w.aliases.values() for n in names}
+    Args:
+        place: The rank's place (its rank, stages and mesh).
+        holdings: Its stage module and the model's names for its tensors.
+        update: Its optimizer, weight policy and fp16's scaler.
+        plan: The plan (a checkpoint records it).
+        micro_batches: M (a checkpoint records it).
+        stepper: The step counter, and drain().
+        collectives: Gathers the state dict.
+    """
+
+    def __init__(
+        self,
+        place: Place,
+        holdings: Holdings,
+        update: Update,
+        plan: Plan,
+        micro_batches: int,
+        stepper: Stepper,
+        collectives: Collectives,
+    ) -> None:
+        self.place, self.holdings, self.update = place, holdings, update
+        self._plan, self._micro_batches = plan, micro_batches
+        self.stepper, self.collectives = stepper, collectives
+        self.canonical: Mapping[str, str] = holdings.canonical
+        self.names: tuple[str, ...] = holdings.names  # the model's order
+        self._by_name = {n: names for names in holdings.aliases.values() for n in names}
         self.held_names: Mapping[str, str] = self._held_names()
 
     # -- the Checkpointable interface ----------------------------------------------------------
 
     @property
     def rank(self) -> int:
-        return self.w.rank
+        return self.place.rank
 
     @property
     def plan(self) -> Plan:
-        return self.w.plan
+        return self._plan
 
     @property
     def weights(self) -> str:
-        return self.w.spec.weights
+        return self.update.weights
 
     @property
     def micro_batches(self) -> int:
-        return self.w.spec.micro_batches
+        return self._micro_batches
 
     @property
     def stage_indices(self) -> tuple[int, ...]:
-        return self.w.stage_indices
+        return self.place.stage_indices
 
     @property
     def module(self) -> nn.Module | None:
-        return self.w.module
+        return self.holdings.module
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self.w.optimizer
+        return self.update.optimizer
 
     @property
     def policy(self) -> WeightPolicy | None:
-        return self.w.policy
+        return self.update.policy
 
     @property
     def orphans(self) -> Mapping[str, torch.Tensor]:
-        return self.w.orphans
+        return self.holdings.orphans
 
     @property
     def steps_done(self) -> int:
@@ -84,13 +105,13 @@ class ModelState:
     @property
     def loss_scale(self) -> float | None:
         """fp16's current loss scale (None without fp16)."""
-        return None if self.w.scaler is None else self.w.scaler.scale
+        return None if self.update.scaler is None else self.update.scaler.scale
 
     @property
     def mesh_shape(self) -> tuple[int, int] | None:
         """(pp, dp) of the mesh the stages run over; None without one."""
-        layout = self.w.layout
-        return None if layout is None or not layout.sharded else (layout.pp, layout.dp)
+        layout = self.place.layout
+        return (layout.pp, layout.dp) if layout.sharded else None
 
     def restore_loss_scale(self, scale: float) -> None:
         """Set fp16's loss scale to a saved one.
@@ -98,9 +119,10 @@ class ModelState:
         Raises:
             ConfigError: this pipeline has no fp16 loss scale.
         """
-        if self.w.scaler is None:
+        scaler = self.update.scaler
+        if scaler is None:
             raise ConfigError(f"loss_scale={scale} set on a pipeline without precision='fp16'")
-        self.w.scaler.scale = scale
+        scaler.scale = scale
 
     def drain(self) -> None:
         """Land an asynchronous pipeline's updates in flight."""
@@ -117,7 +139,7 @@ class ModelState:
                 for alias in self._aliases(name, value):
                     mine[alias] = cpu(whole(value))  # a mesh's shards gathered over dp
         if self.rank == 0:
-            mine.update(self.w.orphans)
+            mine.update(self.holdings.orphans)
         gathered = self.collectives.gather(mine, "the state dict")
         merged: dict[str, torch.Tensor] = {}
         for part in gathered:
@@ -150,7 +172,7 @@ class ModelState:
         """Every name of the model's tensor that this rank's module holds as `key`: by
         identity, or by name where FSDP2 (a mesh) replaced the tensor with its sharded
         parameter."""
-        found = self.w.aliases.get(id(value))
+        found = self.holdings.aliases.get(id(value))
         if found is not None:
             return found
         name = self._stage_name(key)
@@ -175,7 +197,7 @@ class ModelState:
         """This rank's weight bookkeeping: the copies it holds and, per micro-batch, the
         updates reflected in the weights its forward and its backward used."""
         policy = self.policy
-        if self.w.executor is None or policy is None:
+        if policy is None:  # a rank without a stage (and so without an executor)
             return {"copies": 0, "peak_copies": 0, "forward": {}, "backward": {}}
         log = policy.log
         return {

@@ -20,8 +20,9 @@ from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Batch, Executor
 from graphpipe.runtime.failures import posted
+from graphpipe.runtime.hooks import AgreeFinite
+from graphpipe.runtime.pieces import Run
 from graphpipe.runtime.timelines import Recorder
-from graphpipe.runtime.wiring import Wiring
 from graphpipe.scheduling.generators import drain_schedule, make_schedule
 from graphpipe.scheduling.program import lower
 
@@ -29,19 +30,24 @@ __all__ = ["Programs", "Stepper", "weighted"]
 
 
 class Programs:
-    """This rank's lowered operations for each call, cached by the schedule's shape."""
+    """This rank's lowered operations for each call, cached by the schedule's shape.
 
-    def __init__(self, w: Wiring) -> None:
-        self.w = w
+    Args:
+        run: The rank's run (plan, schedule, program, prefetch, M).
+        rank: The rank's plan device.
+    """
+
+    def __init__(self, run: Run, rank: int) -> None:
+        self.run, self.rank = run, rank
         self._cache: dict[Any, Program] = {}
 
     def for_call(self, call: int) -> Sequence[Op]:
         """This rank's operations for step() call `call`."""
-        w = self.w
-        if not w.asynchronous:
-            return w.program.ranks[w.rank]
-        m = w.spec.micro_batches
-        schedule = make_schedule(w.plan, w.schedule.name, m, first_call=call)
+        run = self.run
+        if not run.asynchronous:
+            return run.program.ranks[self.rank]
+        m = run.micro_batches
+        schedule = make_schedule(run.plan, run.schedule.name, m, first_call=call)
         return self.lowered(schedule, call * m)
 
     def lowered(self, schedule: Schedule, shift: int) -> Sequence[Op]:
@@ -51,12 +57,21 @@ class Programs:
         key = (schedule.name, shape)
         if key not in self._cache:
             base = Schedule(schedule.name, schedule.micro_batches, shape, schedule.calls)
-            self._cache[key] = lower(self.w.plan, base, prefetch=self.w.prefetch)
-        return [_moved(op, shift) for op in self._cache[key].ranks[self.w.rank]]
+            self._cache[key] = lower(self.run.plan, base, prefetch=self.run.prefetch)
+        return [_moved(op, shift) for op in self._cache[key].ranks[self.rank]]
 
 
 class Stepper:
     """Training calls: one mini-batch per step(), and drain() for asynchronous schedules.
+
+    Args:
+        run: The rank's run (its executor, plan, schedule and M).
+        agree: nan_check's agreement (None without nan_check).
+        loss_copies: Ranks holding each micro-batch slice's loss (`Place.loss_copies`).
+        inputs: Checks and splits a call's inputs.
+        programs: The lowered programs.
+        collectives: The mean loss.
+        recorder: Times the run under the profiler when recording.
 
     Attributes:
         calls: step() calls since the last drain (the next call's number).
@@ -65,13 +80,16 @@ class Stepper:
 
     def __init__(
         self,
-        w: Wiring,
+        run: Run,
+        agree: AgreeFinite | None,
+        loss_copies: int,
         inputs: Inputs,
         programs: Programs,
         collectives: Collectives,
         recorder: Recorder,
     ) -> None:
-        self.w, self.inputs, self.programs, self.collectives = w, inputs, programs, collectives
+        self.run, self.agree, self.loss_copies = run, agree, loss_copies
+        self.inputs, self.programs, self.collectives = inputs, programs, collectives
         self.recorder = recorder
         self.calls = 0
         self.steps_done = 0
@@ -85,48 +103,48 @@ class Stepper:
         """
         if target is None:
             raise ConfigError("step() needs target=...: the loss is computed on the last stage")
-        w, m = self.w, self.w.spec.micro_batches
-        first = self.calls * m if w.asynchronous else 0
+        run, m, agree = self.run, self.run.micro_batches, self.agree
+        first = self.calls * m if run.asynchronous else 0
         batch = self.inputs.batch(args, kwargs, target, first=first)
         self.inputs.check_loss(target, batch)
         ops = self.programs.for_call(self.calls)
-        if w.agree is not None:
-            w.agree.problem = None
+        if agree is not None:
+            agree.problem = None
         with posted("step"):
             self._run(ops, batch)
             self.calls += 1
             self.steps_done += 1
             # with a mesh each of the dp x tp last-stage ranks holds M losses of its slices
-            copies = w.loss_copies
-            loss = self.collectives.mean_loss(*weighted(w.executor, batch, m * copies, copies))
-        if w.agree is not None and w.agree.problem is not None:
-            raise PipelineError(w.agree.problem, kind=FailureKind.NONFINITE)
+            copies = self.loss_copies
+            loss = self.collectives.mean_loss(*weighted(run.executor, batch, m * copies, copies))
+        if agree is not None and agree.problem is not None:
+            raise PipelineError(agree.problem, kind=FailureKind.NONFINITE)
         return loss
 
     def _run(self, ops: Sequence[Op], batch: Batch) -> None:
-        executor = self.w.executor
+        executor = self.run.executor
         if executor is not None:
             executor.losses.clear()
             executor.training = True
             with self.recorder.timed():
                 executor.run(ops, batch)
-        elif self.w.agree is not None:  # a rank without a stage takes part in the agreement
-            self.w.agree()
+        elif self.agree is not None:  # a rank without a stage takes part in the agreement
+            self.agree()
 
     def drain(self) -> None:
         """Finish the backwards and updates an asynchronous pipeline still has in flight.
 
         The next step() starts with a new warm-up. Flushed schedules have nothing to drain.
         """
-        w = self.w
-        if not w.asynchronous or self.calls == 0:
+        run = self.run
+        if not run.asynchronous or self.calls == 0:
             return
-        m = w.spec.micro_batches
-        actions = drain_schedule(w.plan, w.schedule.name, self.calls, m)
-        if w.executor is not None:
+        m = run.micro_batches
+        actions = drain_schedule(run.plan, run.schedule.name, self.calls, m)
+        if run.executor is not None:
             end = self.calls * m
-            w.executor.run(self.programs.lowered(actions, end), Batch(end, {}, None))
-            w.executor.state.clear()
+            run.executor.run(self.programs.lowered(actions, end), Batch(end, {}, None))
+            run.executor.state.clear()
         self.calls = 0
 
 
@@ -136,7 +154,7 @@ def weighted(
     """This rank's micro-batch losses of `batch` and what their sum over the ranks is divided
     by: the losses and `count` (M, times the copies) when the micro-batches have equal rows;
     else each loss times its share of the rows, and `copies` (`graphpipe.runtime.batching`),
-    the ranks holding each slice's loss (`Wiring.loss_copies`: dp slices x tp ranks)."""
+    the ranks holding each slice's loss (`Place.loss_copies`: dp slices x tp ranks)."""
     losses = {} if executor is None else executor.losses
     if batch.shares is None:
         return list(losses.values()), count

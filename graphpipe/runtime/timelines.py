@@ -13,21 +13,32 @@ from collections.abc import Iterator
 
 from graphpipe.ir import Timeline
 from graphpipe.runtime.collectives import Collectives
+from graphpipe.runtime.pieces import Place, Run
 from graphpipe.runtime.profiling import profile_actions, spans_from_profiler
-from graphpipe.runtime.wiring import Wiring
 
 __all__ = ["Recorder"]
 
 
 class Recorder:
-    """Whether and how this rank records its actions, and the gathered timeline."""
+    """Whether and how this rank records its actions, and the gathered timeline.
 
-    def __init__(self, w: Wiring, collectives: Collectives) -> None:
-        self.w, self.collectives = w, collectives
-        runtime = w.spec.runtime
-        self.timer = runtime.timer or ("profiler" if w.device.type == "cuda" else "host")
+    Args:
+        run: The rank's run (its executor keeps the spans; the plan and schedule name them).
+        place: The rank's place (its rank and device).
+        collectives: Gathers the timeline.
+        timer: "host" or "profiler" (`RuntimeConfig.timer`); None: the device's default.
+        record: Start recording at once (`RuntimeConfig.record`).
+    """
+
+    def __init__(
+        self, run: Run, place: Place, collectives: Collectives, timer: str | None, record: bool
+    ) -> None:
+        self.executor, self.rank, self.device = run.executor, place.rank, place.device
+        self.devices, self.schedule = run.plan.num_devices, run.schedule.name
+        self.collectives = collectives
+        self.timer = timer or ("profiler" if place.device.type == "cuda" else "host")
         self._on = False
-        self.recording = runtime.record
+        self.recording = record
 
     @property
     def recording(self) -> bool:
@@ -37,25 +48,25 @@ class Recorder:
     @recording.setter
     def recording(self, on: bool) -> None:
         self._on = on
-        if self.w.executor is not None:  # the executor's own host ranges
-            self.w.executor.record = on and self.timer == "host"
+        if self.executor is not None:  # the executor's own host ranges
+            self.executor.record = on and self.timer == "host"
 
     @property
     def comm_seconds(self) -> dict[str, float]:
         """While recording (host timer), this rank's seconds outside compute actions since
         the last cleared `timeline()`: "wait" and "post"."""
-        return {} if self.w.executor is None else dict(self.w.executor.clock)
+        return {} if self.executor is None else dict(self.executor.clock)
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
         """Record the block's actions with torch.profiler when that is the timer."""
-        executor = self.w.executor
+        executor = self.executor
         if executor is None or not (self._on and self.timer == "profiler"):
             yield
             return
-        with profile_actions(self.w.device) as prof:
+        with profile_actions(self.device) as prof:
             yield
-        executor.spans.extend(spans_from_profiler(prof, self.w.rank))
+        executor.spans.extend(spans_from_profiler(prof, self.rank))
 
     def timeline(self, clear: bool = True) -> Timeline:
         """The actions every rank recorded (a collective).
@@ -63,11 +74,11 @@ class Recorder:
         Args:
             clear: Forget the recorded actions afterwards.
         """
-        executor = self.w.executor
+        executor = self.executor
         spans = [] if executor is None else executor.spans
         gathered = self.collectives.gather(spans, "the timeline")
         if clear and executor is not None:
             executor.spans = []
             executor.clock = dict.fromkeys(executor.clock, 0.0)
         every = sorted((s for part in gathered for s in part), key=lambda s: s.start)
-        return Timeline(tuple(every), self.w.plan.num_devices, "measured", self.w.schedule.name)
+        return Timeline(tuple(every), self.devices, "measured", self.schedule)

@@ -1,18 +1,29 @@
 """Wiring: build one rank's part of a compiled pipeline (every rank, in the same order).
 
-`wire` makes, from the traced graph, the plan, the schedule and the `RunSpec`: this rank's
-stage modules (materialised, moved, maybe compiled or emulated), the process groups for
-replicas and tied copies, the update hooks (fp16 unscale, NaN check, clipping), the
-optimizer, the weight policy (given the hooks), the transport and the executor (given the
-NaN check and the loss scale). Several steps are collectives, so every rank calls `wire`
-and creates its groups in the same order.
+`wire` makes, from the traced graph, the plan, the schedule and the `RunSpec`, the pieces
+of `graphpipe.runtime.pieces` (`Place`, `Holdings`, `Update`, `Run`), in this order:
+
+    1. the stage factory, from `RuntimeConfig.emulate` (`graphpipe.runtime.factory`):
+       real stages or stand-ins, chosen here once; nothing below tests `emulate`
+    2. the rank's place: mesh layout, failure watch, device, stages
+    3. every stage's module through the factory; this rank's materialised
+    4. the process groups for replicas and tied copies (`sum_groups`), then the group for
+       clipping and the loss scale, fp16's scaler and nan_check's agreement
+    5. the lowered program; NCCL's first all-reduce and FSDP2's mesh
+    6. this rank's stages on the device (split by tp, sharded by FSDP2), the optimizer, the
+       update hooks, the weight policy, the transport and the executor
+
+Several steps are collectives, so every rank calls `wire` and creates its groups in the
+same order. The run specification is read here, in `wire` and `_settings` only; the
+helpers below get plain values.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -21,81 +32,88 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from graphpipe.ir import Plan, Schedule
-from graphpipe.ir.program import Program
-from graphpipe.ir.registry import schedule_spec
 from graphpipe.runtime.batching import cpu
 from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.comm import Transport
-from graphpipe.runtime.emulate import DeviceTime, Emulate, EmulatedStage, emulated_specs
 from graphpipe.runtime.executor import Executor, StageRuntime
+from graphpipe.runtime.factory import StageFactory, stage_factory
 from graphpipe.runtime.failures import guarded, install_watch, set_collective_timeout
 from graphpipe.runtime.fsdp_comms import guard_collectives
 from graphpipe.runtime.groups import Modules, scale_group, sum_groups, update_group
 from graphpipe.runtime.hooks import AgreeFinite, Clip, Unscale, hooks_for
-from graphpipe.runtime.materialize import is_meta, materialize, materialize_sharded, names_by_id
+from graphpipe.runtime.materialize import InitFn, is_meta, materialize_sharded, names_by_id
 from graphpipe.runtime.mesh import MeshLayout, shard_stage
 from graphpipe.runtime.nancheck import NanCheck
+from graphpipe.runtime.pieces import Holdings, Pieces, Place, Run, Update
 from graphpipe.runtime.precision import LossScaler, Precision
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
-from graphpipe.runtime.stage import arrive_as_traced, build_stage, micro_shapes, retarget
+from graphpipe.runtime.stage import Specs, build_stage, micro_shapes
 from graphpipe.runtime.sync import GradSync
 from graphpipe.runtime.tp import apply_tp, resolve_tp_plan
-from graphpipe.runtime.weights import WeightPolicy, make_policy
+from graphpipe.runtime.weights import PolicyOptions, WeightPolicy, make_policy
 from graphpipe.scheduling.generators import warmups
 from graphpipe.scheduling.program import lower
 from graphpipe.tracing.annotate import trace_info
 
-__all__ = ["Wiring", "runtime_device", "wire"]
+__all__ = ["runtime_device", "wire"]
 
 
-@dataclass
-class Wiring:
-    """One rank's built pipeline: what the other parts of a PipelinedModel run on."""
+@dataclass(frozen=True)
+class _Settings:
+    """What the helpers below read of the run specification, read once (`_settings`)."""
 
-    spec: RunSpec
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    micro_batches: int  # M
+    weights: str  # the weight policy's name
+    weight_options: PolicyOptions | None
+    precision: str | None  # "bf16", "fp16" or None
+    clip: tuple[float, float] | None  # (max norm, p); None: no clipping
+    nan_check: bool
+    timeout: float  # seconds a collective or a message may take
+    meshed: bool  # stages run over a mesh (materialised shard by shard, `_put`)
+    init_weights: InitFn | None
+    checkpoint: str | Path | None
+    compile_stages: bool
+    reshard_after_forward: bool
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What building this rank's stages reads."""
+
+    settings: _Settings
     plan: Plan
-    schedule: Schedule
-    rank: int
-    device: torch.device
-    model: nn.Module  # the whole model as given (its state dict's names and order)
-    gm: fx.GraphModule  # the whole traced graph
-    stage_indices: tuple[int, ...]  # this rank's stages
-    model_inputs: tuple[str, ...]  # the model inputs those stages read
-    aliases: dict[int, list[str]]  # id of each tensor -> every name of it (tied ones too)
-    orphans: dict[str, torch.Tensor]  # parameters and buffers no stage holds, on the CPU
-    module: nn.Module | None  # this rank's stage module (a ModuleList of several); None: idle
-    optimizer: torch.optim.Optimizer
-    policy: WeightPolicy | None
-    executor: Executor | None
-    prefetch: bool  # every receive of a call is posted first
-    program: Program  # the lowered schedule (the first call's, for an asynchronous one)
-    scaler: LossScaler | None = None  # fp16's loss scale
-    agree: AgreeFinite | None = None  # nan_check's agreement (also run by an idle rank)
-    clipper: GradClipper | None = None  # max_grad_norm's clipping
-    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tied name -> stages
-    layout: MeshLayout | None = None  # pp and dp coordinates (identity without a mesh)
+    place: Place
+    gm: fx.GraphModule
+    factory: StageFactory
+    shared: dict[str, tuple[int, ...]]  # tied name -> the stages holding it
+    canon: dict[str, str]  # every name -> the first name of its tensor
+    model: nn.Module  # the model as given (its blocks, for FSDP2's units)
+    fsdp_mesh: Any  # the DeviceMesh FSDP2 wraps stages over; None without a mesh
+    tp_plan: dict[str, str] | None  # the checked tensor-parallel plan; None without "tp"
 
-    @property
-    def asynchronous(self) -> bool:
-        """The schedule keeps micro-batches in flight across step() calls (async, 2bw)."""
-        return schedule_spec(self.schedule.name).asynchronous
 
-    @property
-    def dp(self) -> int:
-        """Data-parallel slices of each micro-batch (a mesh's dp size; 1 without one)."""
-        return 1 if self.layout is None else self.layout.dp
+@dataclass(frozen=True)
+class _Parts:
+    """What a rank with stages has and an idle one has not."""
 
-    @property
-    def loss_copies(self) -> int:
-        """Ranks holding each micro-batch slice's loss: its dp slices times the tp ranks
-        that each compute the same loss (a sum of the losses over every rank counts each
-        micro-batch's this many times, as a share of its mean)."""
-        return 1 if self.layout is None else self.layout.dp * self.layout.tp
+    module: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    clipper: GradClipper | None = None
+    policy: WeightPolicy | None = None
+    executor: Executor | None = None
 
-    @property
-    def canonical(self) -> dict[str, str]:
-        """Every name of every tensor of the model -> its first name."""
-        return {n: names[0] for names in self.aliases.values() for n in names}
+
+@dataclass(frozen=True)
+class _Built:
+    """Every stage's module, and what crosses stages."""
+
+    modules: Modules  # every stage's module (or emulated stand-in) and StageIO
+    specs: Specs  # value name -> micro-batch shape and dtype between stages
+    model_inputs: tuple[str, ...]  # the model inputs this rank's stages read
+    orphans: dict[str, torch.Tensor]  # the model's tensors no stage holds, on the CPU
+    materialized: bool  # this rank made real tensors of a meta model's
 
 
 def wire(
@@ -105,7 +123,7 @@ def wire(
     plan: Plan,
     schedule: Schedule,
     spec: RunSpec,
-) -> Wiring:
+) -> Pieces:
     """Build this rank's part of the pipeline (a collective: every rank, same order).
 
     Args:
@@ -116,83 +134,80 @@ def wire(
         schedule: The schedule to run (the first call's for an asynchronous one).
         spec: The checked run specification.
 
+    Returns:
+        The rank's place, holdings, update and run, and the stage factory.
+
     Raises:
         ConfigError: a weight tied across ranks under an asynchronous schedule, or across
             two stages of one pp rank under a mesh (`sum_groups`).
     """
-    runtime = spec.runtime
+    s = _settings(spec)
+    factory = stage_factory(spec.runtime.emulate)  # the one place emulation is decided
     layout = MeshLayout.current(spec.mesh)
-    rank = layout.pp_index  # the plan's device; the transport translates (`rank_of`)
-    watch = install_watch(runtime.timeout)
-    set_collective_timeout(runtime.timeout)
-    device = runtime_device(runtime)
-    mine = tuple(s.index for s in plan.stages_on(rank))
+    watch = install_watch(s.timeout)
+    set_collective_timeout(s.timeout)
+    place = _locate(plan, layout, runtime_device(spec.runtime))
     canon = {n: names[0] for names in names_by_id(model).values() for n in names}
-    precision = _precision(spec, layout, gm)
-    built = _build_modules(model, gm, plan, spec, example_inputs, mine, device, precision)
-    modules = built.modules
-    sync, shared = sum_groups(plan, spec, schedule.name, rank, canon, modules, mine, layout)
-    update_group, scaler, agree = _update_checks(plan, spec, modules, canon, device, layout)
+    precision = _precision(s.precision, layout, gm)
+    built = _build_modules(model, gm, plan, example_inputs, place, precision, factory, s)
+    modules, mine = built.modules, place.stage_indices
+    sync, shared = sum_groups(plan, spec, schedule.name, place.rank, canon, modules, mine, layout)
+    group, scaler, agree = _update_checks(plan, s, modules, canon, place)
     if built.materialized:
         sync.broadcast()  # tied copies and replicas start equal on every holder
-    prefetch = dist.get_backend() == "gloo" if runtime.prefetch is None else runtime.prefetch
+    prefetch = _prefetch(spec.runtime.prefetch)
     program = lower(plan, schedule, prefetch=prefetch)
-    fsdp_mesh = _ready_collectives(device, layout, spec)
-    parts = _Parts(None, None, None, None, None)
+    fsdp_mesh = _ready_collectives(place.device, layout, spec.dp_shard, s.timeout)
     tp_plan = resolve_tp_plan(model, spec.tp_plan) if layout.tp_mesh is not None else None
+    parts = _Parts()
     if mine:
-        parts = _wire_stages(
-            _Context(
-                spec,
-                plan,
-                rank,
-                device,
-                gm,
-                mine,
-                shared,
-                canon,
-                model,
-                layout,
-                fsdp_mesh,
-                tp_plan,
-            ),
-            modules,
-            built.specs,
-            sync,
-            update_group,
-            precision,
-            watch,
-            scaler,
-            agree,
-        )
+        c = _Context(s, plan, place, gm, factory, shared, canon, model, fsdp_mesh, tp_plan)
+        parts = _wire_stages(c, modules, built.specs, sync, group, precision, watch, scaler, agree)
     aliases = names_by_id(model)  # by the ids of the materialised (and sharded) tensors
-    return Wiring(
-        spec=spec,
-        plan=plan,
-        schedule=schedule,
-        rank=rank,
-        device=device,
-        model=model,
-        gm=gm,
-        stage_indices=mine,
-        model_inputs=built.model_inputs,
-        aliases=aliases,
-        orphans=built.orphans,
-        module=parts.module,
-        optimizer=parts.optimizer or spec.optimizer([nn.Parameter(torch.zeros(0))]),
-        policy=parts.policy,
-        executor=parts.executor,
-        prefetch=prefetch,
-        program=program,
-        scaler=scaler,
-        agree=agree,
-        clipper=parts.clipper,
-        shared=shared,
-        layout=layout,
+    holdings = Holdings(
+        parts.module, tuple(model.state_dict()), aliases, built.orphans, built.model_inputs
+    )
+    optimizer = parts.optimizer or s.optimizer([nn.Parameter(torch.zeros(0))])
+    update = Update(s.weights, optimizer, parts.policy, scaler, agree, parts.clipper)
+    run = Run(plan, schedule, s.micro_batches, program, prefetch, parts.executor)
+    return Pieces(place, holdings, update, run, factory)
+
+
+def _settings(spec: RunSpec) -> _Settings:
+    """The fields of `spec` the helpers read, as plain values."""
+    return _Settings(
+        loss_fn=spec.loss_fn,
+        optimizer=spec.optimizer,
+        micro_batches=spec.micro_batches,
+        weights=spec.weights,
+        weight_options=spec.weight_options,
+        precision=spec.precision,
+        clip=spec.clip,
+        nan_check=spec.nan_check,
+        timeout=spec.runtime.timeout,
+        meshed=spec.meshed,
+        init_weights=spec.init_weights,
+        checkpoint=spec.checkpoint,
+        compile_stages=spec.compile_stages,
+        reshard_after_forward=spec.reshard_after_forward,
     )
 
 
-def _ready_collectives(device: torch.device, layout: MeshLayout, spec: RunSpec) -> Any:
+def _locate(plan: Plan, layout: MeshLayout, device: torch.device) -> Place:
+    """This rank's place: its plan device is its pp coordinate (the transport translates,
+    `MeshLayout.rank_of`), and its stages are that device's."""
+    rank = layout.pp_index
+    return Place(rank, device, tuple(s.index for s in plan.stages_on(rank)), layout)
+
+
+def _prefetch(asked: bool | None) -> bool:
+    """Whether every receive of a call is posted first: as asked, else under gloo."""
+    return dist.get_backend() == "gloo" if asked is None else asked
+
+
+def _ready_collectives(
+    device: torch.device, layout: MeshLayout, dp_shard: bool, timeout: float
+) -> Any:
     """Ready what every rank's collectives need, in the same order on every rank: NCCL's
     communicator (a first all-reduce: the first batched send must not be its first use),
     then the FSDP2 mesh with its groups' timeout (FSDP2's collectives are unguarded: their
@@ -200,127 +215,79 @@ def _ready_collectives(device: torch.device, layout: MeshLayout, spec: RunSpec) 
     if device.type == "cuda":
         warm = torch.zeros(1, device=device)
         guarded("the all-reduce that starts NCCL", lambda: dist.all_reduce(warm))
-    fsdp_mesh = layout.fsdp_mesh(spec.dp_shard) if layout.fsdp else None  # every rank
+    fsdp_mesh = layout.fsdp_mesh(dp_shard) if layout.fsdp else None  # every rank
     if fsdp_mesh is not None:
-        set_collective_timeout(spec.runtime.timeout, fsdp_mesh.get_all_groups())
+        set_collective_timeout(timeout, fsdp_mesh.get_all_groups())
     return fsdp_mesh
 
 
-@dataclass(frozen=True)
-class _Context:
-    """What building this rank's stages reads."""
-
-    spec: RunSpec
-    plan: Plan
-    rank: int
-    device: torch.device
-    gm: fx.GraphModule
-    mine: tuple[int, ...]  # this rank's stages
-    shared: dict[str, tuple[int, ...]]  # tied name -> the stages holding it
-    canon: dict[str, str]  # every name -> the first name of its tensor
-    model: nn.Module  # the model as given (its blocks, for FSDP2's units)
-    layout: MeshLayout  # pp and dp coordinates
-    fsdp_mesh: Any  # the DeviceMesh FSDP2 wraps stages over; None without a mesh
-    tp_plan: dict[str, str] | None  # the checked tensor-parallel plan; None without "tp"
-
-
-@dataclass(frozen=True)
-class _Parts:
-    """What a rank with stages has and an idle one has not."""
-
-    module: nn.Module | None
-    optimizer: torch.optim.Optimizer | None
-    clipper: GradClipper | None
-    policy: WeightPolicy | None
-    executor: Executor | None
-
-
-@dataclass(frozen=True)
-class _Built:
-    """Every stage's module, and what crosses stages."""
-
-    modules: Modules  # every stage's module (or emulated stand-in) and StageIO
-    specs: dict[str, Any]  # value name -> micro-batch shape and dtype between stages
-    model_inputs: tuple[str, ...]  # the model inputs this rank's stages read
-    orphans: dict[str, torch.Tensor]  # the model's tensors no stage holds, on the CPU
-    materialized: bool  # this rank made real tensors of a meta model's
-
-
-def _precision(spec: RunSpec, layout: MeshLayout, gm: fx.GraphModule) -> Precision:
-    """The run's precision: autocast, or under a mesh FSDP2's mixed-precision policy, but
-    autocast still for a graph torch.export traced (its casts are the model's own:
+def _precision(name: str | None, layout: MeshLayout, gm: fx.GraphModule) -> Precision:
+    """The run's precision `name`: autocast, or under a mesh FSDP2's mixed-precision policy,
+    but autocast still for a graph torch.export traced (its casts are the model's own:
     `graphpipe.runtime.precision`) and on a mesh without a "dp" dimension (no FSDP2 to
     cast the parameters: tp alone)."""
     if not layout.sharded:
-        return Precision(spec.precision)
+        return Precision(name)
     exported = trace_info(gm).method == "export"  # its own casts: autocast (precision.py)
-    return Precision(spec.precision, sharded=True, by_autocast=exported or not layout.fsdp)
+    return Precision(name, sharded=True, by_autocast=exported or not layout.fsdp)
 
 
 def _build_modules(
     model: nn.Module,
     gm: fx.GraphModule,
     plan: Plan,
-    spec: RunSpec,
     example_inputs: tuple[torch.Tensor, ...],
-    mine: tuple[int, ...],
-    device: torch.device,
+    place: Place,
     precision: Precision,
+    factory: StageFactory,
+    s: _Settings,
 ) -> _Built:
-    """Every stage's module carved from the trace; this rank's materialised."""
-    modules: Modules = {s.index: build_stage(gm, plan, s.index) for s in plan.stages}
-    model_inputs = tuple(sorted({n for i in mine for n in modules[i][1].model_inputs}))
-    orphans = _orphans(model, [m for m, _ in modules.values()])
-    emulate = spec.runtime.emulate
-    # an emulated rank with no stage still builds every stage's stand-in (on meta)
-    shaped = bool(mine) or emulate is not None
+    """Every stage's module carved from the trace and made by the factory; this rank's
+    materialised (under a mesh, later and shard by shard: `_put`)."""
+    mine = place.stage_indices
+    carved: Modules = {st.index: build_stage(gm, plan, st.index) for st in plan.stages}
+    model_inputs = tuple(sorted({n for i in mine for n in carved[i][1].model_inputs}))
+    orphans = _orphans(model, [m for m, _ in carved.values()])
     rows = plan.micro_batch_size // plan.cost_model.dp.degree  # one dp rank's slice
-    specs = micro_shapes(gm, example_inputs, rows) if shaped else {}
-    if emulate is not None:  # every stage's compute becomes a wait
-        modules = _emulated(gm, plan, modules, specs, emulate, mine, device)
-        specs = emulated_specs(specs, emulate)
-    if precision.dtype is not None and emulate is None and trace_info(gm).method == "export":
-        traced = {name: dtype for name, (_, dtype) in specs.items()}
-        for i in mine:  # its graph asserts the traced dtypes: values arrive in them
-            arrive_as_traced(*modules[i], traced)
+    cast_back = precision.dtype is not None and trace_info(gm).method == "export"
+    modules, specs = factory.build(
+        gm, plan, carved, mine, place.device, lambda: micro_shapes(gm, example_inputs, rows),
+        cast_back,
+    )  # fmt: skip
     specs = {  # what crosses stages, in the precision's dtype
         name: (shape, precision.spec_dtype(dtype)) for name, (shape, dtype) in specs.items()
     }
-    materialized = [  # under a mesh a stage is sharded first (`_place`)
-        t
+    materialized = [
+        name
         for i in mine
-        if emulate is None and not spec.meshed
-        for t in materialize(model, modules[i][0], device, spec.init_weights, spec.checkpoint)
+        if not s.meshed
+        for name in factory.materialize(
+            model, modules[i][0], place.device, s.init_weights, s.checkpoint
+        )
     ]
     return _Built(modules, specs, model_inputs, orphans, bool(materialized))
 
 
 def _update_checks(
-    plan: Plan,
-    spec: RunSpec,
-    modules: Modules,
-    canon: dict[str, str],
-    device: torch.device,
-    layout: MeshLayout,
+    plan: Plan, s: _Settings, modules: Modules, canon: dict[str, str], place: Place
 ) -> tuple[dist.ProcessGroup | None, LossScaler | None, AgreeFinite | None]:
     """The group that agrees on clipping and the loss scale (a collective, when either is
     on), fp16's scaler and nan_check's agreement."""
-    fp16 = spec.precision == "fp16"
-    needs_group = spec.clip is not None or fp16
-    group = update_group(plan, spec.runtime.timeout, layout) if needs_group else None
+    layout = place.layout
+    fp16 = s.precision == "fp16"
+    needs_group = s.clip is not None or fp16
+    group = update_group(plan, s.timeout, layout) if needs_group else None
     scaler = None
     if fp16:  # under a mesh every dp and tp rank agrees too (scale_group)
-        scaler = _scaler(
-            scale_group(plan, spec.runtime.timeout, layout) if layout.sharded else group
-        )
-    agree = _agreement(modules, canon, spec.micro_batches, device) if spec.nan_check else None
+        scaler = _scaler(scale_group(plan, s.timeout, layout) if layout.sharded else group)
+    agree = _agreement(modules, canon, s.micro_batches, place.device) if s.nan_check else None
     return group, scaler, agree
 
 
 def _wire_stages(
     c: _Context,
     modules: Modules,
-    specs: dict[str, Any],
+    specs: Specs,
     sync: GradSync,
     update_group: dist.ProcessGroup | None,
     precision: Precision,
@@ -329,76 +296,103 @@ def _wire_stages(
     agree: AgreeFinite | None,
 ) -> _Parts:
     """This rank's stages: modules on the device, optimizer, hooks, policy, executor."""
-    spec = c.spec
-    runtime_stages = {}
-    before = {(i, n): p for i in c.mine for n, p in modules[i][0].named_parameters()}
-    for i in c.mine:
-        module, io = modules[i]
-        if spec.runtime.emulate is None:
-            retarget(module, c.device)
-        _place(c, i, module, precision)
-        runtime_stages[i] = StageRuntime(
-            c.rank, c.plan, i, module, io, specs, c.gm, spec.loss_fn, c.device,
-            tensor_parallel=c.tp_plan is not None,
-        )  # fmt: skip
-    if c.layout.sharded:  # the tied weights' sums read FSDP2's sharded parameters
-        after = {(i, n): p for i in c.mine for n, p in modules[i][0].named_parameters()}
-        sync.rebind({id(p): after[key] for key, p in before.items() if key in after})
-    held = [r.module for r in runtime_stages.values()]
+    s, place = c.settings, c.place
+    stages = _stage_runtimes(c, modules, specs, sync, precision)
+    held = [r.module for r in stages.values()]
     whole = held[0] if len(held) == 1 else nn.ModuleList(held)
-    params = list(whole.parameters())  # unique: a tied weight is one tensor here
-    optimizer = spec.optimizer(params or [nn.Parameter(torch.zeros(0))])
-    clipper = None if spec.clip is None else _clipper(c, spec.clip, modules, params, update_group)
-    hooks = hooks_for(
-        None if scaler is None else Unscale(scaler, params, c.device),
-        agree,
-        None if clipper is None else Clip(clipper, c.device),
-    )
-    policy = make_policy(
-        spec.weights,
-        whole,
-        optimizer,
-        sync,
-        spec.micro_batches,
-        warmups(c.plan)[c.mine[0]],
-        spec.weight_options,
-        hooks,
-    )
-    transport = Transport(
-        c.layout.rank, spec.runtime.timeout, c.device, watch, rank_of=c.layout.rank_of
-    )
+    optimizer, clipper, policy = _updating(c, whole, modules, sync, update_group, scaler, agree)
+    layout = place.layout
+    transport = Transport(layout.rank, s.timeout, place.device, watch, rank_of=layout.rank_of)
     executor = Executor(
-        runtime_stages,
+        stages,
         policy,
         transport,
         precision,
         nancheck=None if agree is None else agree.check,
         grad_scale=None if scaler is None else lambda: scaler.scale,
-        device_time=_device_time(modules, c.mine),
+        action_end=c.factory.action_end,
     )
     return _Parts(whole, optimizer, clipper, policy, executor)
 
 
-def _place(c: _Context, index: int, module: fx.GraphModule, precision: Precision) -> None:
+def _updating(
+    c: _Context,
+    whole: nn.Module,
+    modules: Modules,
+    sync: GradSync,
+    update_group: dist.ProcessGroup | None,
+    scaler: LossScaler | None,
+    agree: AgreeFinite | None,
+) -> tuple[torch.optim.Optimizer, GradClipper | None, WeightPolicy]:
+    """The optimizer over this rank's module `whole`, max_grad_norm's clipper, and the weight
+    policy, given the update hooks in their order (fp16 unscale, NaN check, clipping)."""
+    s, device = c.settings, c.place.device
+    params = list(whole.parameters())  # unique: a tied weight is one tensor here
+    optimizer = s.optimizer(params or [nn.Parameter(torch.zeros(0))])
+    clipper = None if s.clip is None else _clipper(c, s.clip, modules, params, update_group)
+    hooks = hooks_for(
+        None if scaler is None else Unscale(scaler, params, device),
+        agree,
+        None if clipper is None else Clip(clipper, device),
+    )
+    warmup = warmups(c.plan)[c.place.stage_indices[0]]
+    policy = make_policy(
+        s.weights, whole, optimizer, sync, s.micro_batches, warmup, s.weight_options, hooks
+    )
+    return optimizer, clipper, policy
+
+
+def _stage_runtimes(
+    c: _Context, modules: Modules, specs: Specs, sync: GradSync, precision: Precision
+) -> dict[int, StageRuntime]:
+    """Each of this rank's stages on the device (`_put`), with what running it reads. Under
+    a mesh the tied weights' sums are rebound to FSDP2's sharded parameters."""
+    place = c.place
+    before = _named_parameters(modules, place.stage_indices)
+    stages = {}
+    for i in place.stage_indices:
+        module, io = modules[i]
+        c.factory.retarget(module, place.device)
+        _put(c, i, module, precision)
+        stages[i] = StageRuntime(
+            place.rank, c.plan, i, module, io, specs, c.gm, c.settings.loss_fn, place.device,
+            tensor_parallel=c.tp_plan is not None,
+        )  # fmt: skip
+    if place.layout.sharded:  # the tied weights' sums read FSDP2's sharded parameters
+        after = _named_parameters(modules, place.stage_indices)
+        sync.rebind({id(p): after[key] for key, p in before.items() if key in after})
+    return stages
+
+
+def _named_parameters(
+    modules: Modules, mine: tuple[int, ...]
+) -> dict[tuple[int, str], nn.Parameter]:
+    """(stage, name) -> parameter, over stages `mine`."""
+    return {(i, n): p for i in mine for n, p in modules[i][0].named_parameters()}
+
+
+def _put(c: _Context, index: int, module: fx.GraphModule, precision: Precision) -> None:
     """Put stage `index`'s module on the device, compiled if asked, and under a mesh
     split by the tp plan and sharded by FSDP2 (its collectives under the watch) before the
     optimizer is made (it steps the sharded parameters). A stage still on meta (a meta model
-    under a mesh) is split and sharded first and only its shards materialised."""
-    spec = c.spec
+    under a mesh) is split and sharded first and only its shards materialised; a stand-in
+    (`graphpipe.runtime.factory`) is made on the device, never on meta."""
+    s = c.settings
 
     def shard() -> None:
         if c.tp_plan is not None:  # DTensors over tp first: FSDP2 shards them over dp (2D)
-            apply_tp(module, c.canon, cast(DeviceMesh, c.layout.tp_mesh), c.tp_plan)
+            mesh = cast(DeviceMesh, c.place.layout.tp_mesh)
+            apply_tp(module, c.canon, mesh, c.tp_plan)
         if c.fsdp_mesh is not None:
-            shard_stage(module, c.model, c.fsdp_mesh, spec.reshard_after_forward, precision)
+            shard_stage(module, c.model, c.fsdp_mesh, s.reshard_after_forward, precision)
             guard_collectives(module, index)
 
     meshed = c.fsdp_mesh is not None or c.tp_plan is not None
-    if meshed and spec.runtime.emulate is None and is_meta(module):
-        materialize_sharded(c.model, module, c.device, shard, spec.init_weights, spec.checkpoint)
+    if meshed and is_meta(module):
+        materialize_sharded(c.model, module, c.place.device, shard, s.init_weights, s.checkpoint)
         return
-    module.to(c.device)
-    if spec.compile_stages:  # in place: the module and its state dict keys stay
+    module.to(c.place.device)
+    if s.compile_stages:  # in place: the module and its state dict keys stay
         module.compile()
     shard()
 
@@ -435,49 +429,13 @@ def _clipper(
     """Count each parameter on one rank: its first holding stage's first device."""
     counted = []
     seen: set[int] = set()
-    for index in c.mine:
+    for index in c.place.stage_indices:
         for n, p in modules[index][0].named_parameters():
             owner = c.shared.get(c.canon.get(n, n), (index,))[0]
-            if c.plan.stages[owner].devices[0] == c.rank and id(p) not in seen:
+            if c.plan.stages[owner].devices[0] == c.place.rank and id(p) not in seen:
                 counted.append(p)
                 seen.add(id(p))
     return GradClipper(clip[0], clip[1], params, counted, group)
-
-
-def _emulated(
-    gm: fx.GraphModule,
-    plan: Plan,
-    modules: Modules,
-    specs: dict[str, Any],
-    emulate: Emulate,
-    mine: tuple[int, ...],
-    device: torch.device,
-) -> Modules:
-    """Each stage's stand-in (`graphpipe.runtime.emulate`); other ranks' on meta. Under
-    `host="overlapped"` this rank's stand-ins share one `DeviceTime`."""
-    clock = DeviceTime() if emulate.host == "overlapped" else None
-    meta = torch.device("meta")
-    return {
-        i: (
-            EmulatedStage(
-                gm,
-                plan,
-                i,
-                io,
-                specs,
-                emulate,
-                *((device, clock) if i in mine else (meta, None)),
-            ),
-            io,
-        )
-        for i, (_, io) in modules.items()
-    }
-
-
-def _device_time(modules: Modules, mine: tuple[int, ...]) -> DeviceTime | None:
-    """This rank's emulated device time, when its stand-ins overlap the host's work."""
-    stand_ins = [modules[i][0] for i in mine if isinstance(modules[i][0], EmulatedStage)]
-    return next((m.clock for m in stand_ins if m.clock is not None), None)
 
 
 def runtime_device(runtime: RuntimeConfig) -> torch.device:
