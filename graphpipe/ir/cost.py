@@ -26,6 +26,8 @@ On the dp link (`DataParallel.link`, else the pp link), with p the stage's param
     dp stage_time(c, p)  = max(c, g) + scatter(p) / M     (shard; prefetch hides the gathers
                          behind the compute unless they are longer)
                          = c + allreduce_dp(p, k) / M     (shard=False: replicated, HSDP-like)
+    exposed gathers      max(0, g - c) per mb (reshard_after_forward); without it, the step's
+                         one gather behind the step's first forward f: max(0, gather(p) - f) / M
     dp weights(p)        = p (versions + optimizer_slots) / k       sharded state, on each rank
                            + p * gather_share                       the unsharded copy held
                            + p                                      the unsharded gradient
@@ -300,9 +302,18 @@ class CostModel:
         self, forward: float, backward: float, param_bytes: float
     ) -> tuple[float, float]:
         """A stage's forward and backward seconds per micro-batch with the all-gathers that
-        prefetch does not hide, max(0, g - c), added in proportion to each (c = f + b)."""
+        prefetch does not hide, added in proportion to each (c = f + b): max(0, g - c) with
+        reshard_after_forward (each micro-batch gathers for its forward and its backward);
+        without it, the step's one gather less what the first forward hides, over M:
+        max(0, gather(p) - f) / M."""
         c = forward + backward
         exposed = max(0.0, self.gather_time(param_bytes) - c)
+        if self.dp.shard and self.dp.degree > 1 and not self.dp.reshard_after_forward:
+            # once per step, before the step's first forward uses the parameters: that
+            # forward hides what it can (FSDP2 prefetches the next block's gather behind the
+            # current block); the later micro-batches find them gathered. Spread over M.
+            once = self.dp_link.all_gather(param_bytes, self.dp.degree)
+            exposed = max(0.0, once - forward) / self.micro_batches
         if exposed == 0.0:
             return forward, backward
         f_share = forward / c if c > 0 else 0.5
