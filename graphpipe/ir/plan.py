@@ -26,6 +26,7 @@ __all__ = [
     "LAYOUTS",
     "LAYOUT_WORDS",
     "WEIGHT_SHARE",
+    "MeshShape",
     "Plan",
     "Stage",
     "StageEdge",
@@ -50,6 +51,36 @@ def edges_to_sink(g: nx.DiGraph) -> dict[int, int]:
     for s in reversed(list(nx.topological_sort(g))):
         height[s] = max((height[t] + 1 for t in g.successors(s)), default=0)
     return height
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The mesh a plan runs on: pp x dp x tp ranks and M micro-batches (`Plan.mesh`).
+
+    `str()` is the dp and tp dimensions in words, as before this record ("dp 2 (sharded),
+    tp 2"); `shape` names all three.
+    """
+
+    pp: int  # pp ranks: the plan's devices
+    dp: int  # dp ranks per stage (FSDP2)
+    tp: int  # tp ranks per stage
+    micro_batches: int  # M
+    dims: str = "dp 1"  # the dp and tp dimensions in words (`CostModel.describe_mesh`)
+    node: str = ""  # the node whose links the costs are ("": the plan's links)
+    chosen_by: str = ""  # "auto": the planner's mesh search (`planning.automesh`)
+
+    @property
+    def devices(self) -> int:
+        """N = pp x dp x tp."""
+        return self.pp * self.dp * self.tp
+
+    @property
+    def shape(self) -> str:
+        """E.g. "pp 4 x dp 2 x tp 8, M 16"."""
+        return f"pp {self.pp} x dp {self.dp} x tp {self.tp}, M {self.micro_batches}"
+
+    def __str__(self) -> str:
+        return self.dims
 
 
 @dataclass(frozen=True)
@@ -164,9 +195,19 @@ class Plan:
         return self.cost_model.micro_batch_size
 
     @property
-    def mesh(self) -> str:
-        """The data- and tensor-parallel dimensions in words ("dp 1" without either)."""
-        return self.cost_model.describe_mesh()
+    def mesh(self) -> MeshShape:
+        """The mesh: pp (the plan's devices) x dp x tp and M, and who chose it; `str()` is
+        the data- and tensor-parallel dimensions in words ("dp 1" without either)."""
+        cost, note = self.cost_model, self.info.get("mesh", {})
+        return MeshShape(
+            pp=self.num_devices,
+            dp=cost.dp.degree,
+            tp=cost.tp.degree,
+            micro_batches=cost.micro_batches,
+            dims=cost.describe_mesh(),
+            node=str(note.get("node", "")),
+            chosen_by=str(note.get("chosen_by", "")) if "runners_up" in note else "",
+        )
 
     @property
     def throughput(self) -> float:
@@ -269,6 +310,7 @@ class Plan:
                 f"  noisy host: op runs took {s['weighted']:.0%} more than the least kept "
                 f"(weighted by time; most: {s['op']}, {s['op_spread']:.0%})"
             )
+        lines += [f"  {line}" for line in mesh_lines(self.info.get("mesh"))]
         note = self.info.get("layouts")
         lines += [f"  {line}" for line in _layout_lines(self.layout, self.schedule, note)]
         lines += [
@@ -322,6 +364,25 @@ def _layout_lines(layout: str, schedule: str, note: dict[str, Any] | None) -> li
             lines.append(f"  {c['layout']:5s} no plan: {c.get('why', '')}")
         else:
             lines.append(f"  {c['layout']:5s} {c['schedule']:16s} {format_time(c['step'])}/step")
+    return lines
+
+
+def mesh_lines(note: dict[str, Any] | None) -> list[str]:
+    """The mesh search's choice (`planning.automesh`, `plan.info["mesh"]`) in words: the
+    mesh, then each runner-up with its simulated step and what bound it. Nothing for a mesh
+    that was given."""
+    if not note or "runners_up" not in note:
+        return []
+    on = f" on {note['node']} nodes" if note.get("node") else ""
+    lines = [
+        f"mesh: pp {note['pp']} x dp {note['dp']} x tp {note['tp']}, M {note['micro_batches']}"
+        f"{on}, chosen of {note['candidates']} meshes ({note['planned']} planned, "
+        f"{note['pruned']} pruned by a lower bound); runners-up:"
+    ]
+    for r in note["runners_up"]:
+        shape = f"pp {r['pp']} x dp {r['dp']} x tp {r['tp']}, M {r['micro_batches']}"
+        step = "not planned" if r["step"] is None else f"{format_time(r['step'])}/step"
+        lines.append(f"  {shape:28s} {step:18s} {r['bound']}")
     return lines
 
 

@@ -1,0 +1,626 @@
+"""Automesh: the whole mesh planned. pp x dp x tp, M, FSDP2's resharding, the schedule and
+recompute chosen together, by planning and simulating each candidate on the same costs.
+
+    plan = plan_mesh(model, x, devices=64, node="h100x8", tp_plan=model_tp_plan(model))
+    plan.mesh      # MeshShape(pp=2, dp=4, tp=8, micro_batches=8, node='h100x8', ...)
+    print(plan)    # the choice, then the runners-up and what bound each
+
+Index letters: N devices, G devices per node, t tp, k dp, p pp (N = p k t), M micro-batches,
+B the mini-batch's rows, r = B / (M k) the rows one dp rank runs per micro-batch.
+
+The space (`candidates`): t divides G (tp on the node's link, never across nodes) and is 1
+without a tp plan; k divides N / t; p = N / (k t); M is a power of two (or the given M) with
+r a whole number >= 1; p is at most the graph's ops, and at most 2 T / u (T: the time of one
+micro-batch of one rank, u: its largest op group that no cut may split, `fold.folded_groups`):
+past it a stage is under half that group, so at least half of a deep pipeline's devices idle.
+
+Each candidate is planned as `graphpipe.plan(..., devices=N, dp=k, tp=t, micro_batches=M)`
+plans it (`partition.partition_op_graph` on one rank's op graph: one stage per pp rank, the
+graph partitioner's cut), on the node's links (`devices.Node.mesh_links`), then:
+
+    resharding   FSDP2 keeps the gathered parameters over the step
+                 (reshard_after_forward=False, as torchtitan runs FSDP under a pipeline: one
+                 all-gather per step); where that does not fit the budget, True (two gathers
+                 per micro-batch, one block unsharded at a time)
+    recompute    where no plan fits the budget, the plan without it with every device over
+                 the budget recomputing (`recompute.choose_recompute(plan, "auto")`)
+    schedule     1f1b and zb (ZB-H1: 1F1B's memory, about a third of its bubble; with
+                 reshard_after_forward=False only), the faster simulated step kept
+
+and its step simulated. The fastest step within the budget wins; ties keep the fewer pp
+ranks, then the fewer tp ranks.
+
+Pruning (branch and bound): each candidate has lower bounds, cheap to compute from its op
+graph without planning it, that no plan of it can beat:
+
+    compute      M max(T / p, u): the busiest pp rank runs at least its share of M
+                 micro-batches, and at least the largest group M times
+    path         the longest forward-and-backward path of the op graph (one micro-batch)
+    dp link      (M T + reduce_scatter(P, k)) / p: every stage reduce-scatters its gradients
+                 once per step after its compute (P: one tp rank's parameter bytes)
+    memory       every rank holds at least 1 / p of the sharded state and the gathered
+                 parameters and gradient (`CostModel.weights` of P / p)
+
+Candidates are planned in the order of an estimate (the bound with 1F1B's bubble, (M + p -
+1) / M), and one whose bound is at least the best step found is not planned. The bounds
+hold for every plan of one stage per pp rank (the plans made here), so pruning never drops
+the best: the choice equals the best of the whole grid on the same costs
+(`tests/test_automesh.py`, `python -m benchmarks.autoplan`).
+
+What bound each runner-up (`info["mesh"]["runners_up"]`, `print(plan)`):
+
+    memory       it needed recompute or reshard_after_forward=True to fit, or fits no plan
+    bubble       its pipeline idles a quarter of the step or more (1 - M bottleneck / step)
+    dp link      its all-gathers and reduce-scatter are half its slowest stage or more
+    tp link      tp's all-reduces are a quarter of its compute or more
+    compute      else: its per-rank compute is more
+    pruned       its lower bound (which one) is at least the chosen step: not planned
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from functools import cache, partial
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+
+from graphpipe.errors import ConfigError, PlanError, ScheduleError
+from graphpipe.ir import DEFAULT_SCHEDULE, Plan, over_budget
+from graphpipe.ir.cost import CostModel, LinkModel
+from graphpipe.planning.assemble import assemble
+from graphpipe.planning.devices import Node, node_preset
+from graphpipe.planning.fold import folded_groups
+from graphpipe.planning.layouts import choose as choose_layout
+from graphpipe.planning.layouts import even_chain, folded_chain
+from graphpipe.planning.mesh import mesh_info, per_rank_graph, tp_rank_graph
+from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
+from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
+from graphpipe.planning.profile import Profile, ProfileConfig, noted, profile
+from graphpipe.planning.recompute import choose_recompute
+from graphpipe.planning.validate import validate_plan
+from graphpipe.scheduling.simulate import simulate
+from graphpipe.tracing.bind import batch_of, normalise
+from graphpipe.tracing.tracer import flat_inputs, trace
+
+__all__ = ["Candidate", "MeshSearch", "Scored", "candidates", "choose", "grid", "plan_mesh"]
+
+ZB = "zb"  # the zero-bubble schedule tried beside 1f1b on one stage per pp rank
+RUNNERS_UP = 5  # runners-up recorded in the plan
+_FAST = LinkModel(bandwidth=1e30, latency=0.0)  # a free link: tp's op times without collectives
+
+
+@dataclass(frozen=True)
+class MeshSearch:
+    """What the mesh search may choose, besides the PlanConfig it plans each candidate with.
+
+    Attributes:
+        node: The node (`devices.NODES` name or a `devices.Node`); its links replace the
+            config's (tp inside a node, dp and pp across nodes where their groups do).
+            None: one node of all N devices on the config's links (`link`, `dp_link`,
+            `tp_link`).
+        micro_batches: "auto" (every power of two dividing the rows) or one M.
+        reshard: The reshard_after_forward values tried, in order: the next only where the
+            previous fits no plan (False first: one gather per step).
+    """
+
+    node: Node | str | None = None
+    micro_batches: int | str = "auto"
+    reshard: tuple[bool, ...] = (False, True)
+
+    def problems(self, devices: int, batch: int | None = None) -> list[str]:
+        """Every problem with the fields, naming the values (empty when they are fine)."""
+        found = []
+        m = self.micro_batches
+        if m != "auto" and not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+            found.append(f"micro_batches must be an int >= 1 or 'auto', got {m!r}")
+        elif isinstance(m, int) and batch is not None and batch % m:
+            found.append(f"micro_batches={m} does not divide the mini-batch of {batch} rows")
+        if self.node is not None:
+            try:
+                node = node_preset(self.node)
+            except ConfigError as exc:
+                found.append(str(exc))
+            else:
+                if devices % node.gpus and devices > node.gpus:
+                    found.append(
+                        f"devices={devices} is not a whole number of {node.name} nodes "
+                        f"({node.gpus} devices each)"
+                    )
+        if not self.reshard or any(not isinstance(r, bool) for r in self.reshard):
+            found.append(f"reshard must be a non-empty tuple of bools, got {self.reshard!r}")
+        return found
+
+    def check(self, devices: int, batch: int | None = None) -> None:
+        """Raise every problem at once.
+
+        Raises:
+            ConfigError: naming each bad value.
+        """
+        problems = self.problems(devices, batch)
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One mesh: p x k x t ranks, M micro-batches."""
+
+    pp: int
+    dp: int
+    tp: int
+    micro_batches: int
+
+    def __str__(self) -> str:
+        return f"pp {self.pp} x dp {self.dp} x tp {self.tp}, M {self.micro_batches}"
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A candidate planned (or pruned): its plan, simulated step and what bound it."""
+
+    candidate: Candidate
+    plan: Plan | None = None
+    step: float = math.inf
+    bound: str = ""  # for a runner-up, what bound it (filled once the best is known)
+    lower: float = 0.0  # its lower bound (seconds)
+    which: str = ""  # the bound's name: compute, path, dp link, memory
+
+    def record(self) -> dict[str, Any]:
+        """Its JSON-able entry in `info["mesh"]["runners_up"]`."""
+        entry: dict[str, Any] = asdict(self.candidate)
+        entry["step"] = self.step if math.isfinite(self.step) else None
+        if self.plan is not None:
+            entry["schedule"] = self.plan.schedule
+            entry["reshard_after_forward"] = self.plan.cost_model.dp.reshard_after_forward
+        entry["bound"] = self.bound
+        return entry
+
+
+def candidates(
+    devices: int, batch: int, gpus: int, tp: bool, micro_batches: int | str = "auto"
+) -> list[Candidate]:
+    """Every (p, k, t, M) of the module docstring's space, before the depth cap.
+
+    Args:
+        devices: N.
+        batch: B, the mini-batch's rows.
+        gpus: G, devices per node (t divides it).
+        tp: Whether the model has a tp plan (else t = 1).
+        micro_batches: "auto" or one M.
+
+    Example:
+        >>> [str(c) for c in candidates(2, 2, 8, tp=False)]
+        ['pp 2 x dp 1 x tp 1, M 1', 'pp 2 x dp 1 x tp 1, M 2', 'pp 1 x dp 2 x tp 1, M 1']
+    """
+    out = []
+    for t in _divisors(math.gcd(gpus, devices)) if tp else [1]:
+        for k in _divisors(devices // t):
+            for m in _micro_batches(batch // k if batch % k == 0 else 0, micro_batches):
+                out.append(Candidate(devices // (t * k), k, t, m))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _micro_batches(rows: int, given: int | str) -> list[int]:
+    """The M that split `rows` (one dp rank's share of the mini-batch) into whole rows."""
+    if rows < 1:
+        return []
+    if given != "auto":
+        return [int(given)] if rows % int(given) == 0 else []
+    return [m for m in (2**i for i in range(rows.bit_length())) if rows % m == 0]
+
+
+# -- one rank's op graph and its bounds ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankGraph:
+    """One rank's op graph for a (rows, t) and the facts the bounds read."""
+
+    g: nx.DiGraph
+    total: float  # T: forward + backward of every op, one micro-batch
+    largest: float  # u: the largest folded group's time
+    path: float  # the longest forward + backward path
+    param_bytes: float  # P: every parameter and buffer of one tp rank
+    collectives: float  # tp's all-reduces and all-gathers in T
+
+
+def rank_graph(g: nx.DiGraph, whole: nx.DiGraph | None = None) -> RankGraph:
+    """`g` with its bound facts; `whole`: the same graph without tp's collectives."""
+    times = {n: d["forward"] + d["backward"] for n, d in g.nodes(data=True)}
+    total = sum(times.values())
+    groups = folded_groups(g)
+    largest = max((sum(times[n] for n in grp) for grp in groups), default=0.0)
+    longest: dict[str, float] = {}
+    for n in nx.topological_sort(g):
+        longest[n] = times[n] + max((longest[p] for p in g.predecessors(n)), default=0.0)
+    bare = (
+        total
+        if whole is None
+        else sum(d["forward"] + d["backward"] for _, d in whole.nodes(data=True))
+    )
+    return RankGraph(
+        g,
+        total,
+        largest,
+        max(longest.values(), default=0.0),
+        float(sum(g.graph["param_bytes"].values())),
+        max(0.0, total - bare),
+    )
+
+
+def lower_bound(c: Candidate, rg: RankGraph, cost: CostModel) -> tuple[float, str]:
+    """The largest of the module docstring's time bounds, and its name."""
+    m, p = c.micro_batches, c.pp
+    scatter = cost.dp_link.reduce_scatter(rg.param_bytes, c.dp) if c.dp > 1 else 0.0
+    bounds = {
+        "compute": m * max(rg.total / p, rg.largest),
+        "path": rg.path,
+        "dp link": (m * rg.total + scatter) / p,
+    }
+    which = max(bounds, key=lambda k: bounds[k])
+    return bounds[which], which
+
+
+def memory_floor(c: Candidate, rg: RankGraph, cost: CostModel) -> float:
+    """Bytes some rank holds at least (module docstring: memory)."""
+    return cost.weights(rg.param_bytes / c.pp)
+
+
+# -- the search -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Search:
+    """The state of one search: the config, the links, the rank graphs by (rows, t)."""
+
+    graph_at: Callable[[float], nx.DiGraph]  # rows -> one dp rank's op graph (tp whole)
+    config: PlanConfig
+    links: Callable[[int, int, int], tuple[LinkModel, LinkModel, LinkModel]]  # (p, k, t)
+    gpus: int  # G: t divides it
+    node: str  # the node's name, or "" for the config's links
+    batch: int  # B
+    digest: str
+    costs: tuple[str, str] = ("flops", "cpu")  # the profile's mode and device
+
+    def __post_init__(self) -> None:
+        self.ranks = cache(self._rank)
+        self.cuts: dict[tuple[int, int], list[tuple[frozenset[str], int]]] = {}
+        self.chains: dict[tuple[int, int], list[tuple[frozenset[str], int]]] = {}
+
+    def _rank(self, rows: float, t: int) -> RankGraph:
+        g = self.graph_at(rows)
+        if t == 1:
+            return rank_graph(g)
+        plan = self.config.tp_plan or {}
+        tp_link = self.links(1, 1, t)[2]
+        return rank_graph(tp_rank_graph(g, t, plan, tp_link), tp_rank_graph(g, t, plan, _FAST))
+
+    def rows(self, c: Candidate) -> float:
+        return self.batch / (c.micro_batches * c.dp)
+
+    def cost(self, c: Candidate, reshard: bool) -> CostModel:
+        """The cost model of candidate `c`: the config's, on the mesh's links."""
+        pp_link, dp_link, tp_link = self.links(c.pp, c.dp, c.tp)
+        config = replace(self.config, micro_batches=c.micro_batches, tp=c.tp)
+        base = cost_model(config, self.batch // c.micro_batches, *self.costs, dp=c.dp)
+        return replace(
+            base,
+            link=pp_link,
+            dp=replace(base.dp, link=dp_link, reshard_after_forward=reshard),
+            tp=replace(base.tp, link=tp_link),
+        )
+
+    def evaluate(self, c: Candidate, reshards: tuple[bool, ...]) -> Scored:
+        """Plan and simulate `c` (module docstring), or say why it has no plan."""
+        rg = self.ranks(self.rows(c), c.tp)
+        why = "memory: no plan fits the budget"
+        for reshard in reshards:
+            cost = self.cost(c, reshard)
+            made = self._planned(c, rg.g, cost)
+            if isinstance(made, str):
+                why = made
+                continue
+            if not reshard and c.pp > 1:
+                made = self._folded_or(made, c, rg.g, cost)
+            plan, step = self._scheduled(made, reshard)
+            if plan is None:
+                why = "memory: its simulated peak is over the budget"
+                continue
+            note = mesh_info(c.pp * c.dp, c.dp, False, c.tp)
+            info = {**plan.info, "mesh": {**note, "micro_batches": c.micro_batches}}
+            return Scored(c, replace(plan, info=info), step)
+        return Scored(c, bound=why)
+
+    def _planned(self, c: Candidate, g: nx.DiGraph, cost: CostModel) -> Plan | str:
+        """The plan of one stage per pp rank, recomputing where nothing else fits; or why
+        there is none."""
+        config = replace(
+            self.config, devices=c.pp, micro_batches=c.micro_batches, dp=1, tp=1,
+            replication=False, layouts=("one",),
+        )  # fmt: skip
+        reused = self._reused(c, g, cost)
+        if reused is not None:
+            return reused
+        try:
+            made = partition_op_graph(g, cost, config, self.digest)
+            self.cuts.setdefault((c.tp, c.pp), [(frozenset(s.nodes), 1) for s in made.stages])
+            return made
+        except PlanError as exc:
+            if cost.memory.budget is None:
+                return f"infeasible: {str(exc).splitlines()[0]}"
+        free = replace(cost, memory=replace(cost.memory, budget=None))
+        try:
+            loose = partition_op_graph(g, free, replace(config, memory_budget=None), self.digest)
+        except PlanError as exc:
+            return f"infeasible: {str(exc).splitlines()[0]}"
+        plan = choose_recompute(replace(loose, cost_model=cost), "auto")
+        return plan if not over_budget(plan) else "memory: over the budget even recomputing"
+
+    def _folded_or(self, one: Plan, c: Candidate, g: nx.DiGraph, cost: CostModel) -> Plan:
+        """`one` (one stage per pp rank), or the chain of 2p stages folded loop or v where
+        the config's layouts allow it and it simulates faster (`layouts.choose`). The chain's
+        cut is reused as the partitioner's is (`_reused`)."""
+        allowed = [x for x in ("loop", "v") if x in self.config.layouts]
+        if not allowed or any(s.recompute for s in one.stages):
+            return one
+        key = (c.tp, c.pp)
+        if key not in self.chains:
+            try:
+                made = even_chain(g, cost, 2 * c.pp, self.config.max_units, self.digest)
+            except PlanError:
+                return one
+            self.chains[key] = [(frozenset(s.nodes), 1) for s in made.stages]
+
+        def chain() -> Plan:
+            return assemble(g, self.chains[key], cost, 2 * c.pp, "sequential", self.digest)
+
+        builders: dict[str, Callable[[], Plan | list[Plan]]] = {"one": lambda: one}
+        builders.update({x: partial(folded_chain, chain, c.pp, x) for x in allowed})
+        try:
+            return choose_layout(builders, g, None, self.config.split_backward)
+        except PlanError:
+            return one
+
+    def _reused(self, c: Candidate, g: nx.DiGraph, cost: CostModel) -> Plan | None:
+        """The cut made for another candidate of the same (t, p), re-costed for `c`, where
+        it fits the budget: the partitioner cuts a pp rank's share of the same op graph, which
+        other rows and M scale but hardly move (module docstring)."""
+        groups = self.cuts.get((c.tp, c.pp))
+        if groups is None:
+            return None
+        plan = assemble(g, groups, cost, c.pp, self.config.partitioner, self.digest)
+        try:
+            validate_plan(plan, g)
+        except PlanError:
+            return None  # over the budget: the partitioner cuts again
+        return plan
+
+    def _scheduled(self, plan: Plan, reshard: bool) -> tuple[Plan | None, float]:
+        """`plan` under the fastest schedule whose simulated peak fits (module docstring)."""
+        if plan.layout != "one":  # folded: the schedule `layouts.choose` kept
+            return plan, simulate(plan).iteration_time
+        names = [self.config.schedule or DEFAULT_SCHEDULE]
+        if self.config.schedule is None and self.config.split_backward and not reshard:
+            names.append(ZB)
+        budget = plan.cost_model.memory.budget
+        best: tuple[Plan | None, float] = (None, math.inf)
+        for name in names:
+            try:
+                run = simulate(plan, name)
+            except ScheduleError:
+                continue
+            if budget is not None and max(run.peak_memory, default=0) > budget:
+                continue
+            if run.iteration_time < best[1]:
+                best = (replace(plan, schedule=name), run.iteration_time)
+        return best
+
+
+def choose(gm: fx.GraphModule, prof: Profile, config: PlanConfig, search: MeshSearch) -> Plan:
+    """The fastest mesh's plan (module docstring), recording the choice and the runners-up
+    in `info["mesh"]`.
+
+    Args:
+        gm: The traced model.
+        prof: Its profile, at micro-batch size b (any: the graphs are re-costed per r).
+        config: What to plan each candidate with; `config.devices` is N, its `tp_plan`
+            enables tp, its dp, tp and micro_batches are the search's to choose.
+        search: The node and the M to try.
+
+    Returns:
+        The plan of the best candidate, its search time the whole search's.
+
+    Raises:
+        ConfigError: a bad search field (each named).
+        PlanError: no candidate has a plan, naming why each did not.
+    """
+    b = prof.micro_batch_size
+    batch = b * config.micro_batches
+    search.check(config.devices, batch)
+    start = time.perf_counter()
+    state = _state(gm, prof, config, search, batch)
+    found = _branch_and_bound(state, _space(state, search), search.reshard)
+    chosen = _chosen(found, state, time.perf_counter() - start)
+    shapes = {k: (batch // chosen.micro_batches, *v[1:]) for k, v in input_shapes(gm).items()}
+    return noted(replace(chosen, input_shapes=shapes), prof)
+
+
+def grid(gm: fx.GraphModule, prof: Profile, config: PlanConfig, search: MeshSearch) -> list[Scored]:
+    """Every candidate of the space planned, none pruned: the brute force `choose` is
+    checked against (the same costs, the same planning of each candidate)."""
+    batch = prof.micro_batch_size * config.micro_batches
+    state = _state(gm, prof, config, search, batch)
+    return [state.evaluate(c, search.reshard) for c in _space(state, search)]
+
+
+def _state(
+    gm: fx.GraphModule, prof: Profile, config: PlanConfig, search: MeshSearch, batch: int
+) -> _Search:
+    g, b = op_graph(gm, prof, config.precision), prof.micro_batch_size
+
+    def graph_at(rows: float) -> nx.DiGraph:
+        if rows == b:
+            return g
+        if prof.mode == "roofline" and float(rows).is_integer():
+            sliced = profile(gm, (), int(rows), ProfileConfig(mode="roofline", preset=prof.device))
+            return op_graph(gm, sliced, config.precision)
+        return per_rank_graph(g, b / rows)  # linear in the rows (`planning.mesh`)
+
+    if search.node is None:  # one node of every device, on the config's links
+        dp_link, tp_link = config.dp_link or config.link, config.tp_link or config.link
+
+        def links(p: int, k: int, t: int) -> tuple[LinkModel, LinkModel, LinkModel]:
+            return config.link, dp_link, tp_link
+
+        gpus, name = config.devices, ""
+    else:
+        node = node_preset(search.node)
+        links, gpus, name = node.mesh_links, node.gpus, node.name
+    costs = (prof.mode, prof.device)
+    return _Search(graph_at, config, links, gpus, name, batch, graph_hash(gm), costs)
+
+
+def _space(state: _Search, search: MeshSearch) -> list[Candidate]:
+    """The candidates within the depth cap (module docstring)."""
+    tp = bool(state.config.tp_plan)
+    ops = sum(1 for n in state.graph_at(state.batch) if n != "output")
+    out = []
+    for c in candidates(state.config.devices, state.batch, state.gpus, tp, search.micro_batches):
+        rg = state.ranks(state.rows(c), c.tp)
+        if c.pp <= ops and (c.pp == 1 or c.pp <= 2 * rg.total / max(rg.largest, 1e-30)):
+            out.append(c)
+    return out
+
+
+def _branch_and_bound(
+    state: _Search, space: list[Candidate], reshards: tuple[bool, ...]
+) -> list[Scored]:
+    """Every candidate, planned in the estimate's order unless its bound cannot win."""
+    bounded = []
+    for c in space:
+        rg = state.ranks(state.rows(c), c.tp)
+        cost = state.cost(c, reshards[-1])
+        budget = cost.memory.budget
+        if budget is not None and memory_floor(c, rg, cost) > budget:
+            bounded.append((math.inf, math.inf, c, "memory"))
+            continue
+        lower, which = lower_bound(c, rg, cost)
+        estimate = lower * (c.micro_batches + c.pp - 1) / c.micro_batches
+        bounded.append((estimate, lower, c, which))
+    bounded.sort(key=lambda x: (x[0], x[2].pp, x[2].tp, x[2]))
+    best, out = math.inf, []
+    for _, lower, c, which in bounded:
+        if which == "memory":
+            out.append(
+                Scored(c, lower=lower, which=which, bound="memory: over the budget at any plan")
+            )
+        elif lower >= best:
+            out.append(Scored(c, lower=lower, which=which))
+        else:
+            scored = replace(state.evaluate(c, reshards), lower=lower, which=which)
+            best = min(best, scored.step)
+            out.append(scored)
+    return out
+
+
+def _chosen(found: list[Scored], state: _Search, seconds: float) -> Plan:
+    planned = [s for s in found if s.plan is not None]
+    if not planned:
+        reasons = "; ".join(f"{s.candidate}: {s.bound or 'pruned'}" for s in found[:8])
+        raise PlanError(f"no mesh of {state.config.devices} devices has a plan: {reasons}")
+    best = min(planned, key=lambda s: (s.step, s.candidate.pp, s.candidate.tp, s.candidate))
+    assert best.plan is not None
+    ranked = sorted((s for s in found if s is not best), key=lambda s: (s.step, s.lower))
+    runners = [replace(s, bound=_why_not(s, best)) for s in ranked[:RUNNERS_UP]]
+    c = best.candidate
+    note = {
+        **best.plan.info.get("mesh", {}),
+        "pp": c.pp,
+        "dp": c.dp,
+        "tp": c.tp,
+        "micro_batches": c.micro_batches,
+        "reshard_after_forward": best.plan.cost_model.dp.reshard_after_forward,
+        "node": state.node,
+        "chosen_by": "auto",
+        "candidates": len(found),
+        "planned": len(planned) + sum(1 for s in found if s.plan is None and s.bound),
+        "pruned": sum(1 for s in found if s.plan is None and not s.bound),
+        "runners_up": [s.record() for s in runners],
+    }
+    return replace(best.plan, search_time=seconds, info={**best.plan.info, "mesh": note})
+
+
+def _why_not(s: Scored, best: Scored) -> str:
+    """What bound a runner-up (module docstring)."""
+    if s.plan is None:
+        return s.bound or f"pruned: its {s.which} bound {s.lower * 1e3:.4g} ms >= the chosen step"
+    plan, cost = s.plan, s.plan.cost_model
+    if any(st.recompute for st in plan.stages) or (
+        cost.dp.reshard_after_forward and cost.dp.degree > 1
+    ):
+        return "memory: fits only recomputing or resharding after the forward"
+    bubble = 1 - plan.micro_batches * plan.bottleneck / s.step if s.step > 0 else 0.0
+    link = max(
+        cost.gather_time(st.param_bytes) + cost.dp_sync_time(st.param_bytes) / plan.micro_batches
+        for st in plan.stages
+    )
+    if link > 0 and link >= 0.5 * plan.bottleneck:
+        return f"dp link: {link * 1e3:.3g} ms of gathers and reduce-scatter per micro-batch"
+    if bubble >= 0.25:
+        return f"bubble: {bubble:.0%} of the step idle"
+    return "compute: more per rank"
+
+
+def plan_mesh(
+    model: nn.Module,
+    example_inputs: torch.Tensor | tuple[torch.Tensor, ...] | Mapping[str, Any],
+    devices: int,
+    *,
+    node: Node | str | None = None,
+    micro_batches: int | str = "auto",
+    **options: Any,
+) -> Plan:
+    """Trace, profile and plan a model over the mesh the planner chooses (module docstring).
+
+    Args:
+        model: The model (the meta device is fine: its op times are then estimated).
+        example_inputs: One mini-batch, dim 0 the batch.
+        devices: N.
+        node: The node preset or `Node` (see `MeshSearch.node`).
+        micro_batches: "auto" or one M.
+        **options: Any other `PlanConfig` field (memory_budget, profile, tp_plan, ...);
+            `tp_plan` lets the search use tp (e.g. `graphpipe.runtime.tp.model_tp_plan`).
+
+    Returns:
+        The chosen plan; `plan.mesh` names the mesh, `print(plan)` lists the runners-up.
+
+    Raises:
+        ConfigError: a bad option or search field, each named.
+        PlanError: no mesh has a plan.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        >>> p = plan_mesh(m, torch.randn(8, 16), devices=2, profile=ProfileConfig("flops"))
+        >>> p.mesh.pp * p.mesh.dp * p.mesh.tp
+        2
+    """
+    args, kwargs = normalise(example_inputs)
+    batch = batch_of(args, kwargs)
+    search = MeshSearch(node=node, micro_batches=micro_batches)
+    search.check(devices, batch)
+    config = PlanConfig(devices=devices, micro_batches=1, **options)
+    gm = trace(model, example_inputs, leaf_modules=config.leaf_modules, micro_batch_size=batch)
+    tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    prof = profile(gm, flat_inputs(gm, *args, **tensors), batch, config.profile)
+    return choose(gm, prof, config, search)

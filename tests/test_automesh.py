@@ -1,0 +1,118 @@
+"""The mesh search (graphpipe.planning.automesh): it chooses the grid's best, tp stays in a
+node, bad values are named, and print(plan) lists the runners-up."""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import pytest
+import torch
+from torch import fx, nn
+
+from graphpipe.errors import ConfigError
+from graphpipe.ir import Plan
+from graphpipe.ir.cost import LinkModel
+from graphpipe.planning.automesh import MeshSearch, candidates, choose, grid, plan_mesh
+from graphpipe.planning.devices import NODES, Node
+from graphpipe.planning.partition import PlanConfig
+from graphpipe.planning.profile import Profile, ProfileConfig, profile
+from graphpipe.scheduling.simulate import simulate
+from graphpipe.tracing.tracer import trace
+
+BATCH, WIDTH, BLOCKS = 16, 256, 4
+FLOPS = ProfileConfig(mode="flops")
+MLP_PLAN = {"*.fc1": "colwise", "*.fc2": "rowwise"}
+# a small node so that tp = 2 stays inside and dp and pp cross: 2 GPUs, a fast and a slow link
+NODE = Node("pair", NODES["h100x8"].device, 2, LinkModel(400e9, 1e-6), LinkModel(2e9, 1e-5))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+@cache
+def _traced() -> tuple[fx.GraphModule, Profile]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(BLOCKS)])
+    x = torch.randn(BATCH, WIDTH)
+    gm = trace(model, (x,), micro_batch_size=BATCH)
+    return gm, profile(gm, (x,), BATCH, FLOPS)
+
+
+def _config(devices: int, **options: object) -> PlanConfig:
+    return PlanConfig(devices=devices, micro_batches=1, profile=FLOPS, tp_plan=MLP_PLAN, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_the_choice_is_the_best_of_the_whole_grid(devices: int) -> None:
+    gm, prof = _traced()
+    config, search = _config(devices), MeshSearch(node=NODE)
+    chosen = choose(gm, prof, config, search)
+    every = [s for s in grid(gm, prof, config, search) if s.plan is not None]
+    best = min(s.step for s in every)
+    assert simulate(chosen).iteration_time == pytest.approx(best, rel=1e-9)
+    note = chosen.info["mesh"]
+    assert note["planned"] < note["candidates"] or devices == 2  # the bounds pruned some
+    assert chosen.mesh.devices == devices and chosen.mesh.chosen_by == "auto"
+
+
+def test_tp_never_crosses_a_node() -> None:
+    space = candidates(16, BATCH, NODE.gpus, tp=True)
+    assert {c.tp for c in space} == {1, 2}
+    assert all(c.pp * c.dp * c.tp == 16 and BATCH % (c.dp * c.micro_batches) == 0 for c in space)
+    assert {c.tp for c in candidates(16, BATCH, 8, tp=False)} == {1}
+
+
+def test_the_links_are_the_node_s_by_where_each_group_lies() -> None:
+    node = NODES["h100x8"]
+    pp, dp, tp = node.mesh_links(pp=4, dp=2, tp=4)
+    assert (tp, dp, pp) == (node.intra, node.intra, node.inter)
+    assert node.mesh_links(pp=1, dp=16, tp=8)[1] == node.inter
+
+
+@pytest.mark.parametrize(
+    ("search", "named"),
+    [
+        (MeshSearch(micro_batches=3), "micro_batches=3"),
+        (MeshSearch(micro_batches="some"), "'some'"),
+        (MeshSearch(node="h200x9"), "'h200x9'"),
+        (MeshSearch(node=NODES["h100x8"]), "devices=12"),
+        (MeshSearch(reshard=()), "reshard"),
+    ],
+)
+def test_a_bad_search_value_is_a_config_error_naming_it(search: MeshSearch, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        search.check(12, BATCH)
+
+
+def test_print_plan_lists_the_runners_up_and_what_bound_each() -> None:
+    gm, prof = _traced()
+    chosen = choose(gm, prof, _config(4, memory_budget=64 * 2**20), MeshSearch(node=NODE))
+    text = str(chosen)
+    assert f"mesh: {chosen.mesh.shape} on pair nodes, chosen of" in text
+    runners = chosen.info["mesh"]["runners_up"]
+    assert runners and all(r["bound"] for r in runners)
+    assert all(r["bound"].split(":")[0] in text for r in runners)
+    steps = [r["step"] for r in runners if r["step"] is not None]
+    assert steps == sorted(steps) and all(s >= simulate(chosen).iteration_time for s in steps)
+
+
+def test_the_plan_round_trips_and_its_mesh_reads_from_the_json() -> None:
+    gm, prof = _traced()
+    chosen = choose(gm, prof, _config(4), MeshSearch(node=NODE))
+    back = Plan.from_json(chosen.to_json())
+    assert back == chosen and back.mesh == chosen.mesh and str(back) == str(chosen)
+
+
+def test_plan_mesh_traces_and_plans_a_model() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(2)])
+    made = plan_mesh(model, torch.randn(8, WIDTH), devices=2, profile=FLOPS, tp_plan=MLP_PLAN)
+    assert made.mesh.devices == 2 and math.isfinite(simulate(made).iteration_time)
+    assert all(shape[0] == 8 // made.mesh.micro_batches for shape in made.input_shapes.values())
