@@ -16,7 +16,14 @@ past it a stage is under half that group, so at least half of a deep pipeline's 
 
 Each candidate is planned as `graphpipe.plan(..., devices=N, dp=k, tp=t, micro_batches=M)`
 plans it (`partition.partition_op_graph` on one rank's op graph: one stage per pp rank, the
-graph partitioner's cut), on the node's links (`devices.Node.mesh_links`), then:
+graph partitioner's cut), on the node's links (`devices.Node.mesh_links`). The cut of a
+(t, p) is made once and re-costed for the other rows and M of that (t, p) where it fits the
+budget (re-cut where it does not): the partitioner's search is most of a candidate's time,
+and other rows scale a rank's op times nearly alike. Then:
+
+    layout       one stage per pp rank, or a chain of 2p stages folded loop or v
+                 (`layouts.even_chain`, run by interleaved, interleaved_zb, zbv or dualpipev)
+                 where the config's layouts allow it, the fastest simulated kept
 
     resharding   FSDP2 keeps the gathered parameters over the step
                  (reshard_after_forward=False, as torchtitan runs FSDP under a pipeline: one
@@ -41,10 +48,11 @@ graph without planning it, that no plan of it can beat:
     memory       every rank holds at least 1 / p of the sharded state and the gathered
                  parameters and gradient (`CostModel.weights` of P / p)
 
-Candidates are planned in the order of an estimate (the bound with 1F1B's bubble, (M + p -
-1) / M), and one whose bound is at least the best step found is not planned. The bounds
-hold for every plan of one stage per pp rank (the plans made here), so pruning never drops
-the best: the choice equals the best of the whole grid on the same costs
+The bounds hold for folded layouts too (a rank holds at least one group, and the busiest
+at least 1 / p of the work). Candidates are planned in the order of an estimate (the bound
+with 1F1B's bubble, (M + p - 1) / M), and one whose bound is at least the best step found is
+not planned. The bounds hold for every plan made here, so pruning never drops the best: the
+choice equals the best of the whole grid planned the same way
 (`tests/test_automesh.py`, `python -m benchmarks.autoplan`).
 
 What bound each runner-up (`info["mesh"]["runners_up"]`, `print(plan)`):
@@ -170,6 +178,7 @@ class Scored:
     bound: str = ""  # for a runner-up, what bound it (filled once the best is known)
     lower: float = 0.0  # its lower bound (seconds)
     which: str = ""  # the bound's name: compute, path, dp link, memory
+    tp_share: float = 0.0  # tp's collectives' share of its compute
 
     def record(self) -> dict[str, Any]:
         """Its JSON-able entry in `info["mesh"]["runners_up"]`."""
@@ -338,7 +347,8 @@ class _Search:
                 continue
             note = mesh_info(c.pp * c.dp, c.dp, False, c.tp)
             info = {**plan.info, "mesh": {**note, "micro_batches": c.micro_batches}}
-            return Scored(c, replace(plan, info=info), step)
+            share = rg.collectives / rg.total if rg.total > 0 else 0.0
+            return Scored(c, replace(plan, info=info), step, tp_share=share)
         return Scored(c, bound=why)
 
     def _planned(self, c: Candidate, g: nx.DiGraph, cost: CostModel) -> Plan | str:
@@ -576,6 +586,8 @@ def _why_not(s: Scored, best: Scored) -> str:
     )
     if link > 0 and link >= 0.5 * plan.bottleneck:
         return f"dp link: {link * 1e3:.3g} ms of gathers and reduce-scatter per micro-batch"
+    if s.tp_share >= 0.25:
+        return f"tp link: its all-reduces are {s.tp_share:.0%} of its compute"
     if bubble >= 0.25:
         return f"bubble: {bubble:.0%} of the step idle"
     return "compute: more per rank"
