@@ -85,9 +85,7 @@ def _with_mesh(spec: RunSpec, device_type: str) -> RunSpec:
         )
     dims = {"pp": world // (k * t), "dp": k, "tp": t}
     kept = [name for name in ("pp", "dp", "tp") if name == "pp" or dims[name] > 1]
-    mesh = init_device_mesh(
-        device_type, tuple(dims[n] for n in kept), mesh_dim_names=tuple(kept)
-    )
+    mesh = init_device_mesh(device_type, tuple(dims[n] for n in kept), mesh_dim_names=tuple(kept))
     return replace(spec, mesh=mesh)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
@@ -376,7 +376,7 @@ def _fields(
     return {f.name: (g, f) for g in groups for f in fields(g)}  # type: ignore[arg-type]
 
 
-def unknown_option(name: str, known: Mapping[str, Any] | Sequence[str]) -> str:
+def unknown_option(name: str, known: Iterable[str]) -> str:
     """The problem of an unknown option, naming the closest known ones."""
     names = sorted(known)
     close = difflib.get_close_matches(name, names, n=2)
@@ -425,7 +425,7 @@ def split(
         twice = sorted(k for k in keys if given.get(cls.name) is not None)
         problems.extend(f"{k}= given as a keyword and in {cls.name}=; pass it once" for k in twice)
         try:
-            group = replace(base, **keys)
+            group = replace(base, **keys)  # type: ignore[type-var]
         except ConfigError as exc:  # a group that checks itself on construction
             problems.append(str(exc))
             group = base

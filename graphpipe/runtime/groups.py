@@ -64,7 +64,7 @@ def sum_groups(
         if len(ranks := tuple(sorted({d for t in held for d in stages[t].devices}))) > 1
     ]
     if tied and schedule_spec(schedule).asynchronous:
-        _refuse_tied(tied[0], spec.weights, schedule)
+        _refuse_tied(tied[0], spec.numerics.weights, schedule)
     doubled = {  # on one rank, in two of its stages: FSDP2 shards per stage
         name: held for name, held in shared.items() if _on_one_rank_twice(held, stages)
     }

@@ -54,7 +54,6 @@ from graphpipe.runtime.precision import Precision
 
 __all__ = [
     "MESH_SHAPES",
-    "MeshLayout",
     "ParallelLayout",
     "prepare_backward",
     "reduce_gradients",
@@ -194,9 +193,6 @@ class ParallelLayout:
         return grid["dp", "dp_shard"]
 
 
-MeshLayout = ParallelLayout  # the old name, read by wiring until it takes spec.layout
-
-
 def stage_blocks(stage: nn.Module, model: nn.Module) -> list[list[nn.Module]]:
     """The FSDP units of a stage: its called modules grouped by transformer-like block.
 
@@ -276,7 +272,7 @@ def shard_stage(
     Args:
         stage: The stage module, on its device, with real tensors.
         model: The original model (for its blocks).
-        mesh: The dp mesh (`MeshLayout.fsdp_mesh`).
+        mesh: The dp mesh (`ParallelLayout.fsdp_mesh`).
         reshard_after_forward: Free the gathered parameters after each forward (all-gather
             again for the backward); False keeps them until the backward.
         precision: Its `fsdp_policy` for the blocks and for the stage root.

@@ -27,7 +27,7 @@ from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.executor import Executor
 from graphpipe.runtime.factory import StageFactory
 from graphpipe.runtime.hooks import AgreeFinite
-from graphpipe.runtime.mesh import MeshLayout
+from graphpipe.runtime.mesh import ParallelLayout
 from graphpipe.runtime.precision import LossScaler
 from graphpipe.runtime.weights import WeightPolicy
 
@@ -41,7 +41,7 @@ class Place:
     rank: int  # the plan's device (the pp coordinate under a mesh)
     device: torch.device
     stage_indices: tuple[int, ...]  # this rank's stages; () for an idle rank
-    layout: MeshLayout  # pp, dp and tp coordinates (the identity layout without a mesh)
+    layout: ParallelLayout  # pp, dp and tp coordinates (the identity layout without a mesh)
 
     @property
     def dp(self) -> int:

@@ -86,7 +86,7 @@ class PipelinedModel:
         self._collectives = Collectives(place.device)
         shapes = _shapes(
             place, run, pieces.factory.fixed_shapes, gm, example_inputs, traced_on,
-            model if exported else None, spec.compile_stages,
+            model if exported else None, spec.runtime.compile_stages,
         )  # fmt: skip
         inputs = _inputs(place, run, held, gm, example_inputs, shapes, spec)
         programs = Programs(run, place.rank)

@@ -167,40 +167,6 @@ class RunSpec:
         n = self.numerics
         return None if n.max_grad_norm is None else (n.max_grad_norm, n.grad_norm_type)
 
-    # the options the runtime reads most, by their names
-    @property
-    def weights(self) -> str:
-        return self.numerics.weights
-
-    @property
-    def precision(self) -> str | None:
-        return self.numerics.precision
-
-    @property
-    def nan_check(self) -> bool:
-        return self.numerics.nan_check
-
-    @property
-    def weight_options(self) -> Any:
-        return self.numerics.weight_options
-
-    @property
-    def compile_stages(self) -> bool:
-        return self.runtime.compile_stages
-
-    @property
-    def dp_shard(self) -> bool:
-        return self.parallelism.dp_shard
-
-    @property
-    def init_weights(self) -> Any:
-        return self.init.init_weights
-
-    @property
-    def checkpoint(self) -> Path | None:
-        c = self.init.checkpoint
-        return None if c is None else Path(c)
-
     @classmethod
     def build(
         cls,
@@ -236,7 +202,7 @@ class RunSpec:
         dp, tp = _check(problems, check_mesh, g.parallelism) or (None, None)
         bounds = _check(problems, _max_shapes, g.memory.max_shapes)
         reshard = _check(problems, check_reshard, g.parallelism.reshard_after_forward, resolved)
-        if dp is not None:
+        if dp is not None and tp is not None:
             problems.extend(
                 tp_refusals(tp=tp, tp_plan=g.parallelism.tp_plan, dp_shard=g.parallelism.dp_shard)
             )
@@ -401,8 +367,8 @@ def plan_schedule(spec: RunSpec, plan: Plan) -> str:
         ConfigError: naming the plan's schedule and every problem with it.
     """
     problems: list[str] = []
-    _check(problems, schedule_for, spec.weights, plan.schedule)
-    _check(problems, _check_combinations, False, None, spec.compile_stages, plan.schedule)
+    _check(problems, schedule_for, spec.numerics.weights, plan.schedule)
+    _check(problems, _check_combinations, False, None, spec.runtime.compile_stages, plan.schedule)
     if problems:
         raise ConfigError(
             f"the plan was made for schedule {plan.schedule!r}, which this run cannot run "
@@ -513,7 +479,7 @@ def check_mesh(parallelism: Parallelism) -> tuple[int, int]:
             "dp='auto' is the planner's: choose the degree with graphpipe.plan(..., "
             "dp='auto') (or `graphpipe plan --dp auto`), then compile with dp=k and that plan"
         )
-    return dp or 1, tp or 1
+    return int(dp or 1), int(tp or 1)
 
 
 def tp_degree(mesh: DeviceMesh | None) -> int:

@@ -42,7 +42,7 @@ from graphpipe.runtime.fsdp_comms import guard_collectives
 from graphpipe.runtime.groups import Modules, scale_group, sum_groups, update_group
 from graphpipe.runtime.hooks import AgreeFinite, Clip, Unscale, hooks_for
 from graphpipe.runtime.materialize import InitFn, is_meta, materialize_sharded, names_by_id
-from graphpipe.runtime.mesh import MeshLayout, shard_stage
+from graphpipe.runtime.mesh import ParallelLayout, shard_stage
 from graphpipe.runtime.nancheck import NanCheck
 from graphpipe.runtime.pieces import Holdings, Pieces, Place, Run, Update
 from graphpipe.runtime.precision import LossScaler, Precision
@@ -143,7 +143,7 @@ def wire(
     """
     s = _settings(spec)
     factory = stage_factory(spec.runtime.emulate)  # the one place emulation is decided
-    layout = MeshLayout.current(spec.mesh)
+    layout = spec.layout or ParallelLayout.current(spec.mesh)  # built once by compile
     watch = install_watch(s.timeout)
     set_collective_timeout(s.timeout)
     place = _locate(plan, layout, runtime_device(spec.runtime))
@@ -157,7 +157,7 @@ def wire(
         sync.broadcast()  # tied copies and replicas start equal on every holder
     prefetch = _prefetch(spec.runtime.prefetch)
     program = lower(plan, schedule, prefetch=prefetch)
-    fsdp_mesh = _ready_collectives(place.device, layout, spec.dp_shard, s.timeout)
+    fsdp_mesh = _ready_collectives(place.device, layout, spec.parallelism.dp_shard, s.timeout)
     tp_plan = resolve_tp_plan(model, spec.tp_plan) if layout.tp_mesh is not None else None
     parts = _Parts()
     if mine:
@@ -179,23 +179,23 @@ def _settings(spec: RunSpec) -> _Settings:
         loss_fn=spec.loss_fn,
         optimizer=spec.optimizer,
         micro_batches=spec.micro_batches,
-        weights=spec.weights,
-        weight_options=spec.weight_options,
-        precision=spec.precision,
+        weights=spec.numerics.weights,
+        weight_options=spec.numerics.weight_options,
+        precision=spec.numerics.precision,
         clip=spec.clip,
-        nan_check=spec.nan_check,
+        nan_check=spec.numerics.nan_check,
         timeout=spec.runtime.timeout,
         meshed=spec.meshed,
-        init_weights=spec.init_weights,
-        checkpoint=spec.checkpoint,
-        compile_stages=spec.compile_stages,
+        init_weights=spec.init.init_weights,
+        checkpoint=None if spec.init.checkpoint is None else Path(spec.init.checkpoint),
+        compile_stages=spec.runtime.compile_stages,
         reshard_after_forward=spec.reshard_after_forward,
     )
 
 
-def _locate(plan: Plan, layout: MeshLayout, device: torch.device) -> Place:
+def _locate(plan: Plan, layout: ParallelLayout, device: torch.device) -> Place:
     """This rank's place: its plan device is its pp coordinate (the transport translates,
-    `MeshLayout.rank_of`), and its stages are that device's."""
+    `ParallelLayout.rank_of`), and its stages are that device's."""
     rank = layout.pp_index
     return Place(rank, device, tuple(s.index for s in plan.stages_on(rank)), layout)
 
@@ -206,7 +206,7 @@ def _prefetch(asked: bool | None) -> bool:
 
 
 def _ready_collectives(
-    device: torch.device, layout: MeshLayout, dp_shard: bool, timeout: float
+    device: torch.device, layout: ParallelLayout, dp_shard: bool, timeout: float
 ) -> Any:
     """Ready what every rank's collectives need, in the same order on every rank: NCCL's
     communicator (a first all-reduce: the first batched send must not be its first use),
@@ -221,7 +221,7 @@ def _ready_collectives(
     return fsdp_mesh
 
 
-def _precision(name: str | None, layout: MeshLayout, gm: fx.GraphModule) -> Precision:
+def _precision(name: str | None, layout: ParallelLayout, gm: fx.GraphModule) -> Precision:
     """The run's precision `name`: autocast, or under a mesh FSDP2's mixed-precision policy,
     but autocast still for a graph torch.export traced (its casts are the model's own:
     `graphpipe.runtime.precision`) and on a mesh without a "dp" dimension (no FSDP2 to

@@ -29,7 +29,8 @@ __all__ = ["add_flags", "flagged", "given", "nbytes"]
 
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 UNITS |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-RECOMPUTE = {"all": True, "auto": "auto", "none": False}  # --recompute's words -> the option's
+# --recompute's words -> the option's values
+RECOMPUTE: dict[str, bool | str] = {"all": True, "auto": "auto", "none": False}
 
 
 def nbytes(text: str) -> float:
