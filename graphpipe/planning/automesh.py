@@ -486,11 +486,14 @@ def _state(
             return op_graph(gm, sliced, config.precision)
         return per_rank_graph(g, b / rows)  # linear in the rows (`planning.mesh`)
 
+    links: Callable[[int, int, int], tuple[LinkModel, LinkModel, LinkModel]]
     if search.node is None:  # one node of every device, on the config's links
         dp_link, tp_link = config.dp_link or config.link, config.tp_link or config.link
 
-        def links(p: int, k: int, t: int) -> tuple[LinkModel, LinkModel, LinkModel]:
+        def same(p: int, k: int, t: int) -> tuple[LinkModel, LinkModel, LinkModel]:
             return config.link, dp_link, tp_link
+
+        links = same
 
         gpus, name = config.devices, ""
     else:

@@ -99,12 +99,12 @@ TP_LAYOUTS: dict[str, str | None] = {
 }
 
 
-def per_rank_graph(g: nx.DiGraph, k: int) -> nx.DiGraph:
+def per_rank_graph(g: nx.DiGraph, k: float) -> nx.DiGraph:
     """The op graph one of k dp ranks runs: times and bytes of every op and edge / k.
 
     Args:
         g: The op graph (`opgraph.op_graph`) of a whole micro-batch.
-        k: The dp degree.
+        k: The dp degree (or any ratio of the traced rows to a rank's rows).
 
     Returns:
         `g` itself for k = 1, else a copy with forward, backward, act and edge bytes / k.
