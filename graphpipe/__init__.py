@@ -43,8 +43,8 @@ from graphpipe.errors import (
     TraceError,
 )
 from graphpipe.ir import Plan, Schedule
+from graphpipe.planning.api import plan
 from graphpipe.planning.options import Init, Memory, Numerics, Parallelism, Planning
-from graphpipe.planning.partition import plan
 from graphpipe.runtime.checkpoint import export_checkpoint
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.resume import Checkpoints, latest, saved_plan

@@ -150,3 +150,20 @@ def test_the_docs_quote_the_option_table() -> None:
 def test_the_runtime_group_checks_itself_when_built() -> None:
     with pytest.raises(ConfigError, match="timer must be"):
         RuntimeConfig(timer="wall")
+
+
+def test_the_planner_chooses_the_mesh_when_asked() -> None:
+    """mesh="auto" (graphpipe.plan) chooses pp x dp x tp and M itself, so it refuses dp= and
+    tp= beside it by name; compile takes a mesh it can build (mesh="auto" there is refused
+    by name, pointing at graphpipe.plan)."""
+    from graphpipe.planning.profile import ProfileConfig
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    x = torch.randn(16, 16)
+    flops = ProfileConfig(mode="flops")
+    chosen = plan(model, x, devices=4, mesh="auto", micro_batches="auto", profile=flops)
+    assert chosen.mesh.pp * chosen.mesh.dp * chosen.mesh.tp == 4  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="dp=2 with mesh='auto', which chooses it"):
+        plan(model, x, devices=4, mesh="auto", dp=2, profile=flops)
+    with pytest.raises(ConfigError, match="mesh='auto' is planned by graphpipe.plan"):
+        RunSpec.build(x, loss_fn=F.mse_loss, optimizer=SGD, mesh="auto")

@@ -95,8 +95,10 @@ class Planning(OptionGroup):
     """How the model is cut into stages and scheduled (`docs/planning.md`)."""
 
     name = "planning"
-    micro_batches: int | None = option(
-        None, "M, micro-batches per mini-batch (None: a given plan's, or 4)", "--micro-batches"
+    micro_batches: int | str | None = option(
+        None,
+        "M, micro-batches per mini-batch (None: a given plan's, or 4; 'auto' with mesh='auto')",
+        "--micro-batches",
     )
     schedule: str | None = option(
         None,
@@ -138,7 +140,14 @@ class Parallelism(OptionGroup):
         None, "N, every device (pp x dp x tp); compile: the world size", "--devices"
     )
     mesh: Any = option(
-        None, "a DeviceMesh with dims (pp, dp), (pp, tp) or (pp, dp, tp); None: built from dp/tp"
+        None,
+        "a DeviceMesh with dims (pp, dp), (pp, tp) or (pp, dp, tp) (None: built from dp and "
+        "tp), or 'auto': the planner chooses pp x dp x tp (graphpipe.plan)",
+    )
+    node: Any = option(
+        None,
+        "the cluster's node for mesh='auto': a preset (h100x8, a100x8) or a Node; tp inside "
+        "it, dp and pp across (None: one flat link)",
     )
     dp: int | str | None = option(
         None,
@@ -245,7 +254,12 @@ def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@_rule("micro_batches", "devices", "tp", "weight_versions", must="a positive int or None")
+@_rule("micro_batches", must="a positive int, 'auto' or None")
+def _m(value: Any) -> bool:
+    return value == "auto" or _positive_or_none(value)
+
+
+@_rule("devices", "tp", "weight_versions", must="a positive int or None")
 def _positive_or_none(value: Any) -> bool:
     return value is None or (_int(value) and value >= 1)
 

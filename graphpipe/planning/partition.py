@@ -91,6 +91,7 @@ from graphpipe.tracing.tracer import LeafSpec, flat_inputs, trace
 __all__ = [
     "PlanConfig",
     "cost_model",
+    "joined",
     "micro_batch_size",
     "partition",
     "partition_mesh",
@@ -349,7 +350,6 @@ _PLAN_FIELDS = frozenset(f.name for f in fields(PlanConfig)) - {"devices"}
 PLAN_GROUPS = (Planning, Parallelism, Numerics, Memory)  # the option groups plan() takes
 # options plan() does not take, and why
 PLAN_ELSEWHERE: Mapping[str, str] = {
-    "mesh": "is compile's (a DeviceMesh of running ranks); plan() takes dp= and tp=",
     "max_shapes": "is compile's; plan() plans at the example's shapes",
     "checkpoint": "is compile's (a meta model's weights)",
     "init_weights": "is compile's (a meta model's weights)",
@@ -369,13 +369,19 @@ def planner_config(
     """
     got, problems = split(groups, options, PLAN_GROUPS, elsewhere=PLAN_ELSEWHERE)
     n = devices if devices is not None else got["parallelism"].devices  # type: ignore[attr-defined]
+    mesh = got["parallelism"].mesh  # type: ignore[attr-defined]
+    if mesh is not None:
+        problems.append(
+            f"mesh={mesh!r}: the planner takes mesh='auto' (graphpipe.plan) or dp= and tp=; "
+            "a DeviceMesh of running ranks is compile's"
+        )
     if n is None:
         problems.append("devices= is needed: the number of devices to plan for")
     kwargs = plan_options(got)
     if not problems:
         problems.extend(PlanConfig.problems_of(n, **kwargs))
     if problems:
-        raise ConfigError(_joined(problems))
+        raise ConfigError(joined(problems))
     return PlanConfig(devices=n, **kwargs)
 
 
@@ -398,7 +404,8 @@ def plan_options(groups: Mapping[str, OptionGroup]) -> dict[str, Any]:
     return out
 
 
-def _joined(problems: list[str]) -> str:
+def joined(problems: list[str]) -> str:
+    """Problems as one message: the one, or their count and each."""
     return (
         problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems)
     )

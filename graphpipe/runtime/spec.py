@@ -209,8 +209,11 @@ class RunSpec:
             if dp * tp > 1 or g.parallelism.mesh is not None:
                 problems.extend(mesh_refusals(g))
         problems.extend(_plan_option_problems(g))
+        if g.planning.micro_batches == "auto":
+            problems.append("micro_batches='auto' is mesh='auto''s, in graphpipe.plan")
         given = None if plan is None else _load_plan(plan)
-        m = _check(problems, _micro_batches, g.planning.micro_batches, given)
+        asked_m = g.planning.micro_batches if g.planning.micro_batches != "auto" else None
+        m = _check(problems, _micro_batches, asked_m, given)
         b = (
             None
             if m is None or dp is None
@@ -460,6 +463,11 @@ def check_mesh(parallelism: Parallelism) -> tuple[int, int]:
             plan with it, then compile with the degree it chose).
     """
     mesh, dp, tp = parallelism.mesh, parallelism.dp, parallelism.tp
+    if mesh == "auto":
+        raise ConfigError(
+            "mesh='auto' is planned by graphpipe.plan(..., devices=world, mesh='auto') for "
+            "now: compile with the mesh it chose (dp=plan.mesh.dp, tp=plan.mesh.tp) and plan="
+        )
     if mesh is not None and (dp is not None or tp is not None):
         raise ConfigError(
             f"mesh= and dp={dp!r}, tp={tp!r} given; dp= and tp= are the shorthand for a "
