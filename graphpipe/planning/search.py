@@ -60,7 +60,11 @@ tau). Without a memory budget F(child, y, x) = F(child, 0, x - y), so a row's ch
 absorbing options are min-plus convolutions of the child's table with G, one array operation
 over the (x, y) grid each (`_convolve`). Only the value of G is tabulated, and a solution
 is rebuilt by finding, at each step, the first option (in the order the rows consider them)
-that reaches the tabulated value. The tables of the last feasible tau are kept: the binary
+that reaches the tabulated value. With a memory budget the same rows run as array operations
+too: r over every (end, y) at once (the memory of one replica is weights + act x held, held
+an array over y), a child's option as the least over y of F(child, y, .) + G(end, y), and a
+parallel node's splits over every d at once (the same sums and comparisons as the loops
+they replace, in the same order, so the same values and the same solutions). The tables of the last feasible tau are kept: the binary
 search ends on it.
 
 Complexity per tau: O(sum over series nodes of n^2 D + L D^2, plus sum over parallel nodes of
@@ -190,6 +194,8 @@ class _Search:
         self.tau = INF
         self.memo: dict[Key, Any] = {}
         self.r_cache: dict[Key, float] = {}
+        self.facts: dict[Key, tuple[float, float, bool]] = {}  # key -> `_facts`
+        self.held: dict[int, np.ndarray] = {}  # r -> `_held(r)`
         # the last feasible tau, with its d and tables: the binary search ends on it
         self.solved: tuple[float, int, dict[Key, Any], dict[Key, float]] | None = None
 
@@ -229,10 +235,44 @@ class _Search:
             first = np.where(ok.any(axis=1), ok.argmax(axis=1) + 1, INF)
             rows[:, k : self.depth_bound] = first[:, None]
             return rows
-        for j, q in enumerate(ends.tolist()):
-            for y in range(k, self.depth_bound):
-                rows[j, y] = self.replicas(key_of(q), y + 1)
+        if not len(ends) or k >= self.depth_bound:
+            return rows
+        facts = [self._facts(key_of(q)) for q in ends.tolist()]
+        weights, act, stateful = (np.array(column) for column in zip(*facts, strict=True))
+        within = stage <= self.tau * (1 + 1e-12)  # [j, r - 1]
+        budget = self.cost.memory.budget  # `MemoryModel.fits`
+        undecided = np.ones((len(ends), self.depth_bound - k), dtype=bool)
+        found = rows[:, k : self.depth_bound]
+        for r in range(1, self.max_replicas + 1):
+            held = self._held(r)[k : self.depth_bound]  # [y]: micro-batches one replica holds
+            memory = weights[:, None] + act[:, None] * held[None, :]
+            ok = within[:, r - 1 : r] & (memory <= budget) & undecided
+            if r > 1:
+                ok &= ~stateful[:, None]
+            found[ok] = r
+            undecided &= ~ok
+            if not undecided.any():
+                break
         return rows
+
+    def _facts(self, key: Key) -> tuple[float, float, bool]:
+        """(weight bytes, activation bytes, stateful) of piece `key`, as `_replicas` reads
+        them: `stage_memory` is weights + act x held."""
+        if key not in self.facts:
+            stats = self.pieces.stats[key]
+            self.facts[key] = (self.cost.weights(stats.pbytes), stats.act, stats.stateful)
+        return self.facts[key]
+
+    def _held(self, r: int) -> np.ndarray:
+        """[y]: ceil(min(held, M) / r) with held = max(y + 1, min(M, held_floor r)) for
+        y < D: what one of r replicas holds with y + 1 in flight (`_replicas`, as
+        `CostModel.stage_memory` counts it)."""
+        if r not in self.held:
+            m = self.cost.micro_batches
+            in_flight = np.arange(1, self.depth_bound + 1)
+            held = np.maximum(in_flight, min(m, self.held_floor * r))
+            self.held[r] = np.ceil(np.minimum(held, m) / r)
+        return self.held[r]
 
     def f(self, node: SPNode, k: int, d: int) -> float:
         """F(node, k, d): fewest devices (INF when impossible)."""
@@ -241,6 +281,15 @@ class _Search:
         if d <= k:
             return INF
         return self._table(node, k)[0][min(d, self.depth_bound)]
+
+    def _f_row(self, node: SPNode, k: int) -> np.ndarray:
+        """[d]: F(node, k, d) for d = 0..D, as `f` reads it off the table (INF for d <= k)."""
+        row = np.full(self.depth_bound + 1, INF)
+        if not self.budgeted:
+            row[k + 1 :] = np.array(self._table(node, 0)[0])[1 : self.depth_bound + 1 - k]
+        else:
+            row[k + 1 :] = np.array(self._table(node, k)[0])[k + 1 :]
+        return row
 
     def _table(self, node: SPNode, k: int) -> Any:
         key = (id(node), k)
@@ -289,10 +338,11 @@ class _Search:
         child, end = self.pieces.series[id(node)].children.get(p, (None, 0))
         if child is None or not t.cut_ok[end]:
             return row
-        if self.budgeted:
-            after = t.g[end].tolist()
-            for x in range(t.k + 1, self.depth_bound + 1):
-                row[x] = min(self.f(child, y, x) + after[y] for y in range(t.k, x))
+        if self.budgeted:  # per x: the least F(child, y, x) + G(end, y) over k <= y < x
+            top = self.depth_bound
+            inner = np.array([self._f_row(child, y) for y in range(t.k, top)])  # [y - k, x]
+            sums = inner + t.g[end, t.k : top, None]
+            row[t.k + 1 :] = sums.min(axis=0)[t.k + 1 :]
         else:  # F(child, y, x) = F(child, 0, x - y): a min-plus convolution
             row = self._convolve(np.array(self._table(child, 0)[0]), t.g[end], t.k, 0)
         if isinstance(child, Parallel):
@@ -363,22 +413,25 @@ class _Search:
         """
         kids = self.pieces.sorted_children[id(node)]
         size, top = len(kids), self.depth_bound
-        table: list[float] = [INF] * (top + 1)
-        choices: list[tuple[list[float], list[int]]] = []
-        for d in range(top + 1):
-            h, start = [0.0] + [INF] * size, [0] * (size + 1)
-            for e in range(1, size + 1):
-                for j in range(e):
-                    if e - j == 1:
-                        c = self.f(kids[j], k, d)
-                    elif d >= k + 1:
-                        c = self.replicas(("group", id(node), j, e - 1), k + 1)
-                    else:
-                        c = INF
-                    if h[j] + c < h[e]:
-                        h[e], start[e] = h[j] + c, j
-            table[d] = h[size]
-            choices.append((h, start))
+        # h[e, d] covers children 0..e-1 at d; the same sums and strict improvements in the
+        # same order (j ascending) as a loop per d, over every d at once
+        h = np.full((size + 1, top + 1), INF)
+        h[0] = 0.0
+        start = np.zeros((size + 1, top + 1), dtype=np.int64)
+        has_room = np.arange(top + 1) >= k + 1
+        for e in range(1, size + 1):
+            for j in range(e):
+                if e - j == 1:
+                    c = self._f_row(kids[j], k)
+                else:
+                    r = self.replicas(("group", id(node), j, e - 1), k + 1)
+                    c = np.where(has_room, r, INF)
+                better = h[j] + c < h[e]
+                h[e, better] = (h[j] + c)[better]
+                start[e, better] = j
+        table: list[float] = h[size].tolist()
+        columns, starts = h.T.tolist(), start.T.tolist()
+        choices = [(columns[d], starts[d]) for d in range(top + 1)]
         return table, choices
 
     def _prefix(self, node: Parallel, k: int, d: int, count: int) -> float:
