@@ -18,8 +18,9 @@ GB/s per GPU across nodes). Models, on the meta device:
 Per device count N: the auto choice (`automesh.choose`: branch and bound) and its plan
 time, the grid's best (`automesh.grid`: every mesh of the same space planned, none pruned)
 and its time, their ratio, and the step against the compute-bound ideal (one device's best
-step / N). The grid plans each mesh as the search does (the partitioner's cut of a (pp, tp)
-reused across M and dp where it fits), so the ratio measures what pruning loses.
+step / N). The grid plans each mesh as the search does (each its own cut: a candidate's plan
+depends on nothing else), so the ratio measures what pruning loses: nothing, where the bounds
+hold.
 
 `--torchtitan`: Llama 3.1 8B, 70B and 405B (Hugging Face configs on the meta device, 8192
 tokens per sequence) at torchtitan's published meshes (docs/performance.md, "Grand Teton"

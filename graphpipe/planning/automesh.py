@@ -16,10 +16,10 @@ past it a stage is under half that group, so at least half of a deep pipeline's 
 
 Each candidate is planned as `graphpipe.plan(..., devices=N, dp=k, tp=t, micro_batches=M)`
 plans it (`partition.partition_op_graph` on one rank's op graph: one stage per pp rank, the
-graph partitioner's cut), on the node's links (`devices.Node.mesh_links`). The cut of a
-(t, p) is made once and re-costed for the other rows and M of that (t, p) where it fits the
-budget (re-cut where it does not): the partitioner's search is most of a candidate's time,
-and other rows scale a rank's op times nearly alike. Then:
+graph partitioner's cut), on the node's links (`devices.Node.mesh_links`). Its plan is a
+function of the candidate alone (its own cut of its own rank graph, nothing carried over
+from the candidates planned before it), so the search and the brute-force grid plan every
+mesh the same way whatever the order, and the choice is the grid's best. Then:
 
     layout       one stage per pp rank, or a chain of 2p stages folded loop or v
                  (`layouts.even_chain`, run by interleaved, interleaved_zb, zbv or dualpipev)
@@ -81,7 +81,6 @@ from torch import fx, nn
 from graphpipe.errors import ConfigError, PlanError, ScheduleError
 from graphpipe.ir import DEFAULT_SCHEDULE, Plan, over_budget
 from graphpipe.ir.cost import CostModel, LinkModel
-from graphpipe.planning.assemble import assemble
 from graphpipe.planning.devices import Node, node_preset
 from graphpipe.planning.fold import folded_groups
 from graphpipe.planning.layouts import choose as choose_layout
@@ -91,7 +90,6 @@ from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
 from graphpipe.planning.profile import Profile, ProfileConfig, noted, profile
 from graphpipe.planning.recompute import choose_recompute
-from graphpipe.planning.validate import validate_plan
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tracing.bind import batch_of, normalise
 from graphpipe.tracing.tracer import flat_inputs, trace
@@ -303,8 +301,6 @@ class _Search:
 
     def __post_init__(self) -> None:
         self.ranks = cache(self._rank)
-        self.cuts: dict[tuple[int, int], list[tuple[frozenset[str], int]]] = {}
-        self.chains: dict[tuple[int, int], list[tuple[frozenset[str], int]]] = {}
 
     def _rank(self, rows: float, t: int) -> RankGraph:
         g = self.graph_at(rows)
@@ -358,13 +354,8 @@ class _Search:
             self.config, devices=c.pp, micro_batches=c.micro_batches, dp=1, tp=1,
             replication=False, layouts=("one",),
         )  # fmt: skip
-        reused = self._reused(c, g, cost)
-        if reused is not None:
-            return reused
         try:
-            made = partition_op_graph(g, cost, config, self.digest)
-            self.cuts.setdefault((c.tp, c.pp), [(frozenset(s.nodes), 1) for s in made.stages])
-            return made
+            return partition_op_graph(g, cost, config, self.digest)
         except PlanError as exc:
             if cost.memory.budget is None:
                 return f"infeasible: {str(exc).splitlines()[0]}"
@@ -378,21 +369,14 @@ class _Search:
 
     def _folded_or(self, one: Plan, c: Candidate, g: nx.DiGraph, cost: CostModel) -> Plan:
         """`one` (one stage per pp rank), or the chain of 2p stages folded loop or v where
-        the config's layouts allow it and it simulates faster (`layouts.choose`). The chain's
-        cut is reused as the partitioner's is (`_reused`)."""
+        the config's layouts allow it and it simulates faster (`layouts.choose`)."""
         allowed = [x for x in ("loop", "v") if x in self.config.layouts]
         if not allowed or any(s.recompute for s in one.stages):
             return one
-        key = (c.tp, c.pp)
-        if key not in self.chains:
-            try:
-                made = even_chain(g, cost, 2 * c.pp, self.config.max_units, self.digest)
-            except PlanError:
-                return one
-            self.chains[key] = [(frozenset(s.nodes), 1) for s in made.stages]
 
+        @cache
         def chain() -> Plan:
-            return assemble(g, self.chains[key], cost, 2 * c.pp, "sequential", self.digest)
+            return even_chain(g, cost, 2 * c.pp, self.config.max_units, self.digest)
 
         builders: dict[str, Callable[[], Plan | list[Plan]]] = {"one": lambda: one}
         builders.update({x: partial(folded_chain, chain, c.pp, x) for x in allowed})
@@ -400,20 +384,6 @@ class _Search:
             return choose_layout(builders, g, None, self.config.split_backward)
         except PlanError:
             return one
-
-    def _reused(self, c: Candidate, g: nx.DiGraph, cost: CostModel) -> Plan | None:
-        """The cut made for another candidate of the same (t, p), re-costed for `c`, where
-        it fits the budget: the partitioner cuts a pp rank's share of the same op graph, which
-        other rows and M scale but hardly move (module docstring)."""
-        groups = self.cuts.get((c.tp, c.pp))
-        if groups is None:
-            return None
-        plan = assemble(g, groups, cost, c.pp, self.config.partitioner, self.digest)
-        try:
-            validate_plan(plan, g)
-        except PlanError:
-            return None  # over the budget: the partitioner cuts again
-        return plan
 
     def _scheduled(self, plan: Plan, reshard: bool) -> tuple[Plan | None, float]:
         """`plan` under the fastest schedule whose simulated peak fits (module docstring)."""
@@ -478,6 +448,7 @@ def _state(
 ) -> _Search:
     g, b = op_graph(gm, prof, config.precision), prof.micro_batch_size
 
+    @cache  # one profile per rows, shared by every t
     def graph_at(rows: float) -> nx.DiGraph:
         if rows == b:
             return g
