@@ -64,8 +64,8 @@ that reaches the tabulated value. With a memory budget the same rows run as arra
 too: r over every (end, y) at once (the memory of one replica is weights + act x held, held
 an array over y), a child's option as the least over y of F(child, y, .) + G(end, y), and a
 parallel node's splits over every d at once (the same sums and comparisons as the loops
-they replace, in the same order, so the same values and the same solutions). The tables of the last feasible tau are kept: the binary
-search ends on it.
+they replace, in the same order, so the same values and the same solutions). The tables of
+the last feasible tau are kept: the binary search ends on it.
 
 Complexity per tau: O(sum over series nodes of n^2 D + L D^2, plus sum over parallel nodes of
 L^2 D), times D with a memory budget; n is a series node's unit count and L a node's child
@@ -80,6 +80,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import networkx as nx
@@ -120,6 +121,19 @@ class SearchResult:
     in_flight: int
     candidates: int
     iterations: int
+
+
+@dataclass(frozen=True)
+class _Splits:
+    """A parallel node's splits for one k: `splits[d]` is (h, start) at d, h[e] the fewest
+    devices covering its dearest e children and start[e] where the last group of that
+    cover starts (`_Search._parallel_table`)."""
+
+    h: np.ndarray  # [e, d]
+    start: np.ndarray  # [e, d]
+
+    def __getitem__(self, d: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.h[:, d], self.start[:, d]
 
 
 @dataclass(frozen=True)
@@ -194,7 +208,7 @@ class _Search:
         self.tau = INF
         self.memo: dict[Key, Any] = {}
         self.r_cache: dict[Key, float] = {}
-        self.facts: dict[Key, tuple[float, float, bool]] = {}  # key -> `_facts`
+        self.facts: dict[Key, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # `_facts_by_end`
         self.held: dict[int, np.ndarray] = {}  # r -> `_held(r)`
         # the last feasible tau, with its d and tables: the binary search ends on it
         self.solved: tuple[float, int, dict[Key, Any], dict[Key, float]] | None = None
@@ -225,10 +239,16 @@ class _Search:
         return INF
 
     def _replica_rows(
-        self, key_of: Callable[[int], Key], ends: np.ndarray, stage: np.ndarray, k: int
+        self,
+        key_of: Callable[[int], Key],
+        ends: np.ndarray,
+        stage: np.ndarray,
+        k: int,
+        group: Key,
     ) -> np.ndarray:
         """[j, y]: r(key_of(ends[j]), y + 1) for k <= y < D (INF elsewhere); `stage` holds the
-        pieces' stage times on 1..R replicas, so without a memory budget r is read off it."""
+        pieces' stage times on 1..R replicas, so without a memory budget r is read off it;
+        `group` (id(series), p[, a]) names the row of pieces `key_of` makes."""
         rows = np.full((len(ends), self.depth_bound + 1), INF)
         if not self.budgeted:  # r does not depend on the in-flight count
             ok = stage <= self.tau * (1 + 1e-12)
@@ -237,8 +257,7 @@ class _Search:
             return rows
         if not len(ends) or k >= self.depth_bound:
             return rows
-        facts = [self._facts(key_of(q)) for q in ends.tolist()]
-        weights, act, stateful = (np.array(column) for column in zip(*facts, strict=True))
+        weights, act, stateful = (column[ends] for column in self._facts_by_end(key_of, group))
         within = stage <= self.tau * (1 + 1e-12)  # [j, r - 1]
         budget = self.cost.memory.budget  # `MemoryModel.fits`
         undecided = np.ones((len(ends), self.depth_bound - k), dtype=bool)
@@ -255,13 +274,20 @@ class _Search:
                 break
         return rows
 
-    def _facts(self, key: Key) -> tuple[float, float, bool]:
-        """(weight bytes, activation bytes, stateful) of piece `key`, as `_replicas` reads
-        them: `stage_memory` is weights + act x held."""
-        if key not in self.facts:
-            stats = self.pieces.stats[key]
-            self.facts[key] = (self.cost.weights(stats.pbytes), stats.act, stats.stateful)
-        return self.facts[key]
+    def _facts_by_end(
+        self, key_of: Callable[[int], Key], group: Key
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[q]: (weight bytes, activation bytes, stateful) of the pieces `key_of(q)` of one
+        row (`group` names it) for every end q that has one, as `_replicas` reads them:
+        `stage_memory` is weights + act x held. Made once per search, not per tau."""
+        if group not in self.facts:
+            ends = range(self.pieces.series[group[0]].time.shape[1])
+            stats = {q: self.pieces.stats.get(key_of(q)) for q in ends}
+            weights = np.array([self.cost.weights(x.pbytes) if x else INF for x in stats.values()])
+            act = np.array([x.act if x else INF for x in stats.values()])
+            stateful = np.array([bool(x and x.stateful) for x in stats.values()])
+            self.facts[group] = (weights, act, stateful)
+        return self.facts[group]
 
     def _held(self, r: int) -> np.ndarray:
         """[y]: ceil(min(held, M) / r) with held = max(y + 1, min(M, held_floor r)) for
@@ -283,7 +309,14 @@ class _Search:
         return self._table(node, k)[0][min(d, self.depth_bound)]
 
     def _f_row(self, node: SPNode, k: int) -> np.ndarray:
-        """[d]: F(node, k, d) for d = 0..D, as `f` reads it off the table (INF for d <= k)."""
+        """[d]: F(node, k, d) for d = 0..D, as `f` reads it off the table (INF for d <= k);
+        kept with the tables of this tau."""
+        key = ("row", id(node), k)
+        if key not in self.memo:
+            self.memo[key] = self._make_f_row(node, k)
+        return self.memo[key]
+
+    def _make_f_row(self, node: SPNode, k: int) -> np.ndarray:
         row = np.full(self.depth_bound + 1, INF)
         if not self.budgeted:
             row[k + 1 :] = np.array(self._table(node, 0)[0])[1 : self.depth_bound + 1 - k]
@@ -327,7 +360,8 @@ class _Search:
         if not len(ends) or t.k >= self.depth_bound:
             return row
         stage = self.pieces.series[id(node)].stage[p, ends]
-        rows = self._replica_rows(lambda q: ("range", id(node), p, q - 1), ends, stage, t.k)
+        key_of = partial(_range_key, id(node), p)
+        rows = self._replica_rows(key_of, ends, stage, t.k, (id(node), p))
         best = (rows + t.g[ends]).min(axis=0)  # per y
         row[t.k + 1 :] = np.minimum.accumulate(best[t.k : self.depth_bound])
         return row
@@ -357,7 +391,7 @@ class _Search:
         for a, ends in self._absorb_ends(node, p, t.cut_ok):
             stage = self.pieces.series[id(node)].absorb[(p, a)][1][ends]
             key_of = _absorb_key(node, p, a)
-            rows = self._replica_rows(key_of, np.array(ends), stage, t.k)
+            rows = self._replica_rows(key_of, np.array(ends), stage, t.k, (id(node), p, a))
             best = (rows + t.g[ends]).min(axis=0)
             if not self.budgeted:  # Fpre(y + 1, x) = Fpre(0, x - y - 1)
                 prefix = self._table(parallel, 0)[1]
@@ -429,10 +463,7 @@ class _Search:
                 better = h[j] + c < h[e]
                 h[e, better] = (h[j] + c)[better]
                 start[e, better] = j
-        table: list[float] = h[size].tolist()
-        columns, starts = h.T.tolist(), start.T.tolist()
-        choices = [(columns[d], starts[d]) for d in range(top + 1)]
-        return table, choices
+        return h[size].tolist(), _Splits(h, start)
 
     def _prefix(self, node: Parallel, k: int, d: int, count: int) -> float:
         """Fewest devices for the `count` most expensive children of `node` (as F does)."""
@@ -508,7 +539,7 @@ class _Search:
         pieces: list[Piece] = []
         e = count
         while e > 0:
-            j = start[e]
+            j = int(start[e])
             if e - j == 1:
                 pieces += self.build(kids[j], k, d)
             else:
@@ -594,6 +625,10 @@ class _Search:
             if candidate_score < score:
                 best, score = candidate, candidate_score
         return best
+
+
+def _range_key(node_id: int, p: int, q: int) -> Key:
+    return ("range", node_id, p, q - 1)
 
 
 def _absorb_key(node: Series, p: int, a: int) -> Callable[[int], Key]:
