@@ -13,7 +13,7 @@ from torch import fx, nn
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.ir.cost import LinkModel
-from graphpipe.planning.automesh import MeshSearch, candidates, choose, grid, plan_mesh
+from graphpipe.planning.automesh import MeshSearch, _state, candidates, choose, grid, plan_mesh
 from graphpipe.planning.devices import NODES, Node
 from graphpipe.planning.partition import PlanConfig
 from graphpipe.planning.profile import Profile, ProfileConfig, profile
@@ -60,6 +60,18 @@ def test_the_choice_is_the_best_of_the_whole_grid(devices: int) -> None:
     note = chosen.info["mesh"]
     assert note["planned"] < note["candidates"] or devices == 2  # the bounds pruned some
     assert chosen.mesh.devices == devices and chosen.mesh.chosen_by == "auto"
+
+
+def test_a_candidate_plans_the_same_alone_and_after_the_others() -> None:
+    """A candidate's plan is a function of the candidate alone (its own cut), so the order
+    the search plans candidates in cannot change it: what makes the choice the grid's best."""
+    gm, prof = _traced()
+    config, search = _config(8), MeshSearch(node=NODE)
+    after = {s.candidate: s.step for s in grid(gm, prof, config, search)}
+    state = _state(gm, prof, config, search, BATCH)
+    for c in sorted(after, reverse=True)[:4]:
+        alone = _state(gm, prof, config, search, BATCH).evaluate(c, search.reshard)
+        assert alone.step == after[c] == state.evaluate(c, search.reshard).step
 
 
 def test_tp_never_crosses_a_node() -> None:
