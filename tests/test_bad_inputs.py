@@ -241,7 +241,7 @@ def test_a_good_step_still_runs_after_refusals(pm: Any) -> None:
     ("flags", "line"),
     [
         (["--weights", "bogus"], "unknown weight policy 'bogus'"),
-        (["-m", "0"], "micro_batches=0: it must be a positive int or None"),
+        (["-m", "0"], "micro_batches=0: it must be a positive int, 'auto' or None"),
         (["-m", "3"], "a batch of 8 does not split into 3 equal micro-batches"),
         (["--steps", "0"], "steps=0 must be positive"),
         (["--timeout", "-1"], "timeouts must be positive, got timeout=-1.0"),

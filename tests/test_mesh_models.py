@@ -59,8 +59,9 @@ TIMEOUT = 300  # seconds for a whole launch
 PINS = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
 
 
-def llama() -> nn.Module:
-    """A seeded tiny Llama: hidden 32, 2 decoder layers, 2 heads, vocabulary 64."""
+def llama(tied: bool = False) -> nn.Module:
+    """A seeded tiny Llama: hidden 32, 2 decoder layers, 2 heads, vocabulary 64; with
+    `tied`, lm_head.weight is model.embed_tokens.weight (tie_word_embeddings)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -71,6 +72,7 @@ def llama() -> nn.Module:
         num_key_value_heads=2,
         intermediate_size=64,
         max_position_embeddings=32,
+        tie_word_embeddings=tied,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -101,9 +103,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(3, V, (B, L), generator=gen), torch.randint(3, V, (B, L), generator=gen)
 
 
-def reference() -> dict[str, Any]:
-    """One process, the whole mini-batch, gradient accumulation over the M micro-batches."""
-    model = llama()
+def reference(tied: bool = False) -> dict[str, Any]:
+    """One process, the whole mini-batch, gradient accumulation over the M micro-batches
+    (of `llama(tied)`)."""
+    model = llama(tied)
     opt = _optimizer()(model.parameters())
     losses = []
     for step in range(STEPS):
@@ -559,7 +562,7 @@ def _fp16_on_the_mesh() -> dict[str, Any]:
     At step 1 one rank's gradient shard alone holds an inf (planted after FSDP2's
     reduce-scatter, as the scaler is about to unscale it): every rank must skip that step."""
     pm = _chain_on_the_mesh("fp16")
-    scaler = pm._wiring.scaler
+    scaler = pm._update.scaler
     unscale = scaler.unscale
 
     def planted(params: list[torch.Tensor], device: torch.device) -> bool:
