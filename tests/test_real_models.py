@@ -12,15 +12,19 @@ dict loads into the plain model with strict=True.
 One launch per world size runs every case, to pay the process start-up once. At 2 ranks,
 GPT-2, T5, Llama and the Inception CNN also run folded, two stages per rank (the planner's
 chain of 4 stages under zbv, interleaved_zb and dualpipev), their skips reaching later stages.
+The mixture-of-experts models (Mixtral, Qwen2-MoE) train on pp 2 x dp 2 and on pp 2 x tp 2
+(their own tp plan, the experts kept whole), in one launch of 4 processes.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from real_models import CASES, CNN_CASES, MOE_CASES, M, optimizer, reference, step_data
+from torch.distributed.tensor import DTensor
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
@@ -59,10 +63,12 @@ def _run(name: str, schedule: str, world: int, **extra: Any) -> dict[str, Any]:
         losses.append(pm.step(**inputs, target=target))
     state = pm.state_dict()
     held = [] if pm.module is None else sorted(pm.module.state_dict())
+    params = [] if pm.module is None else list(pm.module.named_parameters())
     return {
         "losses": losses,
         "state": state if pm.rank == 0 else None,
         "held": held,
+        "placements": {n: str(p.placements) for n, p in params if isinstance(p, DTensor)},
         "edges": [list(e.tensors) for e in pm.plan.edges],
         "skips": sum(e.dst > e.src + 1 for e in pm.plan.edges),  # reaching past the next
         "stages": len(pm._stage_indices),
@@ -88,14 +94,22 @@ def folded_runs() -> list[dict[tuple[str, str], dict[str, Any]]]:
     return launch(_folded_worker, 2, timeout=TIMEOUT)
 
 
-def _moe_worker() -> dict[tuple[str, str], dict[str, Any]]:
+def _moe_worker() -> dict[tuple[str, str, str], dict[str, Any]]:
     """The MoE models with the default (measured) profile, whose routers write in place, on
-    pp 2 x dp 2: Mixtral under zb (its backward split), Qwen2-MoE under 1f1b."""
-    return {(n, s): _run(n, s, 2, dp=2) for n, s in MOE_RUNS}
+    pp 2 x dp 2 and on pp 2 x tp 2 (their own tp plan: attention split, the packed experts
+    whole, `graphpipe.runtime.tp.resolve_tp_plan`): Mixtral under zb (its backward split),
+    Qwen2-MoE under 1f1b. Keyed by (model, schedule, the mesh's second dimension)."""
+    out = {}
+    for n, s in MOE_RUNS:
+        out[(n, s, "dp")] = _run(n, s, 2, dp=2)
+        with warnings.catch_warnings():  # the plan's expert entries, named and kept whole
+            warnings.filterwarnings("ignore", message=".*own tp plan: entries")
+            out[(n, s, "tp")] = _run(n, s, 2, tp=2)
+    return out
 
 
 @pytest.fixture(scope="module")
-def moe_runs() -> list[dict[tuple[str, str], dict[str, Any]]]:
+def moe_runs() -> list[dict[tuple[str, str, str], dict[str, Any]]]:
     return launch(_moe_worker, 4, timeout=TIMEOUT)
 
 
@@ -128,15 +142,26 @@ def test_real_models_folded_two_stages_per_rank_train_as_one_process(
     _assert_equal(result, references[name], name)
 
 
+@pytest.mark.parametrize("dims", ["dp", "tp"])
 @pytest.mark.parametrize("name", sorted(MOE_CASES))
 def test_mixture_of_experts_models_train_as_one_process(
-    moe_runs: list[dict[tuple[str, str], dict[str, Any]]],
+    moe_runs: list[dict[tuple[str, str, str], dict[str, Any]]],
     references: dict[str, tuple[list[float], torch.nn.Module]],
     name: str,
+    dims: str,
 ) -> None:
-    ran = [result for (model, _), result in moe_runs[0].items() if model == name]
+    """On pp 2 x dp 2 and pp 2 x tp 2; under tp, attention's projections are split (q
+    column-wise, o row-wise) and the experts' packed weights replicated, on every tp rank."""
+    ran = [r for (model, _, d), r in moe_runs[0].items() if (model, d) == (name, dims)]
     assert len(ran) == 1, sorted(moe_runs[0])
     _assert_equal(ran[0], references[name], name)
+    if dims == "tp":
+        held: dict[str, str] = {}
+        for result in moe_runs:
+            held |= next(r for k, r in result.items() if k[::2] == (name, "tp"))["placements"]
+        assert held["model.layers.0.self_attn.q_proj.weight"] == "(Shard(dim=0),)"
+        assert held["model.layers.1.self_attn.o_proj.weight"] == "(Shard(dim=1),)"
+        assert held["model.layers.1.mlp.experts.gate_up_proj"] == "(Replicate(),)"
 
 
 def _assert_equal(

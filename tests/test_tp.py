@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from real_models import MOE_CASES
 from test_mesh import PINS as CHAIN_PINS
 from test_mesh import STEPS as CHAIN_STEPS
 from test_mesh import _optimizer as chain_optimizer
@@ -372,6 +373,23 @@ def test_a_bad_plan_entry_is_refused_naming_it(plan: dict[str, str], named: str)
 def test_a_planned_weight_tied_to_another_name_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"out\.weight is sharded by the tp plan but tied"):
         resolve_tp_plan(_Tied(), {"out": "colwise"})
+
+
+@pytest.mark.parametrize("build", ["mixtral", "qwen2_moe"])
+def test_a_moe_model_s_own_plan_is_applied_where_graphpipe_can_the_experts_kept_whole(
+    build: str,
+) -> None:
+    """Hugging Face's plan for packed experts ("packed_colwise", "moe_tp_experts", entries
+    naming parameters) and for dense MLPs this configuration has not: dropped, named in a
+    warning; attention stays split. Given as a tp_plan, those entries are refused."""
+    model = MOE_CASES[build].build()
+    with pytest.warns(UserWarning, match=r"moe_tp_experts.*replicated over tp"):
+        plan = resolve_tp_plan(model, None)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert not any("experts" in k for k in plan)
+    with pytest.raises(ConfigError, match="packed_colwise"):
+        resolve_tp_plan(model, model_tp_plan(model))
 
 
 def test_a_model_without_a_plan_needs_one() -> None:

@@ -5,9 +5,10 @@ or the design ("by design"), and what to do instead. Each place that refuses bui
 message from its row (`refusal`), naming the offending value, so the table and the errors
 cannot drift apart; the guides quote `table()` (tests/test_refusals.py checks they do).
 What is not here runs: bf16 and fp16 on every mesh, a weight tied across pp ranks under dp
-and tp, `pm(...)` and `eval_step` under a mesh, an exported graph at other shapes under a
-mesh, the production recipe (pp x dp x tp, bf16, interleaved, recompute) on a model
-torch.export traced.
+and tp, a mixture of experts under tp (its own plan's expert entries kept whole), `pm(...)`
+and `eval_step` under a mesh, an exported graph at other shapes under a mesh, the
+production recipe (pp x dp x tp, bf16, interleaved, recompute) on a model torch.export
+traced.
 
     raise ConfigError(refusal("mesh-weights", f"weights={weights!r}"))
 """

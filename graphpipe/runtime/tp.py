@@ -10,7 +10,9 @@ Hugging Face's `base_model_tp_plan`) and a style for each: "colwise" shards a Li
 and bias along their output dimension (Shard(0)), "rowwise" its weight along the input
 dimension (Shard(1)) and keeps its bias whole; "embedding_rowwise" (Hugging Face's for the
 token embedding) keeps the table whole (see `STYLES`). Every other parameter of a stage is a
-replicated DTensor over the stage's tp sub-mesh.
+replicated DTensor over the stage's tp sub-mesh. A model's own plan is applied as far as
+graphpipe can (a mixture of experts' packed-expert entries are dropped, the experts kept
+whole: `resolve_tp_plan`).
 
 How the plan is applied, on both tracing paths alike: each stage's parameters become DTensors
 placed as the plan says, and the stage graph runs as it was traced, on DTensors, under
@@ -28,14 +30,16 @@ partial is made whole over tp as the stage returns it, in autograd), and each tp
 sends to the same tp rank of the next stage. Gradients of replicated parameters come out
 whole on every tp rank; FSDP2 (a "dp" dimension) shards the DTensors again over dp (2D).
 
-Two rewrites make exported graphs runnable on DTensors: torch.export's metadata asserts
+Three rewrites make exported graphs runnable on DTensors: torch.export's metadata asserts
 (`aten._assert_tensor_metadata`, checks of the traced dtype and device) are dropped from a
 tensor-parallel stage, and scaled dot-product attention (`aten.scaled_dot_product_attention`,
 or CPU's fused kernel it becomes, which DTensor has no sharding rule for in torch 2.13:
 propagating through the kernel's decomposition took minutes, measured) is replaced by the
 same attention in plain ops (matmul, softmax; `attention`), which DTensor shards by heads.
 It computes what the fused kernel does, not in its memory: the (length x length) scores are
-materialised per head shard.
+materialised per head shard. An op of a library's own (outside aten, e.g. transformers'
+grouped matmul of the experts), which DTensor has no sharding rule for, runs on whole
+tensors (`on_whole`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -51,7 +56,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from graphpipe.errors import ConfigError
 from graphpipe.planning.mesh import TP_LAYOUTS, path_matches
@@ -61,6 +66,7 @@ __all__ = [
     "apply_tp",
     "for_dtensor",
     "model_tp_plan",
+    "on_whole",
     "placements",
     "resolve_tp_plan",
     "tp_context",
@@ -86,6 +92,9 @@ STYLES: dict[str, tuple[Placement, Placement]] = {
 _ASSERT = "aten._assert_tensor_metadata"
 _CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+# the op namespaces DTensor shards by its own rules (and the graph's higher-order ops); an op
+# of any other (a library's own, registered by torch.library) runs on whole tensors
+_DTENSOR_NAMESPACES = ("aten", "prims", "higher_order")
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -105,12 +114,30 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
 def resolve_tp_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
     """The plan to apply: `tp_plan`, or the model's own (`model_tp_plan`), checked.
 
+    The model's own plan is read as far as graphpipe applies it: an entry of another style
+    (Hugging Face's "packed_colwise" and "moe_tp_experts" for a mixture of experts' packed
+    weights), one naming a parameter rather than a module, or one matching no module of
+    this configuration (a dense MLP's where every layer is sparse) is dropped with a
+    warning naming it, and what it names stays whole (replicated over tp). A `tp_plan`
+    given is applied as written, every entry, or refused.
+
     Raises:
-        ConfigError: no plan at all; a style graphpipe does not apply; an entry that matches
-            no module of the model; a planned parameter tied to another name (its two
-            readers would need two layouts of one tensor).
+        ConfigError: no plan at all; in a `tp_plan` given, a style graphpipe does not apply
+            or an entry that matches no module of the model; a planned parameter tied to
+            another name (its two readers would need two layouts of one tensor).
     """
-    plan = dict(model_tp_plan(model) if tp_plan is None else tp_plan)
+    modules = [name for name, _ in model.named_modules()]
+    if tp_plan is None:
+        plan, dropped = _applicable(model_tp_plan(model), modules)
+        if dropped:
+            warnings.warn(
+                f"{type(model).__name__}'s own tp plan: entries {dropped} are not applied "
+                f"(graphpipe applies the styles {sorted(STYLES)} to modules); what they name "
+                "stays whole, replicated over tp",
+                stacklevel=2,
+            )
+    else:
+        plan = dict(tp_plan)
     if not plan:
         raise ConfigError(
             f"a 'tp' mesh dimension needs a tensor-parallel plan: {type(model).__name__} "
@@ -122,12 +149,24 @@ def resolve_tp_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> dict
             f"tp_plan entries {unknown}: graphpipe applies the styles {sorted(STYLES)}; "
             "drop or change these entries"
         )
-    modules = [name for name, _ in model.named_modules()]
     idle = [k for k in plan if not any(path_matches(k, m) for m in modules)]
     if idle:
         raise ConfigError(f"tp_plan entries {idle} match no module of {type(model).__name__}")
     _refuse_tied(model, plan)
     return plan
+
+
+def _applicable(
+    plan: Mapping[str, str], modules: list[str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """`plan` split into the entries graphpipe applies (a style of `STYLES` on a module of
+    `modules`) and the rest."""
+    kept: dict[str, str] = {}
+    dropped: dict[str, str] = {}
+    for pattern, style in plan.items():
+        applies = style in STYLES and any(path_matches(pattern, m) for m in modules)
+        (kept if applies else dropped)[pattern] = style
+    return kept, dropped
 
 
 def _refuse_tied(model: nn.Module, plan: Mapping[str, str]) -> None:
@@ -195,14 +234,49 @@ def apply_tp(
 
 
 def for_dtensor(stage: fx.GraphModule) -> None:
-    """Drop export's metadata asserts; replace scaled dot-product attention by plain ops."""
+    """Drop export's metadata asserts; replace scaled dot-product attention by plain ops;
+    run a library's own ops on whole tensors (`on_whole`)."""
     graph = stage.graph
     for node in list(graph.nodes):
-        if node.op == "call_function" and str(node.target).startswith(_ASSERT):
+        if node.op != "call_function":
+            continue
+        if str(node.target).startswith(_ASSERT):
             graph.erase_node(node)
-        elif node.op == "call_function" and node.target in (_SDPA, _CPU_ATTENTION):
+        elif node.target in (_SDPA, _CPU_ATTENTION):
             _replace_attention(graph, node)
+        elif getattr(node.target, "namespace", None) not in (None, *_DTENSOR_NAMESPACES):
+            with graph.inserting_before(node):
+                whole = graph.call_function(on_whole, (node.target, *node.args), node.kwargs)
+            node.replace_all_uses_with(whole)
+            graph.erase_node(node)
     stage.recompile()
+
+
+def on_whole(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`op(*args, **kwargs)` on whole tensors: each DTensor argument made whole (replicated
+    over its mesh, then its local tensor), each tensor `op` returns a replicated DTensor
+    again. Every tp rank computes the same value, and autograd runs `op`'s own backward on
+    plain tensors: the gradient of a replicated output is made whole before it, the
+    gradients it gives are whole on every tp rank.
+
+    Example: a mixture of experts' grouped matmul (`transformers::grouped_mm_fallback`),
+    which DTensor has no sharding rule for, on replicated expert weights."""
+    meshes = [a.device_mesh for a in tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
+    if not meshes:
+        return op(*args, **kwargs)
+    mesh = meshes[0]
+
+    def local(a: Any) -> Any:
+        if not isinstance(a, DTensor):
+            return a
+        return a.redistribute(placements=[Replicate()] * a.device_mesh.ndim).to_local()
+
+    def replicated(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+    return tree_map(replicated, op(*tree_map(local, args), **tree_map(local, kwargs)))
 
 
 def _replace_attention(graph: fx.Graph, node: fx.Node) -> None:
