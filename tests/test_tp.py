@@ -9,14 +9,22 @@ gradient accumulation over the same micro-batches, at rtol 1e-5. Checkpoints res
 tp degrees both ways (pp 2 x tp 2 -> pp 4 without a mesh -> pp 2 x tp 2). A chain built on the
 meta device materialises only each rank's tp (x dp) shards on both meshes and trains as the
 same chain made whole on one process.
+
+Tied weights under tp, in the same launches: the tiny Llama with tie_word_embeddings (the
+embedding on stage 0, lm_head on stage 1: a tie across pp ranks; and at pp 2 x tp 2 under
+zbv, stages 0 and 3 on pp rank 0: a tie across two stages of one rank) and an fx-traced net with
+two ties (an embedding read again as a column-wise output layer: the weight replicated over
+tp; a square layer applied twice, column-wise at both uses: the weight Shard(0)), pinned with
+both ties inside one stage and across the pp ranks; each equal to one process.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -49,7 +57,7 @@ from test_mesh_models import (
 from test_mesh_state import MAX_NORM, clipped_reference
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from zoo import dict_loss
 
 from graphpipe.compile import RuntimeConfig
@@ -57,7 +65,13 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
-from graphpipe.runtime.tp import attention, model_tp_plan, placements, resolve_tp_plan
+from graphpipe.runtime.tp import (
+    attention,
+    model_tp_plan,
+    placements,
+    resolve_tp_plan,
+    shared_placements,
+)
 
 TIMEOUT = 400  # seconds for a whole launch (8 processes on 2 cores)
 # Adam moves a parameter by up to lr / eps = 100 times a rounding difference in a gradient
@@ -67,16 +81,17 @@ ATOL = 2e-6
 SHAPES = {4: ((2, 2), ("pp", "tp")), 8: ((2, 2, 2), ("pp", "dp", "tp"))}
 
 
-def _llama(pins: dict[str, int], mesh: Any) -> Any:
-    """The tiny Llama pipelined under 1f1b by `pins`, over `mesh` (None: one rank a stage)."""
+def _llama(pins: dict[str, int], mesh: Any, tied: bool = False, schedule: str = "1f1b") -> Any:
+    """The tiny Llama (`llama(tied)`) pipelined under `schedule` by `pins`, over `mesh`
+    (None: one rank a stage)."""
     ids, _ = batch(0)
     return gp_compile(
-        llama(),
+        llama(tied),
         {"input_ids": ids, "use_cache": False},
         loss_fn=lm_loss,
         optimizer=_optimizer(),
         micro_batches=M,
-        schedule="1f1b",
+        schedule=schedule,
         pins=pins,
         mesh=mesh,
         profile=ProfileConfig(mode="flops"),
@@ -100,7 +115,132 @@ def _train_worker(world: int, where: str) -> dict[str, Any]:
         out["resumed"] = _resume_at_tp1(pm, where)
         out["chain"] = _chain_on_tp()
     out["meta"] = _meta_chain_on_tp(shape, names)
+    out["tied"] = _tied_llama_on_tp(shape, names, PINS)
+    if world == 4:  # zbv's v: stages 0 and 3, the embedding and lm_head, on pp rank 0
+        out["tied_v"] = _tied_llama_on_tp(shape, names, PINS4, "zbv")
+        out["meta_tie_refused"] = _meta_tie_on_one_rank(shape, names)
+    out["tied_net"] = {k: _tied_net_on_tp(shape, names, pins) for k, pins in TIED_PINS.items()}
     return out
+
+
+def _tied_llama_on_tp(
+    shape: tuple[int, ...], names: tuple[str, ...], pins: dict[str, int], schedule: str = "1f1b"
+) -> dict[str, Any]:
+    """The Llama with lm_head.weight tied to the embedding, on this launch's mesh, pinned by
+    `pins`: its losses, state, this rank's stages and the tied weight's placements here (one
+    parameter however many of the rank's stages read it)."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    pm = _llama(pins, mesh, tied=True, schedule=schedule)
+    losses = [pm.step(input_ids=batch(s)[0], target=batch(s)[1]) for s in range(STEPS)]
+    held = {n: p.placements for n, p in pm.module.named_parameters()}
+    tied = [p for n, p in held.items() if n.endswith(("embed_tokens.weight", "lm_head.weight"))]
+    stages = [s.index for s in pm.plan.stages_on(pm.rank)]
+    return {"losses": losses, "state": pm.state_dict(), "placements": tied, "stages": stages}
+
+
+class _TiedNet(nn.Module):
+    """Two ties: `out` reads the embedding's table as its weight (a column-wise output layer,
+    the vocabulary split, against an embedding kept whole), and `b` is `a` applied again
+    (both column-wise: one layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(8, 16, bias=False)
+        self.out.weight = self.embed.weight
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.a(self.embed(ids)))))  # (B, 3, 8)
+        return self.head(torch.tanh(self.out(h))).mean(1)  # (B, 4)
+
+
+TIED_TP = {"a": "colwise", "b": "colwise", "out": "colwise", "head": "rowwise"}
+TIED_PINS = {  # both ties inside stage 0, or each across the two pp ranks
+    "one stage": {"embed": 0, "a": 0, "b": 0, "out": 0, "head": 1},
+    "across pp": {"embed": 0, "a": 0, "b": 1, "out": 1, "head": 1},
+}
+
+
+def _tied_net() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return _TiedNet()
+
+
+def _tied_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s token ids (8, 3) and target (8, 4)."""
+    gen = torch.Generator().manual_seed(50 + step)
+    return torch.randint(0, 16, (8, 3), generator=gen), torch.randn(8, 4, generator=gen)
+
+
+def _tied_optimizer() -> Any:
+    return functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+def _tied_net_on_tp(
+    shape: tuple[int, ...], names: tuple[str, ...], pins: dict[str, int]
+) -> dict[str, Any]:
+    """`_TiedNet` pinned by `pins` on this launch's mesh: losses, state, placements held."""
+    pm = gp_compile(
+        _tied_net(),
+        _tied_data(0)[0],
+        loss_fn=nn.functional.mse_loss,
+        optimizer=_tied_optimizer(),
+        micro_batches=M,
+        pins=pins,
+        mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
+        tp_plan=TIED_TP,
+        profile=ProfileConfig(mode="flops"),
+        runtime=RuntimeConfig(timeout=120, quiet=True),
+    )
+    losses = [pm.step(_tied_data(s)[0], target=_tied_data(s)[1]) for s in range(STEPS)]
+    module = cast(nn.Module, pm.module)  # every rank holds a stage
+    held = {n: cast(DTensor, p).placements[-1] for n, p in module.named_parameters()}  # over tp
+    return {"losses": losses, "state": pm.state_dict(), "placements": held}
+
+
+def _meta_tie_on_one_rank(shape: tuple[int, ...], names: tuple[str, ...]) -> str:
+    """`_TiedNet` built on meta, its ties each on one pp rank (zbv's v): the error."""
+    with torch.device("meta"):
+        model = _TiedNet()
+    try:
+        gp_compile(
+            model,
+            _tied_data(0)[0],
+            loss_fn=nn.functional.mse_loss,
+            optimizer=_tied_optimizer(),
+            micro_batches=M,
+            pins={"embed": 0, "a": 1, "b": 2, "out": 3, "head": 3},
+            schedule="zbv",
+            mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
+            tp_plan=TIED_TP,
+            profile=ProfileConfig(mode="flops"),
+            runtime=RuntimeConfig(timeout=120, quiet=True),
+        )
+    except ConfigError as exc:
+        return str(exc)
+    return "compiled"
+
+
+def _tied_net_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, gradient accumulation over the same M micro-batches."""
+    model = _tied_net()
+    opt = _tied_optimizer()(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        ids, target = _tied_data(step)
+        total = 0.0
+        for j in range(M):
+            loss = nn.functional.mse_loss(model(ids.chunk(M)[j]), target.chunk(M)[j])
+            (loss / M).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / M)
+    return losses, model.state_dict()
 
 
 PINS4 = {"model.embed_tokens": 0, "model.layers.0": 1, "model.layers.1": 2, "lm_head": 3}
@@ -333,6 +473,78 @@ def test_a_meta_model_materialises_only_its_tp_shards_and_trains_as_one_process(
         assert got["local"] == split / 2 / dp, f"rank {rank}: 1/pp of tp's share, / dp"
 
 
+def test_an_embedding_tied_to_a_tp_split_output_layer_trains_as_one_process(
+    runs: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """The Llama's lm_head (column-wise by its plan) reads the embedding's table (kept whole):
+    the tied weight is replicated over tp on both pp ranks, their gradients summed over
+    each (dp, tp) coordinate's pp pair."""
+    _, results = runs
+    expected = reference(tied=True)
+    for rank, result in enumerate(results):
+        got = result["tied"]
+        assert got["losses"] == pytest.approx(expected["losses"], rel=1e-5), f"rank {rank}"
+        assert list(got["state"]) == list(expected["state"]), f"rank {rank}"
+        for key, value in expected["state"].items():
+            torch.testing.assert_close(
+                got["state"][key], value, rtol=1e-5, atol=ATOL, msg=_named(key)
+            )
+        assert [p[-1] for p in got["placements"]] == [Replicate()], f"rank {rank}"
+    start = llama(tied=True).state_dict()
+    assert not torch.equal(expected["state"]["lm_head.weight"], start["lm_head.weight"])
+
+
+def test_an_embedding_tied_to_a_tp_split_output_layer_on_one_pp_rank_trains_as_one_process(
+    launched: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    """zbv's v puts stages 0 (the embedding) and 3 (lm_head) on pp rank 0: the two stages
+    share one replicated DTensor of the tied weight there (pp 2 x tp 2)."""
+    expected = reference(tied=True)
+    for rank, result in enumerate(launched(4)):
+        got = result["tied_v"]
+        assert got["stages"] == ([0, 3] if rank < 2 else [1, 2]), f"rank {rank}"
+        assert got["losses"] == pytest.approx(expected["losses"], rel=1e-5), f"rank {rank}"
+        for key, value in expected["state"].items():
+            torch.testing.assert_close(
+                got["state"][key], value, rtol=1e-5, atol=ATOL, msg=_named(key)
+            )
+        assert [p[-1] for p in got["placements"]] == [Replicate()] * (rank < 2), f"rank {rank}"
+
+
+@pytest.mark.parametrize("where", sorted(TIED_PINS))
+def test_tied_weights_take_one_layout_inside_a_stage_and_across_pp_ranks(
+    runs: tuple[int, list[dict[str, Any]]], where: str
+) -> None:
+    """`_TiedNet`'s ties, both in one stage or both across the pp ranks: the embedding and
+    its column-wise reader share a replicated table, the layer applied twice keeps Shard(0);
+    every step equal to one process."""
+    _, results = runs
+    losses, params = _tied_net_reference()
+    layouts = {"embed.weight": Replicate(), "out.weight": Replicate(), "a.weight": Shard(0)}
+    layouts |= {"b.weight": Shard(0), "head.weight": Shard(1)}
+    for rank, result in enumerate(results):
+        got = result["tied_net"][where]
+        assert got["losses"] == pytest.approx(losses, rel=1e-5), f"rank {rank}"
+        for name, value in params.items():
+            torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        for name, placement in got["placements"].items():
+            assert layouts.get(name, placement) == placement, f"rank {rank} {name}"
+    stage0 = set(results[0]["tied_net"][where]["placements"])  # what pp rank 0 holds
+    assert ("embed.weight" in stage0, "b.bias" in stage0) == (True, where == "one stage")
+
+
+def test_a_meta_model_s_weight_tied_across_two_stages_of_one_rank_is_refused_by_name(
+    launched: Callable[[int], list[dict[str, Any]]],
+) -> None:
+    """Materialised stage by stage, the copy two stages of one rank share got the wrong
+    module's initial values (measured): refused on every rank alike."""
+    from graphpipe.runtime.refusals import refusal
+
+    row = refusal("meta-tie-one-rank", "x").split(": ", 1)[1]
+    said = {result["meta_tie_refused"] for result in launched(4)}
+    assert said == {f"a.weight is held by stages [1, 2] on one pp rank, on meta: {row}"}
+
+
 # -- the plan -------------------------------------------------------------------------------------
 
 
@@ -370,9 +582,14 @@ def test_a_bad_plan_entry_is_refused_naming_it(plan: dict[str, str], named: str)
         resolve_tp_plan(llama(), plan)
 
 
-def test_a_planned_weight_tied_to_another_name_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"out\.weight is sharded by the tp plan but tied"):
-        resolve_tp_plan(_Tied(), {"out": "colwise"})
+def test_a_tied_weight_takes_the_layout_its_uses_agree_on_else_replicated() -> None:
+    """An embedding (kept whole) tied to a column-wise output layer: replicated; the plan is
+    not refused for the tie."""
+    assert resolve_tp_plan(_Tied(), {"out": "colwise"}) == {"out": "colwise"}
+    assert shared_placements(["embed.weight", "out.weight"], {"out": "colwise"}) == [Replicate()]
+    both = {"a": "colwise", "b": "colwise"}
+    assert shared_placements(["a.weight", "b.weight"], both) == [Shard(0)]
+    assert shared_placements(["a.weight"], {"a": "rowwise"}) == [Shard(1)]
 
 
 @pytest.mark.parametrize("build", ["mixtral", "qwen2_moe"])

@@ -47,8 +47,9 @@ def sum_groups(
 
     Raises:
         ConfigError: a weight tied across ranks under an asynchronous schedule, or across
-            two stages of one pp rank under a mesh (on every rank alike, before any
-            collective).
+            two stages of one pp rank under a mesh with a "dp" dimension (FSDP2; under tp
+            alone the rank's stages share one DTensor of it, `graphpipe.runtime.tp.apply_tp`)
+            or of a model on the meta device, on every rank alike, before any collective.
     """
     meshed = layout is not None and layout.sharded
     holders: dict[str, set[int]] = {}
@@ -69,9 +70,8 @@ def sum_groups(
         name: held for name, held in shared.items() if _on_one_rank_twice(held, stages)
     }
     if doubled and meshed:
-        name, held = next(iter(doubled.items()))
-        subject = f"{name} is held by stages {list(held)} on one pp rank"
-        raise ConfigError(refusal("mesh-tie-one-rank", subject))
+        assert layout is not None
+        _refuse_doubled(doubled, layout, modules, canon)
     if meshed:
         assert layout is not None
         tied = _per_coordinate(tied, layout)
@@ -86,6 +86,26 @@ def sum_groups(
             params = [p for n, p in local.items() if n not in shared]
         sums.append(SyncGroup(ranks, group, params, label))
     return GradSync(sums), shared
+
+
+def _refuse_doubled(
+    doubled: dict[str, tuple[int, ...]],
+    layout: ParallelLayout,
+    modules: Modules,
+    canon: dict[str, str],
+) -> None:
+    """Raises: ConfigError: a weight tied across two stages of one pp rank under a mesh with
+    a "dp" dimension, or in a model on the meta device (every stage's module is on every
+    rank, so every rank refuses alike)."""
+    name, held = next(iter(doubled.items()))
+    subject = f"{name} is held by stages {list(held)} on one pp rank"
+    if layout.fsdp:
+        raise ConfigError(refusal("mesh-tie-one-rank", subject))
+    for name, held in doubled.items():
+        module = modules[held[0]][0]
+        if any(p.is_meta for n, p in module.named_parameters() if canon.get(n, n) == name):
+            subject = f"{name} is held by stages {list(held)} on one pp rank, on meta"
+            raise ConfigError(refusal("meta-tie-one-rank", subject))
 
 
 def _on_one_rank_twice(held: tuple[int, ...], stages: Any) -> bool:

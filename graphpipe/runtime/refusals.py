@@ -5,10 +5,10 @@ or the design ("by design"), and what to do instead. Each place that refuses bui
 message from its row (`refusal`), naming the offending value, so the table and the errors
 cannot drift apart; the guides quote `table()` (tests/test_refusals.py checks they do).
 What is not here runs: bf16 and fp16 on every mesh, a weight tied across pp ranks under dp
-and tp, a mixture of experts under tp (its own plan's expert entries kept whole), `pm(...)`
-and `eval_step` under a mesh, an exported graph at other shapes under a mesh, the
-production recipe (pp x dp x tp, bf16, interleaved, recompute) on a model torch.export
-traced.
+and tp, a weight tied to a tp-split layer (one layout for both uses, `runtime.tp`), a mixture
+of experts under tp (its own plan's expert entries kept whole), `pm(...)` and `eval_step`
+under a mesh, an exported graph at other shapes under a mesh, the production recipe (pp x
+dp x tp, bf16, interleaved, recompute) on a model torch.export traced.
 
     raise ConfigError(refusal("mesh-weights", f"weights={weights!r}"))
 """
@@ -71,11 +71,21 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "mesh-tie-one-rank",
-        "a weight tied across two stages of one pp rank, with a mesh",
+        "a weight tied across two stages of one pp rank, with a 'dp' dimension",
         "each stage is an FSDP2 root of its own, so each would shard a copy of its own",
         True,
         "put its readers in one stage, or on two pp ranks (summed as Megatron's embedding "
-        "group is)",
+        "group is); under tp alone the rank's stages share one DTensor of it",
+    ),
+    Refusal(
+        "meta-tie-one-rank",
+        "a weight tied across two stages of one pp rank, in a model on the meta device, with "
+        "a mesh",
+        "each stage is materialised shard by shard on its own, and the copy they share got "
+        "another module's reset_parameters() values than one process gives it (an embedding "
+        "tied to an output Linear got the Linear's, measured under tp)",
+        True,
+        "build the model on a real device, or put the tie's readers on two pp ranks",
     ),
     Refusal(
         "tp-hsdp",

@@ -62,6 +62,7 @@ __all__ = [
     "GradSync",
     "SyncGroup",
     "final_backwards",
+    "laid_as",
     "local_part",
     "make_groups",
 ]
@@ -297,7 +298,9 @@ class GradSync:
         grads = [h.grad for h in owners]
         bucket.seen = [(g, -1 if g is None else tensor_version(local_part(g))) for g in grads]
         parts = [
-            (local_part(g) if g is not None else torch.zeros_like(local_part(p))).reshape(-1)
+            (
+                local_part(laid_as(g, p)) if g is not None else torch.zeros_like(local_part(p))
+            ).reshape(-1)
             for g, p in zip(grads, bucket.params, strict=True)
         ]
         bucket.flat = torch.cat(parts)
@@ -362,6 +365,18 @@ class GradSync:
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of `t`: a DTensor's local shard (FSDP2, tp), else `t`."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def laid_as(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`grad` in the layout of its parameter `p`, so that local parts of one layout are
+    summed: a DTensor gradient placed otherwise than `p` (under tp without FSDP2, a
+    replicated weight's gradient is Partial over tp where a split layer's backward fed it:
+    each tp rank holds a part of the sum) redistributed to `p`'s placements, a collective
+    over `p`'s mesh, run alike by its ranks; any other gradient as it is. (FSDP2 lays the
+    gradients it reduces out so itself.)"""
+    if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

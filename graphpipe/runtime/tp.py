@@ -10,9 +10,10 @@ Hugging Face's `base_model_tp_plan`) and a style for each: "colwise" shards a Li
 and bias along their output dimension (Shard(0)), "rowwise" its weight along the input
 dimension (Shard(1)) and keeps its bias whole; "embedding_rowwise" (Hugging Face's for the
 token embedding) keeps the table whole (see `STYLES`). Every other parameter of a stage is a
-replicated DTensor over the stage's tp sub-mesh. A model's own plan is applied as far as
-graphpipe can (a mixture of experts' packed-expert entries are dropped, the experts kept
-whole: `resolve_tp_plan`).
+replicated DTensor over the stage's tp sub-mesh. A tied weight (an embedding read again as
+the output layer) is one tensor with one layout: the one its uses agree on, else replicated
+(`shared_placements`). A model's own plan is applied as far as graphpipe can (a mixture of
+experts' packed-expert entries are dropped, the experts kept whole: `resolve_tp_plan`).
 
 How the plan is applied, on both tracing paths alike: each stage's parameters become DTensors
 placed as the plan says, and the stage graph runs as it was traced, on DTensors, under
@@ -48,7 +49,7 @@ import contextlib
 import math
 import operator
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +70,7 @@ __all__ = [
     "on_whole",
     "placements",
     "resolve_tp_plan",
+    "shared_placements",
     "tp_context",
     "whole_tensor",
 ]
@@ -123,8 +125,7 @@ def resolve_tp_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> dict
 
     Raises:
         ConfigError: no plan at all; in a `tp_plan` given, a style graphpipe does not apply
-            or an entry that matches no module of the model; a planned parameter tied to
-            another name (its two readers would need two layouts of one tensor).
+            or an entry that matches no module of the model.
     """
     modules = [name for name, _ in model.named_modules()]
     if tp_plan is None:
@@ -152,7 +153,6 @@ def resolve_tp_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> dict
     idle = [k for k in plan if not any(path_matches(k, m) for m in modules)]
     if idle:
         raise ConfigError(f"tp_plan entries {idle} match no module of {type(model).__name__}")
-    _refuse_tied(model, plan)
     return plan
 
 
@@ -167,21 +167,6 @@ def _applicable(
         applies = style in STYLES and any(path_matches(pattern, m) for m in modules)
         (kept if applies else dropped)[pattern] = style
     return kept, dropped
-
-
-def _refuse_tied(model: nn.Module, plan: Mapping[str, str]) -> None:
-    """Raises: ConfigError: a parameter the plan shards is also read under another name."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for aliases in names.values():
-        planned = [n for n in aliases if _style(n, plan) is not None]
-        if planned and len(aliases) > 1:
-            raise ConfigError(
-                f"{planned[0]} is sharded by the tp plan but tied to {aliases}: one tensor "
-                "cannot take two layouts; untie it (e.g. tie_word_embeddings=False) or drop "
-                "its entry"
-            )
 
 
 def _style(param: str, plan: Mapping[str, str]) -> str | None:
@@ -206,29 +191,64 @@ def placements(param: str, plan: Mapping[str, str]) -> list[Placement]:
     return [bias if param.endswith(".bias") else weight]
 
 
+def shared_placements(names: Sequence[str], plan: Mapping[str, str]) -> list[Placement]:
+    """Where one tensor read under every name of `names` lies over tp: the placement its
+    uses agree on, else replicated. A tied weight is one tensor, so it takes one layout
+    that both of its readers accept: an embedding (kept whole) tied to a column-wise output
+    layer (Shard(0) of the vocabulary) is replicated, and each of its readers computes on
+    the whole table; two column-wise layers sharing a weight keep Shard(0).
+
+    Example:
+        >>> shared_placements(["embed.weight", "out.weight"], {"out": "colwise"})
+        [Replicate()]
+        >>> shared_placements(["a.weight", "b.weight"], {"a": "colwise", "b": "colwise"})
+        [Shard(dim=0)]
+    """
+    each = {tuple(placements(n, plan)) for n in names}
+    return list(each.pop()) if len(each) == 1 else [Replicate()]
+
+
 def apply_tp(
-    stage: fx.GraphModule, canon: Mapping[str, str], mesh: DeviceMesh, plan: Mapping[str, str]
+    stage: fx.GraphModule,
+    canon: Mapping[str, str],
+    mesh: DeviceMesh,
+    plan: Mapping[str, str],
+    made: dict[int, nn.Parameter] | None = None,
 ) -> None:
     """Make a stage tensor-parallel over `mesh` (its tp sub-mesh), in place.
 
     Its parameters become DTensors placed by `plan` (every tp rank holds the whole model's
     values and keeps its shard), the graph is rewritten for DTensor (see the module's
-    docstring), and its outputs come back whole.
+    docstring), and its outputs come back whole. A tied weight takes the one placement
+    `shared_placements` gives over all of the model's names for it, so every stage holding
+    it, on this rank or another, shards it alike (the sums over tied copies add local
+    shards of one layout, `graphpipe.runtime.groups`); read under two names in this stage,
+    or by two stages of this rank sharing `made`, it stays one parameter.
 
     Args:
         stage: The stage module, on its device.
-        canon: The stage's parameter names -> the model's first names.
+        canon: Every name of the model's tensors (the stage's among them) -> its first name.
         mesh: The tp mesh.
         plan: The checked plan (`resolve_tp_plan`).
+        made: The DTensor parameter made of each tensor (by the id of the tensor as the
+            model holds it), shared by the calls for one rank's stages: a weight tied
+            across them is one DTensor. None: this stage's own.
     """
-    for name, p in list(stage.named_parameters()):
+    every: dict[str, list[str]] = {}  # first name -> every name of the tensor
+    for name, first in canon.items():
+        every.setdefault(first, []).append(name)
+    made = {} if made is None else made  # a tensor read under two names: one DTensor
+    for name, p in list(stage.named_parameters(remove_duplicate=False)):
         *path, leaf = name.split(".")
         owner = stage.get_submodule(".".join(path))
-        where = placements(canon.get(name, name), plan)
-        # a meta tensor (a meta model, `materialize_sharded`) is split without a collective
-        source = None if p.is_meta else 0
-        sharded = distribute_tensor(p.detach(), mesh, where, src_data_rank=source)
-        setattr(owner, leaf, nn.Parameter(sharded, requires_grad=p.requires_grad))
+        if id(p) not in made:
+            first = canon.get(name, name)
+            where = shared_placements(every.get(first, [first]), plan)
+            # a meta tensor (a meta model, `materialize_sharded`) is split without a collective
+            source = None if p.is_meta else 0
+            sharded = distribute_tensor(p.detach(), mesh, where, src_data_rank=source)
+            made[id(p)] = nn.Parameter(sharded, requires_grad=p.requires_grad)
+        setattr(owner, leaf, made[id(p)])
     for_dtensor(stage)
     stage.register_forward_hook(_whole_outputs)
 

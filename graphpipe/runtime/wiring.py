@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -92,6 +92,9 @@ class _Context:
     model: nn.Module  # the model as given (its blocks, for FSDP2's units)
     fsdp_mesh: Any  # the DeviceMesh FSDP2 wraps stages over; None without a mesh
     tp_plan: dict[str, str] | None  # the checked tensor-parallel plan; None without "tp"
+    # the DTensor parameter `apply_tp` made of each model tensor (by id), for all of this
+    # rank's stages: a weight tied across two of them stays one tensor
+    tp_made: dict[int, nn.Parameter] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,7 @@ def wire(
 
     Raises:
         ConfigError: a weight tied across ranks under an asynchronous schedule, or across
-            two stages of one pp rank under a mesh (`sum_groups`).
+            two stages of one pp rank under a mesh with a "dp" dimension (`sum_groups`).
     """
     s = _settings(spec)
     factory = stage_factory(spec.runtime.emulate)  # the one place emulation is decided
@@ -382,7 +385,7 @@ def _put(c: _Context, index: int, module: fx.GraphModule, precision: Precision) 
     def shard() -> None:
         if c.tp_plan is not None:  # DTensors over tp first: FSDP2 shards them over dp (2D)
             mesh = cast(DeviceMesh, c.place.layout.tp_mesh)
-            apply_tp(module, c.canon, mesh, c.tp_plan)
+            apply_tp(module, c.canon, mesh, c.tp_plan, c.tp_made)
         if c.fsdp_mesh is not None:
             shard_stage(module, c.model, c.fsdp_mesh, s.reshard_after_forward, precision)
             guard_collectives(module, index)
