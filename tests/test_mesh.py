@@ -25,8 +25,8 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.compile.steps import checked_plan
 from graphpipe.errors import ConfigError
 from graphpipe.ir.cost import LinkModel
+from graphpipe.planning.api import plan
 from graphpipe.planning.interleave import place_graph
-from graphpipe.planning.partition import plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.launch import launch
@@ -624,3 +624,50 @@ def test_the_one_time_loss_check_sees_this_ranks_slice_of_the_target() -> None:
     checks = Inputs(gm, inputs, ["x"], loss, 2, torch.device("cpu"), True, dp=2, dp_index=1)
     checks.check_loss(torch.randn(8, 4))
     assert seen == [(torch.Size([2, 4]), torch.Size([2, 4]))]
+
+
+# -- the mesh chosen by the planner ------------------------------------------------------------
+
+AUTO = {"mesh": "auto", "micro_batches": "auto", "profile": ProfileConfig(mode="flops")}
+
+
+def _auto_worker() -> dict[str, Any]:
+    """compile(mesh="auto") on the chain: rank 0 chooses pp x dp x tp and M for the world."""
+    model, inputs = chain()
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        runtime=RuntimeConfig(timeout=60, quiet=True),
+        **AUTO,
+    )
+    losses = []
+    for step in range(STEPS):
+        x, y = batch("chain", step)
+        losses.append(pm.step(*x, target=y))
+    mesh = pm.plan.info["mesh"]
+    return {
+        "chosen": (mesh["pp"], mesh["dp"], mesh["tp"], pm.plan.micro_batches),
+        "dims": tuple(pm.spec.mesh.mesh_dim_names) if pm.spec.mesh is not None else (),
+        "losses": losses,
+        "state": pm.state_dict(),
+    }
+
+
+def test_compile_chooses_the_mesh_and_trains_as_one_process() -> None:
+    """mesh="auto": the world's 4 ranks become the mesh rank 0's search chose (the one
+    graphpipe.plan(mesh="auto") chooses on the same costs, compile's one stage per pp rank
+    included), built and run as a named one would be: the same losses and parameters as one
+    process accumulating over the mini-batch (the chain has no batch statistics, so any M)."""
+    runs = launch(_auto_worker, 4, timeout=TIMEOUT)
+    model, inputs = chain()
+    alone = plan(model, inputs, devices=4, layouts=("one",), **AUTO)
+    pp, dp, tp = alone.mesh.pp, alone.mesh.dp, alone.mesh.tp  # type: ignore[union-attr]
+    assert all(r["chosen"] == (pp, dp, tp, alone.micro_batches) for r in runs), runs[0]["chosen"]
+    assert all(r["dims"] == runs[0]["dims"] for r in runs)
+    losses, params, _, _ = reference("chain")
+    for r in runs:
+        torch.testing.assert_close(r["losses"], losses, rtol=1e-5, atol=1e-6)
+        for name, value in params.items():
+            torch.testing.assert_close(r["state"][name], value, rtol=1e-5, atol=1e-6)

@@ -153,9 +153,8 @@ def test_the_runtime_group_checks_itself_when_built() -> None:
 
 
 def test_the_planner_chooses_the_mesh_when_asked() -> None:
-    """mesh="auto" (graphpipe.plan) chooses pp x dp x tp and M itself, so it refuses dp= and
-    tp= beside it by name; compile takes a mesh it can build (mesh="auto" there is refused
-    by name, pointing at graphpipe.plan)."""
+    """mesh="auto" chooses pp x dp x tp and M itself, so plan() and compile refuse dp= and
+    tp= beside it by name (compile's run on the mesh chosen: tests/test_mesh.py)."""
     from graphpipe.planning.profile import ProfileConfig
 
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
@@ -165,5 +164,7 @@ def test_the_planner_chooses_the_mesh_when_asked() -> None:
     assert chosen.mesh.pp * chosen.mesh.dp * chosen.mesh.tp == 4  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match="dp=2 with mesh='auto', which chooses it"):
         plan(model, x, devices=4, mesh="auto", dp=2, profile=flops)
-    with pytest.raises(ConfigError, match="mesh='auto' is planned by graphpipe.plan"):
-        RunSpec.build(x, loss_fn=F.mse_loss, optimizer=SGD, mesh="auto")
+    with pytest.raises(ConfigError, match="tp=2 with mesh='auto', which chooses it"):
+        RunSpec.build(x, loss_fn=F.mse_loss, optimizer=SGD, mesh="auto", tp=2)
+    with pytest.raises(ConfigError, match="micro_batches='auto' is chosen with the mesh"):
+        RunSpec.build(x, loss_fn=F.mse_loss, optimizer=SGD, micro_batches="auto")

@@ -44,6 +44,7 @@ from graphpipe.compile.steps import (
     check_world,
     checked_plan,
     ensure_process_group,
+    mesh_on_rank_0,
     plan_on_rank_0,
     schedule_name,
     schedule_plan,
@@ -164,6 +165,8 @@ def compile(
     spec = RunSpec.build(
         example_inputs, loss_fn=loss_fn, optimizer=optimizer, plan=plan, groups=groups, **options
     )
+    if spec.auto_mesh:
+        spec = _chosen_mesh(model, example_inputs, spec)
     spec = _join(spec)
     if spec.tensor_parallel > 1:  # the model's own plan when none is given, checked
         spec = replace(spec, tp_plan=MappingProxyType(resolve_tp_plan(model, spec.tp_plan)))
@@ -177,6 +180,31 @@ def compile(
     announce(the_plan, sched, spec)
     with posted("compile"):
         return PipelinedModel(model, gm, inputs, the_plan, sched, spec)
+
+
+def _chosen_mesh(model: nn.Module, example_inputs: Any, spec: RunSpec) -> RunSpec:
+    """mesh="auto": join the process group, let rank 0 choose pp x dp x tp, M and FSDP2's
+    resharding for the world (`mesh_on_rank_0`), and return the run built for that mesh with
+    that plan, checked as a run that named them would be."""
+    ensure_process_group(spec.runtime)
+    install_watch(spec.runtime.timeout)
+    chosen = mesh_on_rank_0(model, example_inputs, spec)
+    mesh = chosen.info["mesh"]
+    parallelism = replace(
+        spec.parallelism,
+        mesh=None,
+        dp=int(mesh["dp"]),
+        tp=int(mesh["tp"]),
+        reshard_after_forward=bool(mesh["reshard_after_forward"]),
+    )
+    groups = dict(
+        planning=replace(spec.planning, micro_batches=chosen.micro_batches),
+        parallelism=parallelism, numerics=spec.numerics, memory=spec.memory,
+        init=spec.init, runtime=spec.runtime,
+    )  # fmt: skip
+    return RunSpec.build(
+        example_inputs, loss_fn=spec.loss_fn, optimizer=spec.optimizer, plan=chosen, groups=groups
+    )
 
 
 def _join(spec: RunSpec) -> RunSpec:

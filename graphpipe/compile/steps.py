@@ -8,18 +8,20 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import fx
+from torch import fx, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from graphpipe._torch import AGENT_STORE_ENV
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan, Schedule
 from graphpipe.ir.registry import DEFAULT_SCHEDULE
+from graphpipe.planning.automesh import plan_mesh
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.planning.partition import PlanConfig, partition, partition_mesh
 from graphpipe.planning.profile import ProfileConfig, noted, profile
@@ -27,15 +29,18 @@ from graphpipe.planning.validate import validate_plan
 from graphpipe.runtime.failures import guarded, restart_count
 from graphpipe.runtime.mesh import ParallelLayout
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig, plan_schedule
+from graphpipe.runtime.tp import resolve_tp_plan
 from graphpipe.scheduling.dryrun import check_run
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.tracing.annotate import is_meta, trace_info
 
 __all__ = [
+    "broadcast_plan",
     "build_mesh",
     "check_world",
     "checked_plan",
     "ensure_process_group",
+    "mesh_on_rank_0",
     "pipeline_devices",
     "plan_on_rank_0",
     "schedule_plan",
@@ -283,7 +288,47 @@ def _whole_micro_batch(shapes: dict[str, tuple[int, ...]], dp: int) -> dict[str,
 
 
 def plan_on_rank_0(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:
-    """The plan made on rank 0 and broadcast to every rank.
+    """The plan made on rank 0 (`_plan`) and broadcast to every rank (`broadcast_plan`)."""
+    return broadcast_plan(lambda: _plan(gm, inputs, spec), spec.runtime)
+
+
+def mesh_on_rank_0(model: nn.Module, example_inputs: Any, spec: RunSpec) -> Plan:
+    """mesh="auto": rank 0's whole-mesh search over the world's devices
+    (`graphpipe.planning.automesh.plan_mesh`: pp x dp x tp, M, FSDP2's resharding, the
+    layout and the schedule), broadcast to every rank. tp is searched where the model has a
+    tp plan (`tp_plan=`, or its own base_model_tp_plan), else not."""
+    return broadcast_plan(lambda: _plan_mesh(model, example_inputs, spec), spec.runtime)
+
+
+def _plan_mesh(model: nn.Module, example_inputs: Any, spec: RunSpec) -> Plan:
+    try:
+        tp_plan = resolve_tp_plan(model, spec.parallelism.tp_plan)
+    except ConfigError:
+        if spec.parallelism.tp_plan is not None:
+            raise  # a tp plan given that does not fit the model
+        tp_plan = None  # the model has none: no tp
+    m = spec.planning.micro_batches
+    return plan_mesh(
+        model,
+        example_inputs,
+        dist.get_world_size(),
+        node=spec.parallelism.node,
+        micro_batches="auto" if m is None else m,
+        tp_plan=tp_plan,
+        **{**spec.plan_options, "profile": _profile_config_of(model, spec.planning.profile)},
+    )
+
+
+def _profile_config_of(model: nn.Module, config: ProfileConfig) -> ProfileConfig:
+    """`_profile_config` for a model not yet traced: a meta model is estimated."""
+    meta = any(p.is_meta for p in model.parameters())
+    if config.mode == "measure" and meta:
+        return replace(config, mode="flops")
+    return config
+
+
+def broadcast_plan(make: Callable[[], Plan], runtime: RuntimeConfig) -> Plan:
+    """`make()` on rank 0, broadcast to every rank.
 
     The broadcast runs on a group of its own whose timeout is `runtime.plan_timeout`: the other
     ranks wait as long as planning may take, not the step's timeout, and still fail at once
@@ -296,7 +341,6 @@ def plan_on_rank_0(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: R
     at once, rank 0's chained to the original, instead of the others waiting out
     `plan_timeout`.
     """
-    runtime = spec.runtime
     group = guarded(  # its rendezvous, too, stops when a rank dies
         "the plan broadcast's group",
         lambda: dist.new_group(
@@ -308,7 +352,7 @@ def plan_on_rank_0(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: R
     failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
-            message[0] = ("plan", _plan(gm, inputs, spec).to_json())
+            message[0] = ("plan", make().to_json())
         except Exception as exc:  # any failure: the other ranks are waiting for a plan
             failure = exc
             message[0] = ("error", f"{type(exc).__name__}: {exc}")

@@ -157,6 +157,11 @@ class RunSpec:
         return self.planning.schedule is not None
 
     @property
+    def auto_mesh(self) -> bool:
+        """mesh="auto": rank 0 chooses the mesh and M once the world is joined."""
+        return self.parallelism.mesh == "auto"
+
+    @property
     def meshed(self) -> bool:
         """Stages run over a mesh (given, or to be built from dp= and tp=)."""
         return self.mesh is not None or self.data_parallel * self.tensor_parallel > 1
@@ -209,8 +214,8 @@ class RunSpec:
             if dp * tp > 1 or g.parallelism.mesh is not None:
                 problems.extend(mesh_refusals(g))
         problems.extend(_plan_option_problems(g))
-        if g.planning.micro_batches == "auto":
-            problems.append("micro_batches='auto' is mesh='auto''s, in graphpipe.plan")
+        if g.planning.micro_batches == "auto" and g.parallelism.mesh != "auto":
+            problems.append("micro_batches='auto' is chosen with the mesh: pass mesh='auto'")
         given = None if plan is None else _load_plan(plan)
         asked_m = g.planning.micro_batches if g.planning.micro_batches != "auto" else None
         m = _check(problems, _micro_batches, asked_m, given)
@@ -387,7 +392,7 @@ def _plan_option_problems(g: _Groups) -> list[str]:
     devices or 1 (the world is not joined yet; its size is checked against the plan later),
     without what is said elsewhere once: the mesh's degrees (`check_mesh`), the precision
     (`check_precision`) and a value of the wrong type (its group's `problems`)."""
-    said = {"dp", "tp", "tp_plan", "precision"}  # by check_mesh and check_precision
+    said = {"dp", "tp", "tp_plan", "precision", "micro_batches"}  # check_mesh, ..., the M rule
     said |= {name for group in vars(g).values() for name in group.bad_fields()}
     options = {k: v for k, v in plan_options(vars(g)).items() if k not in said}
     return PlanConfig.problems_of(g.parallelism.devices or 1, **options)
@@ -455,7 +460,7 @@ def _micro_batch_size(example_inputs: Any, m: int, dp: int = 1) -> int:
 
 def check_mesh(parallelism: Parallelism) -> tuple[int, int]:
     """(dp, tp): the mesh's "dp" and "tp" sizes, or dp= and tp= (compile builds the mesh
-    from them), or 1.
+    from them), or 1 (also for mesh="auto", until rank 0 chooses).
 
     Raises:
         ConfigError: a mesh with dp= or tp= too, a mesh that is not a DeviceMesh with dims
@@ -463,11 +468,11 @@ def check_mesh(parallelism: Parallelism) -> tuple[int, int]:
             plan with it, then compile with the degree it chose).
     """
     mesh, dp, tp = parallelism.mesh, parallelism.dp, parallelism.tp
-    if mesh == "auto":
-        raise ConfigError(
-            "mesh='auto' is planned by graphpipe.plan(..., devices=world, mesh='auto') for "
-            "now: compile with the mesh it chose (dp=plan.mesh.dp, tp=plan.mesh.tp) and plan="
-        )
+    if mesh == "auto":  # rank 0 chooses the mesh once the world is joined (compile)
+        given = [f"{k}={v!r}" for k, v in (("dp", dp), ("tp", tp)) if v is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} with mesh='auto', which chooses it")
+        return 1, 1
     if mesh is not None and (dp is not None or tp is not None):
         raise ConfigError(
             f"mesh= and dp={dp!r}, tp={tp!r} given; dp= and tp= are the shorthand for a "
@@ -485,7 +490,8 @@ def check_mesh(parallelism: Parallelism) -> tuple[int, int]:
     if dp == "auto":
         raise ConfigError(
             "dp='auto' is the planner's: choose the degree with graphpipe.plan(..., "
-            "dp='auto') (or `graphpipe plan --dp auto`), then compile with dp=k and that plan"
+            "dp='auto') (or `graphpipe plan --dp auto`), then compile with dp=k and that plan; "
+            "or mesh='auto' chooses pp x dp x tp"
         )
     return int(dp or 1), int(tp or 1)
 
