@@ -368,7 +368,7 @@ def _spec(**kwargs: Any) -> RunSpec:
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"weights": "stash"}, "weights='stash'"),
+        ({"weights": "pipemare"}, "weights='pipemare'"),
         ({"schedule": "zb", "reshard_after_forward": True}, "reshard_after_forward=True"),
         ({"schedule": "zbv", "reshard_after_forward": True}, "reshard_after_forward=True"),
         ({"reshard_after_forward": 1}, "reshard_after_forward=1"),

@@ -31,7 +31,8 @@ def test_every_row_has_a_distinct_key_and_says_what_to_do() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "key", "subject"),
     [
-        ({"weights": "2bw"}, "mesh-weights", "weights='2bw'"),
+        ({"weights": "pipemare"}, "mesh-weights", "weights='pipemare'"),
+        ({"weights": "2bw", "tp": 2}, "mesh-versions-tp", "weights='2bw' with tp=2"),
         ({"nan_check": True}, "mesh-nan-check", "nan_check=True"),
         ({"compile_stages": True}, "mesh-compile-stages", "compile_stages=True"),
         ({"replication": True}, "mesh-replication", "replication=True"),
@@ -50,3 +51,16 @@ def test_a_mesh_refusal_is_its_row_naming_the_value(
             **kwargs,
         )
     assert refusal(key, subject) in str(err.value)
+
+
+def test_a_versioned_policy_with_mesh_auto_is_refused_by_its_row() -> None:
+    with pytest.raises(ConfigError) as err:
+        RunSpec.build(
+            torch.randn(8, 4),
+            loss_fn=dict_loss,
+            optimizer=torch.optim.SGD,
+            micro_batches=2,
+            mesh="auto",
+            weights="stash",
+        )
+    assert refusal("mesh-versions-tp", "weights='stash' with mesh='auto'") in str(err.value)

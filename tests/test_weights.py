@@ -35,9 +35,10 @@ from graphpipe.scheduling.simulate import simulate
 from graphpipe.tracing.tracer import trace
 
 M, CALLS = 4, 4
-PINS = {
+PINS = {  # a case's name: its zoo model, then "/devices" where not 3
     "skip_across": {"layers.0": 0, "layers.1": 1, "layers.2": 2, "layers.3": 2, "head": 2},
     "two_branch": {"a": 0, "b": 1, "cat": 2, "head": 2},
+    "skip_across/2": {"layers.0": 0, "layers.1": 0, "layers.2": 1, "layers.3": 1, "head": 1},
 }
 NO_FIXES = PolicyOptions(lr_reschedule=False, correction=False)
 FIXES = PolicyOptions(lr_reschedule=True, correction=True, warmup_updates=8, ema=0.8)
@@ -55,9 +56,14 @@ CASES = [  # (model, policy, optimizer, PipeMare options)
 ]
 
 
+def zoo_model(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Case `name`'s zoo model and example inputs."""
+    return ZOO[name.split("/")[0]]()
+
+
 def micro_batches(name: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
     """CALLS * M micro-batches, in order (what the step() calls feed)."""
-    model, inputs = ZOO[name]()
+    model, inputs = zoo_model(name)
     gen = torch.Generator().manual_seed(7)
     out = []
     for _ in range(CALLS * M):
@@ -83,17 +89,19 @@ def mini_batches(name: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor
 
 
 def _plan(name: str) -> Plan:
-    model, _ = ZOO[name]()
+    model, _ = zoo_model(name)
     x, _ = mini_batches(name)[0]
     flops = ProfileConfig(mode="flops")  # the same plan every time: a resume checks it
+    devices = len(set(PINS[name].values()))
     return plan(
-        model, x, devices=3, micro_batches=M, pins=PINS[name], replication=False, profile=flops
-    )
+        model, x, devices=devices, micro_batches=M, pins=PINS[name], replication=False,
+        profile=flops,
+    )  # fmt: skip
 
 
 def _stage_of(name: str) -> tuple[nn.Module, dict[str, int], dict[int, int]]:
     """A fresh model, its parameters' stages, and each stage's warm-up."""
-    model, _ = ZOO[name]()
+    model, _ = zoo_model(name)
     the_plan = _plan(name)
     gm = trace(model, mini_batches(name)[0][0])
     where = {
@@ -109,11 +117,21 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _grads(
-    model: nn.Module, weights: dict[str, torch.Tensor], x: Any, y: Any, scale: float
+    model: nn.Module,
+    weights: dict[str, torch.Tensor],
+    x: Any,
+    y: Any,
+    scale: float,
+    losses: list[float] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """The gradients of the loss on (x, y) times `scale` at `weights`; the loss appended to
+    `losses`."""
     leaves = {n: w.clone().requires_grad_() for n, w in weights.items()}
-    loss = dict_loss(functional_call(model, leaves, x), y) * scale
-    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+    loss = dict_loss(functional_call(model, leaves, x), y)
+    if losses is not None:
+        losses.append(loss.item())
+    grads = torch.autograd.grad(loss * scale, list(leaves.values()))
+    return dict(zip(leaves, grads, strict=True))
 
 
 def _step(
@@ -131,21 +149,27 @@ def _step(
         opts[s].zero_grad()
 
 
-def stash_reference(name: str, optimizer: str) -> dict[str, torch.Tensor]:
-    """w_i(j+1) = w_i(j) - step(grad f(w_1(j - w_1), ..., w_n(j - w_n)))."""
+def stash_reference(
+    name: str, optimizer: str, losses: list[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """w_i(j+1) = w_i(j) - step(grad f(w_1(j - w_1), ..., w_n(j - w_n))); each micro-batch's
+    loss appended to `losses`."""
     model, where, warm = _stage_of(name)
     opts = _optimizers(model, where, optimizer)
     history = {s: [_snapshot(model)] for s in warm}  # stage -> weights after k updates
     for j, (x, y) in enumerate(micro_batches(name)):
         weights = {n: history[where[n]][max(0, j - warm[where[n]])][n] for n in where}
-        _step(model, opts, where, _grads(model, weights, x, y, 1.0), list(warm))
+        _step(model, opts, where, _grads(model, weights, x, y, 1.0, losses), list(warm))
         for s in warm:
             history[s].append(_snapshot(model))
     return _snapshot(model)
 
 
-def twobw_reference(name: str, optimizer: str) -> dict[str, torch.Tensor]:
-    """V_0 = V_1 = W0, V_(t+2) = step(V_(t+1), grad f(V_t)).
+def twobw_reference(
+    name: str, optimizer: str, losses: list[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """V_0 = V_1 = W0, V_(t+2) = step(V_(t+1), grad f(V_t)); each micro-batch's loss
+    appended to `losses`.
 
     That is W(t+1) = W(t) - step(grad f(W(t-1))) with W(t) = V_(t+1).
     """
@@ -156,7 +180,7 @@ def twobw_reference(name: str, optimizer: str) -> dict[str, torch.Tensor]:
     for t in range(CALLS):
         total: dict[str, torch.Tensor] = {}
         for x, y in mbs[t * M : (t + 1) * M]:
-            for n, g in _grads(model, versions[t], x, y, 1.0 / M).items():
+            for n, g in _grads(model, versions[t], x, y, 1.0 / M, losses).items():
                 total[n] = total[n] + g if n in total else g
         _step(model, opts, where, total, list(warm))
         versions[t + 2] = _snapshot(model)
@@ -236,7 +260,7 @@ def _optimizers(
 def _policy_worker(cases: list[tuple[str, str, str, PolicyOptions | None]]) -> list[Any]:
     results = []
     for name, policy, optimizer, options in cases:
-        model, _ = ZOO[name]()
+        model, _ = zoo_model(name)
         pm = gp_compile(
             model,
             mini_batches(name)[0][0],
@@ -279,7 +303,7 @@ def test_pipelined_policy_follows_its_update_rule(runs: list[list[Any]], case: i
     state = runs[0][case]["state"]
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    initial = dict(ZOO[name]()[0].named_parameters())
+    initial = dict(zoo_model(name)[0].named_parameters())
     assert any(not torch.equal(state[k], initial[k]) for k in expected)  # it did train
 
 
@@ -327,7 +351,7 @@ def _resume_worker(
     mbs = mini_batches(name)
 
     def build(the_plan: Plan) -> Any:
-        model, _ = ZOO[name]()
+        model, _ = zoo_model(name)
         return gp_compile(
             model,
             mbs[0][0],

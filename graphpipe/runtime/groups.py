@@ -34,6 +34,7 @@ def sum_groups(
     modules: Modules,
     mine: tuple[int, ...],
     layout: ParallelLayout | None = None,
+    whole: bool = False,
 ) -> tuple[GradSync, dict[str, tuple[int, ...]]]:
     """Gradient sums over replicas and tied copies; groups created in the same order
     everywhere. Also returns the tied names, each with the stages holding it.
@@ -44,6 +45,13 @@ def sum_groups(
     (each holder's FSDP2 reduce-scatter over dp comes first, in its backward; the shards of
     one coordinate are the same rows of the same tensor on every holder). The group's
     parameters are FSDP2's sharded ones once the stages are sharded (`GradSync.rebind`).
+
+    With `whole` (a versioned weight policy under a mesh: each dp rank keeps its stages
+    whole, no FSDP2) one group per pp device p and tp index t holds the dp ranks
+    `layout.ranks[p][d][t]`, d = 0..dp-1, and averages every parameter of the rank's stages
+    over them (`SyncGroup.mean`: each dp rank ran its slice of every micro-batch, and the
+    mean of the slices' gradients of their mean losses is the whole micro-batch's), at each
+    update of the policy, i.e. once per weight version, as PipeDream-2BW does.
 
     Raises:
         ConfigError: a weight tied across ranks under an asynchronous schedule, or across
@@ -72,20 +80,37 @@ def sum_groups(
     if doubled and meshed:
         assert layout is not None
         _refuse_doubled(doubled, layout, modules, canon)
+    over_dp: list[tuple[tuple[int, ...], str]] = []
     if meshed:
         assert layout is not None
         tied = _per_coordinate(tied, layout)
         rank = layout.rank
-    groups = make_groups(replicas + tied, rank, spec.runtime.timeout)
+        if whole and layout.dp > 1:
+            over_dp = _over_dp(plan, layout)
+    memberships = replicas + tied + over_dp
+    groups = make_groups(memberships, rank, spec.runtime.timeout)
     local = {canon.get(n, n): p for index in mine for n, p in modules[index][0].named_parameters()}
     sums: list[SyncGroup] = []
-    for (ranks, label), group in zip(replicas + tied, groups, strict=True):
+    for (ranks, label), group in zip(memberships, groups, strict=True):
         if label.startswith("tied "):
             params = [local[label[5:]]] if label[5:] in local else []
+        elif label.startswith("dp "):
+            params = list(local.values())
         else:
             params = [p for n, p in local.items() if n not in shared]
-        sums.append(SyncGroup(ranks, group, params, label))
+        sums.append(SyncGroup(ranks, group, params, label, mean=label.startswith("dp ")))
     return GradSync(sums), shared
+
+
+def _over_dp(plan: Plan, layout: ParallelLayout) -> list[tuple[tuple[int, ...], str]]:
+    """The dp ranks of each busy pp device p and tp index t, in global ranks, the same list
+    on every rank: `make_groups` gives this rank its own (p, t)'s."""
+    busy = sorted({d for s in plan.stages for d in s.devices})
+    return [
+        (tuple(layout.ranks[p][d][t] for d in range(layout.dp)), f"dp ranks of pp device {p}")
+        for p in busy
+        for t in range(layout.tp)
+    ]
 
 
 def _refuse_doubled(

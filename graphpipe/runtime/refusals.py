@@ -4,11 +4,12 @@ A refusal is a row: the combination, why it is refused, whether that is a gap ("
 or the design ("by design"), and what to do instead. Each place that refuses builds its
 message from its row (`refusal`), naming the offending value, so the table and the errors
 cannot drift apart; the guides quote `table()` (tests/test_refusals.py checks they do).
-What is not here runs: bf16 and fp16 on every mesh, a weight tied across pp ranks under dp
-and tp, a weight tied to a tp-split layer (one layout for both uses, `runtime.tp`), a mixture
-of experts under tp (its own plan's expert entries kept whole), `pm(...)` and `eval_step`
-under a mesh, an exported graph at other shapes under a mesh, the production recipe (pp x
-dp x tp, bf16, interleaved, recompute) on a model torch.export traced.
+What is not here runs: stash and 2bw over dp (each dp rank's stages whole, their gradients
+averaged over dp at each update), bf16 and fp16 on every mesh, a weight tied across pp ranks
+under dp and tp, a weight tied to a tp-split layer (one layout for both uses, `runtime.tp`),
+a mixture of experts under tp (its own plan's expert entries kept whole), `pm(...)` and
+`eval_step` under a mesh, an exported graph at other shapes under a mesh, the production
+recipe (pp x dp x tp, bf16, interleaved, recompute) on a model torch.export traced.
 
     raise ConfigError(refusal("mesh-weights", f"weights={weights!r}"))
 """
@@ -42,11 +43,21 @@ class Refusal:
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "mesh-weights",
-        "a weight policy other than flush (stash, 2bw, pipemare) with a mesh",
-        "FSDP2 holds one version of each stage's sharded parameters, and these policies "
-        "swap whole weight tensors per micro-batch",
+        "weights='pipemare' with a mesh",
+        "FSDP2 holds one version of each stage's sharded parameters, and PipeMare's backward "
+        "swaps in corrected whole weights per micro-batch; whole stages over dp (as stash "
+        "and 2bw run) are not tested for it",
         True,
-        "use weights='flush'",
+        "use weights='flush', 'stash' or '2bw'",
+    ),
+    Refusal(
+        "mesh-versions-tp",
+        "weights='stash' or '2bw' with a 'tp' dimension, or with mesh='auto' (which may "
+        "choose one)",
+        "their versions alias whole weight tensors, kept whole on each dp rank; tp's DTensor "
+        "parameters are not versioned here",
+        True,
+        "use a ('pp', 'dp') mesh or dp=k, or weights='flush'",
     ),
     Refusal(
         "mesh-nan-check",

@@ -50,6 +50,7 @@ from graphpipe.runtime.mesh import MESH_SHAPES
 from graphpipe.runtime.nancheck import check_nan_check
 from graphpipe.runtime.precision import check_precision
 from graphpipe.runtime.refusals import refusal
+from graphpipe.runtime.weights import CLASSES
 from graphpipe.tracing.bind import batch_of, normalise
 
 __all__ = [
@@ -212,7 +213,7 @@ class RunSpec:
                 tp_refusals(tp=tp, tp_plan=g.parallelism.tp_plan, dp_shard=g.parallelism.dp_shard)
             )
             if dp * tp > 1 or g.parallelism.mesh is not None:
-                problems.extend(mesh_refusals(g))
+                problems.extend(mesh_refusals(g, tp))
         problems.extend(_plan_option_problems(g))
         if g.planning.micro_batches == "auto" and g.parallelism.mesh != "auto":
             problems.append("micro_batches='auto' is chosen with the mesh: pass mesh='auto'")
@@ -549,11 +550,19 @@ def check_reshard(reshard_after_forward: bool | None, schedule: str | None) -> b
     return reshard_after_forward
 
 
-def mesh_refusals(g: _Groups) -> list[str]:
-    """What a mesh refuses (`graphpipe.runtime.refusals`), each named; empty if all is well."""
+def mesh_refusals(g: _Groups, tp: int) -> list[str]:
+    """What a mesh of `tp` tensor-parallel ranks refuses (`graphpipe.runtime.refusals`),
+    each named; empty if all is well. A versioned weight policy (stash, 2bw) runs over dp,
+    each dp rank's stages whole (`graphpipe.runtime.wiring`)."""
     out = []
-    if g.numerics.weights != "flush":
-        out.append(refusal("mesh-weights", f"weights={g.numerics.weights!r}"))
+    weights = g.numerics.weights
+    if weights in CLASSES and weights != "flush" and not CLASSES[weights].versioned:
+        out.append(refusal("mesh-weights", f"weights={weights!r}"))
+    if weights in CLASSES and CLASSES[weights].versioned:
+        if tp > 1:
+            out.append(refusal("mesh-versions-tp", f"weights={weights!r} with tp={tp}"))
+        if g.parallelism.mesh == "auto":
+            out.append(refusal("mesh-versions-tp", f"weights={weights!r} with mesh='auto'"))
     if g.numerics.nan_check:
         out.append(refusal("mesh-nan-check", "nan_check=True"))
     if g.runtime.compile_stages:

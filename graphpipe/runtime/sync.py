@@ -1,10 +1,13 @@
 """Gradient reduction between the ranks that hold the same parameters.
 
-Two kinds of group, both made once at compile time, identically on every rank:
+Three kinds of group, all made once at compile time, identically on every rank:
 - replicas: the devices of a data-parallel stage; every gradient of the stage is summed
   over them (each replica saw its share of the micro-batches);
 - holders of a shared parameter: stages that each hold a copy of a tied weight (its canonical
   name is the same); the copies' gradients are summed, so the copies stay identical.
+- the dp ranks of a stage kept whole under a mesh (a versioned weight policy, stash or 2bw:
+  no FSDP2): each ran its slice of every micro-batch, so their gradients are averaged
+  (`SyncGroup.mean`), once per weight version, at the policy's update.
 
 There is one process group per set of ranks (`make_groups`), not per weight: groups on the
 same ranks (two weights tied across the same stages, or a tied weight and the replicas of its
@@ -78,6 +81,10 @@ class SyncGroup:
     group: dist.ProcessGroup | None  # None when this rank is not a member
     params: list[nn.Parameter]
     label: str
+    # the sum divided by the group's size: the dp slices of every micro-batch, each the
+    # gradient of its slice's mean loss (a mesh's dp ranks of a whole stage; FSDP2's
+    # reduce-scatter averages so too)
+    mean: bool = False
 
 
 def make_groups(
@@ -132,9 +139,12 @@ def merge_groups(groups: Sequence[SyncGroup]) -> list[SyncGroup]:
         if first is None:
             merged[id(g.group)] = g
             continue
+        if first.mean != g.mean:  # the dp groups share no ranks set with a tie or replicas
+            raise ValueError(f"{first.label} and {g.label} share ranks but not their mean")
         held = {id(p) for p in first.params}
         params = first.params + [p for p in g.params if id(p) not in held]
-        merged[id(g.group)] = SyncGroup(first.ranks, g.group, params, f"{first.label}, {g.label}")
+        label = f"{first.label}, {g.label}"
+        merged[id(g.group)] = SyncGroup(first.ranks, g.group, params, label, first.mean)
     return list(merged.values())
 
 
@@ -243,7 +253,9 @@ class GradSync:
         id(original) -> its replacement; a parameter not in it stays."""
         self._index(
             [
-                SyncGroup(g.ranks, g.group, [fresh.get(id(p), p) for p in g.params], g.label)
+                SyncGroup(
+                    g.ranks, g.group, [fresh.get(id(p), p) for p in g.params], g.label, g.mean
+                )
                 for g in self.groups
             ]
         )
@@ -355,6 +367,8 @@ class GradSync:
                 peers=g.ranks,
             )
         assert bucket.flat is not None
+        if g.mean:
+            bucket.flat.div_(len(g.ranks))
         at = 0
         for p in bucket.params:
             n = local_part(p).numel()

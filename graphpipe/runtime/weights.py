@@ -21,8 +21,14 @@ update waits for them and reduces whatever was not launched, so the sums are the
 way. A parameter held by several of the rank's stages (a tied weight; `module` is then an
 nn.ModuleList of the stage modules) is reported only in the last of its `final` calls, when
 every stage holding it has finished. stash and pipemare update after every micro-batch, on
-unreplicated stages (only tied copies are summed): they ignore `final` and reduce at the
-update, synchronously.
+unreplicated stages (only tied copies are summed, and under a mesh a stash stage's dp
+ranks): they ignore `final` and reduce at the update, synchronously.
+
+Under a ("pp", "dp") mesh the versioned policies (stash, 2bw: `versioned`) keep each dp
+rank's stage whole, not FSDP2-sharded (a version is an alias of whole weight tensors): each
+dp rank runs its slice of every micro-batch on the same version, and the `GradSync` averages
+the slices' gradients over the stage's dp ranks at each update (`graphpipe.runtime.groups`),
+so an update is the one the whole micro-batches would make.
 
 Letters: j a micro-batch, M micro-batches per step() call, w the stage's warm-up (forwards
 before its first backward; `graphpipe.scheduling.generators.warmups`), k the updates applied so far.
@@ -109,6 +115,7 @@ class WeightPolicy:
 
     name = "base"
     recomputes = False  # whether the backward re-runs the forward (PipeMare)
+    versioned = False  # forwards run on versions of the weights (stash, 2bw): whole tensors
     overlaps = False  # whether gradient sums start during the last backward (flush, 2bw)
 
     def __init__(
@@ -234,7 +241,9 @@ class Flush(WeightPolicy):
 class _Versioned(WeightPolicy):
     """Forwards run on aliases of the live weights (versions); an update first moves the live
     weights to fresh storage while a version in flight still aliases them (copy on write),
-    so every version stays intact until its last backward.
+    so every version stays intact until its last backward. Under a mesh the stage stays
+    whole on each dp rank (`versioned`): an alias of an FSDP2 shard would not be a version
+    of the weights its forward gathers.
 
     The move keeps each parameter's Python object (the optimizer's state, the modules and
     the gradient sync hold it) and gives it a copy of its values (`p.data = copy`). Each
@@ -244,6 +253,8 @@ class _Versioned(WeightPolicy):
     it refuses a tensor something holds a weak reference to, which torch.export's fake mode
     (kept alive by the exported graph's node metadata) and torch.compile's guards do.
     """
+
+    versioned = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -7,11 +7,17 @@ of `graphpipe.runtime.pieces` (`Place`, `Holdings`, `Update`, `Run`), in this or
        real stages or stand-ins, chosen here once; nothing below tests `emulate`
     2. the rank's place: mesh layout, failure watch, device, stages
     3. every stage's module through the factory; this rank's materialised
-    4. the process groups for replicas and tied copies (`sum_groups`), then the group for
-       clipping and the loss scale, fp16's scaler and nan_check's agreement
+    4. the process groups for replicas, tied copies and whole stages' dp ranks
+       (`sum_groups`), then the group for clipping and the loss scale, fp16's scaler and
+       nan_check's agreement
     5. the lowered program; NCCL's first all-reduce and FSDP2's mesh
     6. this rank's stages on the device (split by tp, sharded by FSDP2), the optimizer, the
        update hooks, the weight policy, the transport and the executor
+
+FSDP2 or whole stages is decided once, in `_settings`: under a mesh a versioned weight
+policy (stash, 2bw) keeps each dp rank's stages whole (its versions alias whole tensors),
+and the GradSync averages their gradients over dp at each of its updates; every other policy
+allowed under a mesh shards them with FSDP2.
 
 Several steps are collectives, so every rank calls `wire` and creates its groups in the
 same order. The run specification is read here, in `wire` and `_settings` only; the
@@ -50,7 +56,7 @@ from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.stage import Specs, build_stage, micro_shapes
 from graphpipe.runtime.sync import GradSync
 from graphpipe.runtime.tp import apply_tp, resolve_tp_plan
-from graphpipe.runtime.weights import PolicyOptions, WeightPolicy, make_policy
+from graphpipe.runtime.weights import CLASSES, PolicyOptions, WeightPolicy, make_policy
 from graphpipe.scheduling.generators import warmups
 from graphpipe.scheduling.program import lower
 from graphpipe.tracing.annotate import trace_info
@@ -71,7 +77,10 @@ class _Settings:
     clip: tuple[float, float] | None  # (max norm, p); None: no clipping
     nan_check: bool
     timeout: float  # seconds a collective or a message may take
-    meshed: bool  # stages run over a mesh (materialised shard by shard, `_put`)
+    meshed: bool  # stages run sharded over a mesh (materialised shard by shard, `_put`)
+    # a versioned policy (stash, 2bw) under a mesh: each dp rank's stages whole, no FSDP2,
+    # their gradients averaged over dp by the GradSync (`sum_groups`)
+    whole: bool
     init_weights: InitFn | None
     checkpoint: str | Path | None
     compile_stages: bool
@@ -151,16 +160,19 @@ def wire(
     set_collective_timeout(s.timeout)
     place = _locate(plan, layout, runtime_device(spec.runtime))
     canon = {n: names[0] for names in names_by_id(model).values() for n in names}
-    precision = _precision(s.precision, layout, gm)
+    precision = _precision(s.precision, layout, gm, s.whole)
     built = _build_modules(model, gm, plan, example_inputs, place, precision, factory, s)
     modules, mine = built.modules, place.stage_indices
-    sync, shared = sum_groups(plan, spec, schedule.name, place.rank, canon, modules, mine, layout)
+    sync, shared = sum_groups(
+        plan, spec, schedule.name, place.rank, canon, modules, mine, layout, s.whole
+    )
     group, scaler, agree = _update_checks(plan, s, modules, canon, place)
     if built.materialized:
         sync.broadcast()  # tied copies and replicas start equal on every holder
     prefetch = _prefetch(spec.runtime.prefetch)
     program = lower(plan, schedule, prefetch=prefetch)
-    fsdp_mesh = _ready_collectives(place.device, layout, spec.parallelism.dp_shard, s.timeout)
+    dp_shard = spec.parallelism.dp_shard
+    fsdp_mesh = _ready_collectives(place.device, layout, dp_shard, s.timeout, s.whole)
     tp_plan = resolve_tp_plan(model, spec.tp_plan) if layout.tp_mesh is not None else None
     parts = _Parts()
     if mine:
@@ -178,6 +190,7 @@ def wire(
 
 def _settings(spec: RunSpec) -> _Settings:
     """The fields of `spec` the helpers read, as plain values."""
+    whole = spec.meshed and CLASSES[spec.numerics.weights].versioned
     return _Settings(
         loss_fn=spec.loss_fn,
         optimizer=spec.optimizer,
@@ -188,7 +201,8 @@ def _settings(spec: RunSpec) -> _Settings:
         clip=spec.clip,
         nan_check=spec.numerics.nan_check,
         timeout=spec.runtime.timeout,
-        meshed=spec.meshed,
+        meshed=spec.meshed and not whole,
+        whole=whole,
         init_weights=spec.init.init_weights,
         checkpoint=None if spec.init.checkpoint is None else Path(spec.init.checkpoint),
         compile_stages=spec.runtime.compile_stages,
@@ -209,27 +223,30 @@ def _prefetch(asked: bool | None) -> bool:
 
 
 def _ready_collectives(
-    device: torch.device, layout: ParallelLayout, dp_shard: bool, timeout: float
+    device: torch.device, layout: ParallelLayout, dp_shard: bool, timeout: float, whole: bool
 ) -> Any:
     """Ready what every rank's collectives need, in the same order on every rank: NCCL's
     communicator (a first all-reduce: the first batched send must not be its first use),
     then the FSDP2 mesh with its groups' timeout (FSDP2's collectives are unguarded: their
-    groups' own limit). Returns that mesh, or None without FSDP."""
+    groups' own limit). Returns that mesh, or None without FSDP (no "dp" dimension, or
+    `whole` stages: a versioned policy's, summed over dp by the GradSync)."""
     if device.type == "cuda":
         warm = torch.zeros(1, device=device)
         guarded("the all-reduce that starts NCCL", lambda: dist.all_reduce(warm))
-    fsdp_mesh = layout.fsdp_mesh(dp_shard) if layout.fsdp else None  # every rank
+    fsdp_mesh = layout.fsdp_mesh(dp_shard) if layout.fsdp and not whole else None  # every rank
     if fsdp_mesh is not None:
         set_collective_timeout(timeout, fsdp_mesh.get_all_groups())
     return fsdp_mesh
 
 
-def _precision(name: str | None, layout: ParallelLayout, gm: fx.GraphModule) -> Precision:
+def _precision(
+    name: str | None, layout: ParallelLayout, gm: fx.GraphModule, whole: bool
+) -> Precision:
     """The run's precision `name`: autocast, or under a mesh FSDP2's mixed-precision policy,
     but autocast still for a graph torch.export traced (its casts are the model's own:
-    `graphpipe.runtime.precision`) and on a mesh without a "dp" dimension (no FSDP2 to
-    cast the parameters: tp alone)."""
-    if not layout.sharded:
+    `graphpipe.runtime.precision`) and where no FSDP2 casts the parameters: a mesh without
+    a "dp" dimension (tp alone), or `whole` stages (a versioned policy's)."""
+    if not layout.sharded or whole:
         return Precision(name)
     exported = trace_info(gm).method == "export"  # its own casts: autocast (precision.py)
     return Precision(name, sharded=True, by_autocast=exported or not layout.fsdp)
