@@ -7,10 +7,12 @@ update (`graphpipe.runtime.groups.sum_groups`). The run must follow the policy's
 on the whole micro-batches, written as a plain loop in one process by tests/test_weights.py
 (the mean of the halves' gradients of their mean losses is the whole micro-batch's): losses
 and parameters after 4 step() calls of 4 micro-batches (16 stash updates, 4 2bw updates).
+A checkpoint of such a run resumes it exactly.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,22 +42,42 @@ NAME = "skip_across/2"  # two stages, a skip from the first into the second
 CASES = [("stash", "sgd"), ("2bw", "adam")]  # (policy, optimizer)
 
 
-def _worker(cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
+def _compile(policy: str, optimizer: str) -> Any:
+    model, _ = zoo_model(NAME)
+    return gp_compile(
+        model,
+        mini_batches(NAME)[0][0],
+        loss_fn=dict_loss,
+        optimizer=OPTIMIZERS[optimizer],
+        weights=policy,
+        micro_batches=M,
+        pins=PINS[NAME],
+        profile=ProfileConfig(mode="flops"),
+        dp=2,
+        runtime=RuntimeConfig(timeout=60, quiet=True),
+    )
+
+
+def _resumed(policy: str, optimizer: str, path: str) -> list[dict[str, torch.Tensor]]:
+    """Two calls, a checkpoint, two more; and a fresh pipeline resumed from it, two calls."""
+    mbs = mini_batches(NAME)
+    first = _compile(policy, optimizer)
+    for x, y in mbs[:2]:
+        first.step(*x, target=y)
+    first.save(path)
+    for x, y in mbs[2:4]:
+        first.step(*x, target=y)
+    second = _compile(policy, optimizer)
+    second.load(path)
+    for x, y in mbs[2:4]:
+        second.step(*x, target=y)
+    return [first.state_dict(), second.state_dict()]
+
+
+def _worker(cases: list[tuple[str, str]], where: str) -> list[dict[str, Any]]:
     results = []
     for policy, optimizer in cases:
-        model, _ = zoo_model(NAME)
-        pm = gp_compile(
-            model,
-            mini_batches(NAME)[0][0],
-            loss_fn=dict_loss,
-            optimizer=OPTIMIZERS[optimizer],
-            weights=policy,
-            micro_batches=M,
-            pins=PINS[NAME],
-            profile=ProfileConfig(mode="flops"),
-            dp=2,
-            runtime=RuntimeConfig(timeout=60),
-        )
+        pm = _compile(policy, optimizer)
         losses = [pm.step(*x, target=y) for x, y in mini_batches(NAME)]
         stage = pm.plan.stage_on(pm.rank)
         assert pm.module is not None and stage is not None  # every pp rank holds a stage
@@ -68,14 +90,16 @@ def _worker(cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
                 "stage": stage.index,
                 "warmups": warmups(pm.plan),
                 "whole": not any(isinstance(p, DTensor) for p in params),
+                "resumed": _resumed(policy, optimizer, str(Path(where) / policy)),
             }
         )
     return results
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[list[dict[str, Any]]]:
-    return launch(_worker, 4, args=(CASES,), timeout=300)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    where = str(tmp_path_factory.mktemp("mesh_weights"))
+    return launch(_worker, 4, args=(CASES, where), timeout=300)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
@@ -113,3 +137,14 @@ def test_each_dp_rank_uses_the_versions_of_its_pipeline_and_no_more_copies(
         else:
             assert v["forward"] == {j: max(0, j // M - 1) for j in range(CALLS * M)}
         assert v["peak_copies"] == weight_copies(policy, w), v
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_a_checkpoint_of_a_versioned_policy_over_dp_resumes_exactly(
+    runs: list[list[dict[str, Any]]], case: int
+) -> None:
+    for rank, result in enumerate(r[case] for r in runs):
+        uninterrupted, resumed = result["resumed"]
+        assert list(resumed) == list(uninterrupted)
+        for key, value in uninterrupted.items():
+            torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=f"{rank} {key}")
