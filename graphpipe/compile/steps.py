@@ -30,6 +30,7 @@ from graphpipe.runtime.failures import guarded, restart_count
 from graphpipe.runtime.mesh import ParallelLayout
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig, plan_schedule
 from graphpipe.runtime.tp import resolve_tp_plan
+from graphpipe.runtime.weights import CLASSES
 from graphpipe.scheduling.dryrun import check_run
 from graphpipe.scheduling.generators import make_schedule
 from graphpipe.tracing.annotate import is_meta, trace_info
@@ -269,7 +270,9 @@ def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -
         dist.get_world_size(),  # pp x dp x tp
         micro_batches=spec.micro_batches,
         dp=dp,
-        dp_shard=spec.parallelism.dp_shard,
+        # a versioned policy keeps its stages whole on each dp rank, its gradients all-reduced
+        # (runtime.weights): costed as replicas, not FSDP2 shards
+        dp_shard=spec.parallelism.dp_shard and not CLASSES[spec.numerics.weights].versioned,
         reshard_after_forward=spec.reshard_after_forward,
         **tp_options,
         **spec.plan_options,
