@@ -3,6 +3,7 @@
     python -m benchmarks.autoplan                           # every table (long: the grid)
     python -m benchmarks.autoplan --devices 8 32 --no-grid  # the choice only, at 8 and 32
     python -m benchmarks.autoplan --torchtitan 8b           # beside torchtitan's 8B mesh
+    python -m benchmarks.autoplan --models mmt --devices 64 128 256 512 --no-grid
 
 Everything is simulated, on the same costs: op times from the H100 roofline
 (`ProfileConfig(mode="roofline", preset="h100")`), bf16 values between ops and stages
@@ -150,6 +151,7 @@ def rows(t: Traced, devices: tuple[int, ...], with_grid: bool) -> list[list[Any]
         if with_grid:
             best, grid_s = _grid_best(t, n)
             row += [str(best.candidate), f"{best.step * 1e3:.1f}", f"{step / best.step:.3f}"]
+            log(f"{t.name} N={n}: the grid's best {row[-3]} {row[-2]} ms in {grid_s:.0f} s")
             row.append(f"{grid_s:.0f}")
         else:
             row += ["", "", "", ""]
@@ -203,10 +205,15 @@ def _ms(s: Scored | None) -> str:
     return "no plan fits" if s is None else f"{s.step * 1e3:.0f} (M {s.candidate.micro_batches})"
 
 
-def report(devices: tuple[int, ...], with_grid: bool, titan: list[str]) -> str:
-    """The markdown section."""
-    models: list[Callable[[], Traced]] = [llama_09b, mmt]
-    table = [r for build in models for r in rows(build(), devices, with_grid)]
+MODELS: dict[str, Callable[[], Traced]] = {"llama-0.9b": llama_09b, "mmt": mmt}
+
+
+def report(
+    devices: tuple[int, ...], with_grid: bool, titan: list[str], models: list[str] | None = None
+) -> str:
+    """The markdown section (`models`: names of `MODELS`, all by default)."""
+    chosen = [MODELS[name] for name in models or MODELS]
+    table = [r for build in chosen for r in rows(build(), devices, with_grid)]
     text = (
         "## Issue 38: the whole mesh planned\n\n"
         f"`python -m benchmarks.autoplan` on {machine()}; simulated: H100 roofline op times, "
@@ -226,9 +233,10 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=list(DEVICES))
     parser.add_argument("--no-grid", action="store_true", help="the auto choice only")
     parser.add_argument("--torchtitan", nargs="*", default=None, choices=sorted(TORCHTITAN))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
     titan = sorted(TORCHTITAN) if args.torchtitan == [] else (args.torchtitan or [])
-    print(report(tuple(args.devices), not args.no_grid, titan))
+    print(report(tuple(args.devices), not args.no_grid, titan, args.models))
 
 
 if __name__ == "__main__":
