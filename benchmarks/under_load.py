@@ -32,7 +32,8 @@ def _spin(stop: mp.synchronize.Event) -> None:
 
 
 def _run(pytest_args: Sequence[str]) -> tuple[int, str, float]:
-    """One suite run: its exit status, pytest's last line, and its wall seconds."""
+    """One suite run: its exit status, pytest's last line (after each FAILED or ERROR
+    line), and its wall seconds."""
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
@@ -41,11 +42,9 @@ def _run(pytest_args: Sequence[str]) -> tuple[int, str, float]:
         check=False,
     )
     lines = [line for line in done.stdout.splitlines() if line.strip()]
-    return (
-        done.returncode,
-        (lines[-1] if lines else done.stderr[-200:]),
-        time.perf_counter() - start,
-    )
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    last = lines[-1] if lines else done.stderr[-200:]
+    return done.returncode, "\n".join([*failed, last]), time.perf_counter() - start
 
 
 def main(argv: Sequence[str] | None = None) -> int:
