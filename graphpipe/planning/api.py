@@ -23,7 +23,7 @@ from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
 from graphpipe.planning import partition
 from graphpipe.planning.automesh import plan_mesh
-from graphpipe.planning.options import Memory, Numerics, Parallelism, Planning, split
+from graphpipe.planning.options import Memory, Numerics, Parallelism, Planning, joined, split
 
 __all__ = ["plan"]
 
@@ -101,5 +101,5 @@ def _auto(
         k: v for k, v in partition.plan_options(got).items() if k not in (*CHOSEN, "micro_batches")
     }
     if problems:
-        raise ConfigError(partition.joined(problems))
+        raise ConfigError(joined(problems))
     return plan_mesh(model, example_inputs, n, node=par.node, micro_batches=m or "auto", **kwargs)

@@ -56,7 +56,10 @@ __all__ = [
     "Parallelism",
     "Planning",
     "default",
+    "field_default",
+    "fields_of",
     "group_of",
+    "joined",
     "split",
     "table",
 ]
@@ -360,16 +363,24 @@ def _field_problem(group: OptionGroup, f: Field[Any]) -> str | None:
     return f"{f.name}={value!r}: it must be {rule[1]}"
 
 
-def _default(f: Field[Any]) -> Any:
+def field_default(f: Field[Any]) -> Any:
+    """A dataclass field's default value (its factory's, called)."""
     if f.default_factory is not MISSING:
         return f.default_factory()
     return f.default
 
 
+def joined(problems: Sequence[str]) -> str:
+    """Problems as one message: the one, or their count and each."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems: " + "; ".join(problems)
+
+
 def default(name: str, groups: Sequence[type[OptionGroup]] = GROUPS) -> Any:
     """The default of option `name` (a fresh one for a mutable default), among `groups`."""
-    _group, f = _fields(groups)[name]
-    return _default(f)
+    _group, f = fields_of(groups)[name]
+    return field_default(f)
 
 
 def group_of(name: str) -> type[OptionGroup]:
@@ -378,15 +389,16 @@ def group_of(name: str) -> type[OptionGroup]:
     Raises:
         ConfigError: an unknown name, naming the closest known ones.
     """
-    found = _fields().get(name)
+    found = fields_of().get(name)
     if found is None:
-        raise ConfigError(unknown_option(name, _fields()))
+        raise ConfigError(unknown_option(name, fields_of()))
     return found[0]
 
 
-def _fields(
+def fields_of(
     groups: Sequence[type[OptionGroup]] = GROUPS,
 ) -> dict[str, tuple[type[OptionGroup], Field[Any]]]:
+    """Option name -> (its group, its field), over `groups`."""
     return {f.name: (g, f) for g in groups for f in fields(g)}  # type: ignore[arg-type]
 
 
@@ -419,7 +431,7 @@ def split(
     Returns:
         (group keyword -> group, problems).
     """
-    known = _fields(groups)
+    known = fields_of(groups)
     problems: list[str] = []
     by_group: dict[str, dict[str, Any]] = {g.name: {} for g in groups}
     for raw, value in keywords.items():
@@ -478,7 +490,7 @@ def table(groups: Sequence[type[OptionGroup]] = GROUPS) -> str:
     ]
     for cls in groups:
         for f in fields(cls):  # type: ignore[arg-type]
-            shown = _shown(_default(f))
+            shown = _shown(field_default(f))
             flag = f"`{f.metadata['flag']}`" if f.metadata["flag"] else ""
             rows.append(f"| {cls.name} | `{f.name}` | {shown} | {flag} | {f.metadata['doc']} |")
     return "\n".join(rows)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import networkx as nx
@@ -75,6 +75,8 @@ from graphpipe.planning.options import (
     Parallelism,
     Planning,
     default,
+    field_default,
+    joined,
     split,
     unknown_option,
 )
@@ -91,7 +93,6 @@ from graphpipe.tracing.tracer import LeafSpec, flat_inputs, trace
 __all__ = [
     "PlanConfig",
     "cost_model",
-    "joined",
     "micro_batch_size",
     "partition",
     "partition_mesh",
@@ -259,7 +260,7 @@ class PlanConfig:
         try:
             config = object.__new__(cls)  # the fields set, the checks run without raising
             for f in fields(cls):
-                value = given.get(f.name, _default(f)) if f.name != "devices" else devices
+                value = given.get(f.name, field_default(f)) if f.name != "devices" else devices
                 object.__setattr__(config, f.name, value)
             problems.extend(config.problems())
         except (TypeError, ValueError) as exc:  # a value of the wrong type
@@ -275,13 +276,6 @@ def _positive_int(value: Any) -> bool:
 def _unless(ok: bool, problem: str) -> str | None:
     """`problem` where a rule does not hold, else None."""
     return None if ok else problem
-
-
-def _default(f: Any) -> Any:
-    """A dataclass field's default value (its factory's, called)."""
-    if f.default_factory is not MISSING:
-        return f.default_factory()
-    return f.default
 
 
 def plan(
@@ -402,13 +396,6 @@ def plan_options(groups: Mapping[str, OptionGroup]) -> dict[str, Any]:
     if values.get("reshard_after_forward") is None:
         out["reshard_after_forward"] = not (named is not None and named.split_backward)
     return out
-
-
-def joined(problems: list[str]) -> str:
-    """Problems as one message: the one, or their count and each."""
-    return (
-        problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems)
-    )
 
 
 def micro_batch_size(batch: int, micro_batches: int) -> int:

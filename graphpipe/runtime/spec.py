@@ -40,6 +40,7 @@ from graphpipe.planning.options import (
     Parallelism,
     Planning,
     default,
+    joined,
     option,
     split,
 )
@@ -226,7 +227,7 @@ class RunSpec:
             else _check(problems, _micro_batch_size, example_inputs, m, dp)
         )
         if problems:
-            raise ConfigError(_joined(problems))
+            raise ConfigError(joined(problems))
         assert resolved is not None and m is not None and b is not None
         assert dp is not None and tp is not None and reshard is not None
         tp_plan = g.parallelism.tp_plan
@@ -286,12 +287,6 @@ def _check(problems: list[str], check: Callable[..., Any], *args: Any) -> Any:
     except ConfigError as exc:
         problems.append(str(exc))
         return None
-
-
-def _joined(problems: list[str]) -> str:
-    if len(problems) == 1:
-        return problems[0]
-    return f"{len(problems)} problems: " + "; ".join(problems)
 
 
 def _max_shapes(value: Any) -> Mapping[str, tuple[int, ...]] | None:

@@ -17,12 +17,12 @@ import argparse
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from typing import Any
 
 from graphpipe.ir import schedule_names
 from graphpipe.ir.registry import POLICIES
-from graphpipe.planning.options import OptionGroup
+from graphpipe.planning.options import OptionGroup, field_default, fields_of
 from graphpipe.runtime.spec import RUN_GROUPS
 
 __all__ = ["add_flags", "flagged", "given", "nbytes"]
@@ -100,10 +100,6 @@ PARSE: dict[str, tuple[Callable[[str], Any], str | Sequence[str]]] = {
 SHORT = {"micro_batches": "-m"}  # one-letter flags
 
 
-def _definitions() -> dict[str, Any]:
-    return {f.name: f for g in RUN_GROUPS for f in fields(g)}  # type: ignore[arg-type]
-
-
 def add_flags(
     parser: argparse.ArgumentParser,
     names: Sequence[str],
@@ -118,12 +114,12 @@ def add_flags(
         names: Options that have a flag.
         help_extra: Option name -> a sentence the flag's help adds (what it means here).
     """
-    known = _definitions()
+    known = fields_of(RUN_GROUPS)
     for name in names:
-        f = known[name]
+        _group, f = known[name]
         flag = f.metadata["flag"]
         assert flag, f"option {name} has no command-line flag"
-        shown = f.default if f.default_factory is MISSING else f.default_factory()
+        shown = field_default(f)
         help_text = f"{f.metadata['doc']} (default: {shown!r})"
         if help_extra and name in help_extra:
             help_text += f"; {help_extra[name]}"
