@@ -232,12 +232,13 @@ def checked_plan(plan: Plan, gm: fx.GraphModule, dp: int = 1, tp: int = 1) -> Pl
     return plan
 
 
-def _profile_config(gm: fx.GraphModule, config: ProfileConfig) -> ProfileConfig:
+def _profile_config(model: nn.Module, config: ProfileConfig) -> ProfileConfig:
     """The profile settings rank 0 plans with. By default (mode "auto") op times are measured
     on the model's device, and for a model on the meta device, which cannot run, estimated
     from FLOPs (`planning.profile.resolved`). A model on the meta device asked to be
-    measured (mode "measure") is estimated too, with a warning."""
-    if config.mode == "measure" and is_meta(gm):
+    measured (mode "measure") is estimated too, with a warning. `model`: the traced graph,
+    or (mesh="auto", planned before the trace) the model."""
+    if config.mode == "measure" and is_meta(model):
         log.warning(
             "graphpipe: the model is on the meta device, so op times are estimated from "
             "FLOPs (ProfileConfig.device_flops=%.3g), not measured",
@@ -318,16 +319,8 @@ def _plan_mesh(model: nn.Module, example_inputs: Any, spec: RunSpec) -> Plan:
         node=spec.parallelism.node,
         micro_batches="auto" if m is None else m,
         tp_plan=tp_plan,
-        **{**spec.plan_options, "profile": _profile_config_of(model, spec.planning.profile)},
+        **{**spec.plan_options, "profile": _profile_config(model, spec.planning.profile)},
     )
-
-
-def _profile_config_of(model: nn.Module, config: ProfileConfig) -> ProfileConfig:
-    """`_profile_config` for a model not yet traced: a meta model is estimated."""
-    meta = any(p.is_meta for p in model.parameters())
-    if config.mode == "measure" and meta:
-        return replace(config, mode="flops")
-    return config
 
 
 def broadcast_plan(make: Callable[[], Plan], runtime: RuntimeConfig) -> Plan:
