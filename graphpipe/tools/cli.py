@@ -124,6 +124,20 @@ def _plan_parser(commands: Any) -> None:
         metavar="GB/s",
         help="link bandwidth per device (default: 12.5)",
     )
+    plan.add_argument(
+        "--schedule",
+        default=None,
+        choices=(*sorted(TRAINING), "best"),
+        help="schedule to run; the graph plan considers only the layouts it runs (default: "
+        f"the planner's, with the layout it chose: {DEFAULT_SCHEDULE} on one stage per "
+        "device; best: the fastest flushed one on one stage per device)",
+    )
+    _plan_outputs(plan)
+    plan.set_defaults(func=_plan_command)
+
+
+def _plan_outputs(plan: argparse.ArgumentParser) -> None:
+    """`graphpipe plan`'s files: the plan's JSON, its pictures and simulated timelines."""
     plan.add_argument("--json", type=Path, metavar="FILE", help="write the (graph) plan as JSON")
     plan.add_argument(
         "--render",
@@ -133,14 +147,6 @@ def _plan_parser(commands: Any) -> None:
     )
     plan.add_argument(
         "--render-ops", type=Path, metavar="FILE.svg", help="draw the op graph coloured by stage"
-    )
-    plan.add_argument(
-        "--schedule",
-        default=None,
-        choices=(*sorted(TRAINING), "best"),
-        help="schedule to run; the graph plan considers only the layouts it runs (default: "
-        f"the planner's, with the layout it chose: {DEFAULT_SCHEDULE} on one stage per "
-        "device; best: the fastest flushed one on one stage per device)",
     )
     plan.add_argument(
         "--timeline",
@@ -154,7 +160,6 @@ def _plan_parser(commands: Any) -> None:
         metavar="FILE.json",
         help="write the simulated timeline as a Chrome/Perfetto trace",
     )
-    plan.set_defaults(func=_plan_command)
 
 
 def _run_parser(commands: Any) -> None:
