@@ -9,8 +9,10 @@ every parameter (`pm.state_dict()`), Adam's state (the optimizer's sharded momen
 over dp) and an `eval_step` afterwards.
 
 Llama traces through torch.export: the stage is a flat aten graph whose parameters are
-read by get_attr, with no submodule calls for FSDP2's hooks to wrap, so each stage is one
-FSDP unit (its root; `graphpipe.runtime.mesh.stage_blocks` finds no block). bf16 runs it
+read by get_attr, with no submodule calls for FSDP2's hooks to wrap, so each decoder layer
+is outlined into a submodule at its own path first (`graphpipe.runtime.outline`) and is one
+FSDP2 unit, the stage root another (embedding, final norm, head); the Llama runs check that
+layout on every rank (tests/test_mesh_blocks.py checks the outlining alone). bf16 runs it
 under autocast, as one process does (`graphpipe.runtime.precision`: export fixed the model's
 own float32 casts into the graph), and equals one process under `torch.autocast` at a bf16
 tolerance.
@@ -39,6 +41,7 @@ from test_mesh import chain
 from test_mesh import reference as chain_reference
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from zoo import dict_loss
@@ -191,6 +194,7 @@ def _train(schedule: str) -> dict[str, Any]:
         "adam": _adam_state(pm),
         "stages": len(pm.plan.stages),
         "sharded": all(isinstance(p, DTensor) for p in pm.module.parameters()),
+        "units": [n for n, m in pm.module.named_modules() if isinstance(m, FSDPModule)],
         "bf16": _bf16_llama() if schedule == "1f1b" else {},
     }
 
@@ -324,13 +328,18 @@ def test_bf16_on_the_mesh_runs_an_exported_graph_as_one_process_under_autocast(
             )
 
 
-def test_an_exported_stage_is_one_fsdp_unit() -> None:
-    """torch.export lifts Llama's parameters into get_attr reads of a flat aten graph: no
-    decoder layer is called as a module, so no block can be an FSDP unit of its own."""
+def test_an_exported_stage_is_one_fsdp_unit_per_decoder_layer(
+    runs: list[dict[str, Any]],
+) -> None:
+    """torch.export lifts Llama's parameters into get_attr reads of a flat aten graph: each
+    decoder layer is outlined into a called block at its own path, one FSDP2 unit, beside
+    the stage root; under zb too (its split backward reduces every unit)."""
     model = llama()
     gm = trace(model, {"input_ids": batch(0)[0], "use_cache": False})
     assert not any(n.op == "call_module" for n in gm.graph.nodes)
-    assert stage_blocks(gm, model) == []
+    assert stage_blocks(gm, model) == []  # before `shard_stage` outlines the layers
+    for rank, result in enumerate(runs):
+        assert result["units"] == ["", f"model.layers.{rank // 2}"], f"rank {rank}"
 
 
 # -- recompute ----------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ watch's) translates with `rank_of`. Without a mesh the layout is the identity (p
 dp = 1) and nothing changes.
 
 Each stage module is sharded by torch's FSDP2 (`fully_shard`) over its dp sub-mesh, block
-by block (`shard_stage`), then as a whole. Gradients are reduced once per step:
+by block (`shard_stage`; a flat exported graph's blocks outlined into submodules first,
+`graphpipe.runtime.outline`), then as a whole. Gradients are reduced once per step:
 `prepare_backward` tells FSDP, before each backward, whether it is the stage's last one
 before the update; only then does it reduce-scatter (the others accumulate unsharded
 gradients locally). A split backward (zero bubble) never reduces in autograd: its weight
@@ -50,6 +51,7 @@ from torch.utils._pytree import tree_map_only
 
 import graphpipe._torch as _torch
 from graphpipe.errors import ConfigError
+from graphpipe.runtime.outline import block_prefixes, outline_blocks
 from graphpipe.runtime.precision import Precision
 
 __all__ = [
@@ -203,9 +205,11 @@ def stage_blocks(stage: nn.Module, model: nn.Module) -> list[list[nn.Module]]:
     other unit or direct attribute read of the stage uses (those stay with the stage root).
 
     A stage traced by torch.export (a flat aten graph, e.g. a Hugging Face Llama) calls no
-    module: its parameters are get_attr reads, which FSDP2's module hooks cannot see, so it
-    has no block and the stage root is its one unit (all its parameters gathered at once).
-    So has an emulated stage (`graphpipe.runtime.emulate`), which is no graph.
+    module: its parameters are get_attr reads, which FSDP2's module hooks cannot see. So
+    `shard_stage` first outlines each of its blocks into a submodule at the block's own path
+    (`graphpipe.runtime.outline.outline_blocks`), which this then finds as a unit; before
+    that (or for a block that cannot be outlined: a tied weight) it finds none there. An
+    emulated stage (`graphpipe.runtime.emulate`), which is no graph, has none.
 
     Args:
         stage: The stage's GraphModule (its call_module targets are the model's paths), or
@@ -217,7 +221,7 @@ def stage_blocks(stage: nn.Module, model: nn.Module) -> list[list[nn.Module]]:
     """
     if not isinstance(stage, fx.GraphModule):
         return []
-    prefixes = _block_prefixes(model)
+    prefixes = block_prefixes(model)
     called = [n.target for n in stage.graph.nodes if n.op == "call_module"]
     used_by: dict[int, set[str]] = {}
     for n in stage.graph.nodes:
@@ -245,17 +249,6 @@ def _attr(module: nn.Module, target: str) -> object:
     return getattr(module.get_submodule(".".join(path)), name)
 
 
-def _block_prefixes(model: nn.Module) -> list[str]:
-    """Paths of the elements of the model's outermost ModuleLists and Sequentials."""
-    found: list[str] = []
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and not any(
-            name.startswith(f + ".") or name == f for f in found
-        ):
-            found.extend(f"{name}.{child}" if name else child for child, _ in m.named_children())
-    return found
-
-
 def shard_stage(
     stage: nn.Module,
     model: nn.Module,
@@ -265,12 +258,18 @@ def shard_stage(
 ) -> list[list[nn.Module]]:
     """Wrap a stage with FSDP2: each block (`stage_blocks`), then the stage itself.
 
+    The blocks of a flat graph (torch.export's) are outlined first, each into a submodule at
+    its own path with its parameters under their own names
+    (`graphpipe.runtime.outline.outline_blocks`), so they are units as a traced model's
+    called blocks are: at most a block and the one it prefetches are gathered at once, with
+    the stage root's own parameters (embedding, final norm, head), not the whole stage.
+
     Prefetching: in forward, each unit starts the next unit's all-gather (the units are in
     the stage graph's call order, which is the order it runs them); in backward, FSDP2
     prefetches by itself, in reverse forward order.
 
     Args:
-        stage: The stage module, on its device, with real tensors.
+        stage: The stage module, on its device (or on meta: `materialize_sharded`).
         model: The original model (for its blocks).
         mesh: The dp mesh (`ParallelLayout.fsdp_mesh`).
         reshard_after_forward: Free the gathered parameters after each forward (all-gather
@@ -280,6 +279,8 @@ def shard_stage(
     Returns:
         The units wrapped, in call order.
     """
+    for path in outline_blocks(stage, model):  # a view it returns gets a tensor of its own
+        stage.get_submodule(path).register_forward_hook(_own_outputs)
     units = stage_blocks(stage, model)
     for unit in units:
         fully_shard(
@@ -302,12 +303,12 @@ def shard_stage(
 
 
 def _own_outputs(module: nn.Module, args: object, output: Any) -> Any:
-    """A forward hook on a stage FSDP2 wraps, run before FSDP2's own: each output that
-    requires grad and is a view (a cut right after a reshape or a transpose; a
-    tensor-parallel output made whole by `DTensor.full_tensor()`, which returns a view)
-    copied into a tensor of its own. FSDP2 hangs its pre-backward hook on the stage's
+    """A forward hook on a stage (or an outlined block) FSDP2 wraps, run before FSDP2's
+    own: each output that requires grad and is a view (a cut right after a reshape or a
+    transpose; a tensor-parallel output made whole by `DTensor.full_tensor()`, which returns
+    a view) copied into a tensor of its own. FSDP2 hangs its pre-backward hook on the unit's
     outputs, and an in-place op on a view would drop it (FSDP2 warns "returned a view
-    tensor" for each). The copy is the size of the values the stage sends on."""
+    tensor" for each). The copy is the size of the values the unit hands on."""
     if not torch.is_grad_enabled():
         return output
     return tree_map_only(

@@ -21,7 +21,8 @@ For a signature compile did not see:
                       graph must hold the same ops under the same names as the compiled one,
                       so the plan's cut applies to it; it is carved with the same plan, and
                       each of this rank's stages runs its new graph on the stage module's own
-                      (live) parameters. Not under a mesh yet (refused by name).
+                      (live) parameters; under a mesh through the live module itself
+                      (`OnLive`: its FSDP2 units, its outlined blocks, tp's hooks).
 
 Both are cached by signature: a shape seen before costs one dictionary lookup. Every rank
 makes the same checks (idle ranks too), so a refusal is the same ConfigError everywhere,
@@ -52,6 +53,7 @@ from graphpipe.errors import ConfigError, GraphPipeError
 from graphpipe.ir import Plan
 from graphpipe.planning.opgraph import graph_hash
 from graphpipe.runtime.comm import Spec
+from graphpipe.runtime.outline import outline_like, outlined
 from graphpipe.runtime.stage import arrive_as_traced, build_stage, retarget, shapes_at
 from graphpipe.tracing import bind
 from graphpipe.tracing.annotate import trace_info
@@ -228,6 +230,7 @@ class Shapes:
         if self.on_live:
             if self.rewrite is not None:
                 self.rewrite(module)
+            outline_like(module, outlined(live))  # the live stage's FSDP2 units, alike
             return OnLive(live, module)
         if self.compile_stages:
             module.compile()
@@ -238,26 +241,33 @@ class OnLive(nn.Module):
     """A stage graph made for other shapes, run as the live stage module's forward for the
     call: the live module's hooks (FSDP2's all-gather of its shards before, the reshard
     after; tp's whole outputs) run around it, as they do around the compiled graph. Both
-    graphs read the same tensors by name (`_check_constants`).
+    graphs read the same tensors by name (`_check_constants`). So do the blocks outlined in
+    both (`graphpipe.runtime.outline`): each live block runs the new graph's block as its
+    forward, inside its own FSDP2 unit's hooks.
 
     Args:
         live: The stage module compile built (wrapped by FSDP2 or tp); not registered as a
             submodule here (its parameters are its own).
-        shaped: The stage module at the new shapes.
+        shaped: The stage module at the new shapes, with the live one's blocks outlined.
     """
 
     def __init__(self, live: nn.Module, shaped: fx.GraphModule) -> None:
         super().__init__()
-        object.__setattr__(self, "_live", live)
-        object.__setattr__(self, "_shaped", types.MethodType(type(shaped).forward, live))
+        swaps = [(live, shaped)] + [
+            (live.get_submodule(path), shaped.get_submodule(path)) for path in outlined(live)
+        ]
+        forwards = [(m, types.MethodType(type(new).forward, m)) for m, new in swaps]
+        object.__setattr__(self, "_forwards", forwards)
 
     def forward(self, *args: Any) -> Any:
-        live: nn.Module = self.__dict__["_live"]
-        live.forward = self.__dict__["_shaped"]  # an instance attribute: __call__ reads it
+        forwards: list[tuple[nn.Module, Any]] = self.__dict__["_forwards"]
+        for module, forward in forwards:
+            module.forward = forward  # an instance attribute: __call__ reads it
         try:
-            return live(*args)
+            return forwards[0][0](*args)
         finally:
-            del live.forward
+            for module, _ in forwards:
+                del module.forward
 
 
 def _difference(compiled: fx.GraphModule, new: fx.GraphModule) -> str:

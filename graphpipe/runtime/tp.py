@@ -267,9 +267,17 @@ def for_dtensor(stage: fx.GraphModule) -> None:
         elif getattr(node.target, "namespace", None) not in (None, *_DTENSOR_NAMESPACES):
             with graph.inserting_before(node):
                 whole = graph.call_function(on_whole, (node.target, *node.args), node.kwargs)
+            _in_place_of(whole, node)
             node.replace_all_uses_with(whole)
             graph.erase_node(node)
     stage.recompile()
+
+
+def _in_place_of(new: fx.Node, old: fx.Node) -> None:
+    """`new` stands where `old` did: it keeps `old`'s module path (`gp_module`), so an
+    outlined block (`graphpipe.runtime.outline`) still holds it."""
+    if "gp_module" in old.meta:
+        new.meta["gp_module"] = old.meta["gp_module"]
 
 
 def on_whole(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -317,6 +325,7 @@ def _replace_attention(graph: fx.Graph, node: fx.Node) -> None:
     kwargs = {**dict(zip(positional, rest, strict=False)), **node.kwargs}
     with graph.inserting_before(node):
         plain = graph.call_function(attention, (q, k, v), kwargs)
+    _in_place_of(plain, node)
     for reader in readers:
         reader.replace_all_uses_with(plain)
         if reader is not node:
