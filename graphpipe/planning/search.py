@@ -43,7 +43,9 @@ Cut transfers count each tensor once (fan-out to several consumer stages is not 
 the assembled Plan counts every stage edge, so its bottleneck can differ slightly from tau.
 
 Without a memory budget r does not depend on the in-flight count, so F(node, k, d) =
-F(node, 0, d - k) and one table per node suffices.
+F(node, 0, d - k) and one table per node suffices; nor with a budget that the whole graph,
+holding all M micro-batches on one replica, fits (no piece can then exceed it), so such a
+budget is searched as none: the same values, D times fewer tables.
 
 The outer loop binary-searches tau over the sorted candidate values (every stage time of every
 piece and replica count, and every cut time, at least the perfect-balance bound): the optimum
@@ -203,7 +205,7 @@ class _Search:
         self.tree = tree if isinstance(tree, Series) else Series((tree,))
         self.max_replicas = min(max_replicas, devices)
         self.depth_bound = devices
-        self.budgeted = cost.memory.budget is not None
+        self.budgeted = cost.memory.budget is not None and not _budget_never_binds(g, cost)
         self.pieces = Pieces(g, self.tree, cost, self.max_replicas)
         self.tau = INF
         self.memo: dict[Key, Any] = {}
@@ -625,6 +627,18 @@ class _Search:
             if candidate_score < score:
                 best, score = candidate, candidate_score
         return best
+
+
+def _budget_never_binds(g: nx.DiGraph, cost: CostModel) -> bool:
+    """Whether every piece fits the memory budget whatever its in-flight count: the whole
+    unit graph, one replica holding all M micro-batches, fits (a piece's parameters and
+    activations are within the whole graph's, and a replica holds at most M). The DP is
+    then the unbudgeted one (r independent of the in-flight count, one table per node):
+    the same values and solutions, D times fewer tables."""
+    params = float(sum(g.graph["param_bytes"].values()))
+    act = sum(d["act"] for _, d in g.nodes(data=True))
+    m = cost.micro_batches
+    return cost.memory.fits(cost.stage_memory(params, act, m, 1))
 
 
 def _range_key(node_id: int, p: int, q: int) -> Key:
