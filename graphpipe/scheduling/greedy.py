@@ -12,11 +12,14 @@ papers' assumption (`PAPER`: F = I = W, messages free). Where several candidate 
 built, `faster` keeps the one that replays fastest over the plan's costs, and among ties
 the one fastest under the papers' F = I = W: so a plan whose op times are unknown (all
 zero, as a FLOP profile gives stand-ins that only sleep) gets the paper's order, never a
-greedy order over zeros.
+greedy order over zeros. The papers' replays run only where the plan's costs tie, a run
+under `PAPER` reads the plan's shape alone and is made once per shape, and each step's
+messages are asked once per plan (`_Wires`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -142,50 +145,108 @@ def _greedy(plan: Plan, ranks: Sequence[_Rank], what: str, costs: Costs) -> floa
         rank.clock = start + costs.compute(plan.stages[stage], kind)
         if not rank.busy():
             busy.remove(chosen)
-        for m in sends(plan, Action(stage, kind, j)):
+        for m in _wires(plan).sends((stage, kind, j)):
             arrivals[m] = rank.clock + costs.transit(plan, m)
             for i in receivers.get(m.dst, ()):
                 starts.pop(i, None)
     return max((r.clock for r in ranks), default=0.0)
 
 
-class _Needs:
-    """The messages each step awaits, asked once per step (a greedy run asks again and again
-    when its next action can start)."""
+class _Wires:
+    """The messages each step of one plan awaits and sends (`graphpipe.ir.messages`), asked
+    once per step and plan: a greedy run asks again and again when its next action can
+    start, and the candidate orders of one schedule are run on the same plan."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self._needs: dict[Step, list[Message]] = {}
+        self._awaits: dict[Step, list[Message]] = {}
+        self._sends: dict[Step, list[Message]] = {}
+
+    def awaits(self, step: Step) -> list[Message]:
+        """`awaits(plan, Action(*step))`, made once."""
+        found = self._awaits.get(step)
+        if found is None:
+            found = self._awaits[step] = awaits(self.plan, Action(*step))
+        return found
+
+    def sends(self, step: Step) -> list[Message]:
+        """`sends(plan, Action(*step))`, made once."""
+        found = self._sends.get(step)
+        if found is None:
+            found = self._sends[step] = sends(self.plan, Action(*step))
+        return found
+
+
+_WIRES: dict[int, tuple[weakref.ref[Plan], _Wires]] = {}  # id(plan) -> its wires, while alive
+
+
+def _wires(plan: Plan) -> _Wires:
+    """The plan's `_Wires`, kept while the plan lives (dropped with it)."""
+    held = _WIRES.get(id(plan))
+    if held is not None and held[0]() is plan:
+        return held[1]
+    key = id(plan)
+    ref = weakref.ref(plan, lambda _: _WIRES.pop(key, None))
+    _WIRES[key] = (ref, _Wires(plan))
+    return _WIRES[key][1]
+
+
+class _Needs:
+    """When the messages a step awaits arrive (`_Wires.awaits`)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.wires = _wires(plan)
 
     def arrived(self, step: Step, arrivals: Arrivals) -> float:
         """When the last message `step` awaits arrives (inf: one is not sent yet)."""
-        needed = self._needs.get(step)
-        if needed is None:
-            needed = self._needs[step] = awaits(self.plan, Action(*step))
+        needed = self.wires.awaits(step)
         return max((arrivals.get(m, float("inf")) for m in needed), default=0.0)
 
 
 def zbv(plan: Plan, mbs: list[int], costs: Costs) -> list[RankOrder]:
     """ZB-V on a "v" placement built by a greedy run over `costs`: each device's compute
-    order (see `graphpipe.scheduling.generators`)."""
+    order (see `graphpipe.scheduling.generators`). Under `PAPER` the run reads the plan's
+    shape alone (`_shape`), so it is made once per shape and micro-batches."""
+    if costs is not PAPER:
+        return _zbv_run(plan, mbs, costs)
+    key = (_shape(plan), tuple(mbs))
+    if key not in _PAPER_ZBV:
+        if len(_PAPER_ZBV) >= 256:
+            _PAPER_ZBV.clear()
+        _PAPER_ZBV[key] = tuple(tuple(order) for order in _zbv_run(plan, mbs, PAPER))
+    return [list(order) for order in _PAPER_ZBV[key]]
+
+
+_PAPER_ZBV: dict[tuple[object, ...], tuple[tuple[Step, ...], ...]] = {}  # `zbv` under PAPER
+
+
+def _zbv_run(plan: Plan, mbs: list[int], costs: Costs) -> list[RankOrder]:
     ranks = [_VRank(plan, r, mbs, cap=2 * plan.num_devices) for r in range(plan.num_devices)]
     _greedy(plan, ranks, "ZB-V", costs)
     return [r.done for r in ranks]
+
+
+def _shape(plan: Plan) -> tuple[object, ...]:
+    """All a greedy run under `PAPER` reads of a plan: the devices, each stage's devices and
+    weight share (`weight_share`: its F = I = W times and freed units), and the edges'
+    messages (`graphpipe.ir.messages`); not its times or bytes."""
+    stages = tuple((s.devices, weight_share(s)) for s in plan.stages)
+    edges = tuple((e.src, e.dst, e.backward_message) for e in plan.edges)
+    return plan.num_devices, stages, edges
 
 
 def faster(plan: Plan, candidates: list[list[RankOrder]]) -> list[RankOrder]:
     """The candidate whose replay over the plan's costs ends first; among those within a
     relative 1e-9 of it, the one whose replay under the papers' F = I = W ends first; then
     the earliest listed. So all-zero (unknown) times choose by the papers' assumption."""
-    keys = [(replay(plan, c), replay(plan, c, PAPER)) for c in candidates]
-    best = min(k[0] for k in keys)
-    near = [k[1] for k in keys if k[0] <= best * (1 + 1e-9)]
-    i = next(
-        i
-        for i, k in enumerate(keys)
-        if k[0] <= best * (1 + 1e-9) and k[1] <= min(near) * (1 + 1e-9)
-    )
-    return candidates[i]
+    times = [replay(plan, c) for c in candidates]
+    best = min(times)
+    near = [i for i, t in enumerate(times) if t <= best * (1 + 1e-9)]
+    if len(near) == 1:  # no tie: the papers' replays would not be read
+        return candidates[near[0]]
+    paper = {i: replay(plan, candidates[i], PAPER) for i in near}
+    least = min(paper.values())
+    return candidates[next(i for i in near if paper[i] <= least * (1 + 1e-9))]
 
 
 def replay(plan: Plan, orders: list[RankOrder], costs: Costs | None = None) -> float:
