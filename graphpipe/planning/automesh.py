@@ -425,7 +425,9 @@ class _Search:
         plain = [x for x in ones if not any(s.recompute for s in x.stages)]
         if not allowed or not plain:
             return ones
-        chains = [partial(self._chain, c, sibling, g, cost) for sibling in self.siblings(c)]
+        cuts = [self._chain_groups(sibling) for sibling in self.siblings(c)]
+        unique = [x for i, x in enumerate(cuts) if x not in cuts[:i]]  # equal cuts, equal plans
+        chains = [partial(self._chain, c, groups, g, cost) for groups in unique]
 
         def folded(placement: str) -> list[Plan]:
             made = []
@@ -445,26 +447,36 @@ class _Search:
         except PlanError:
             return ones
 
-    def _chain(self, c: Candidate, at: Candidate, g: nx.DiGraph, cost: CostModel) -> Plan:
+    def _chain_groups(self, at: Candidate) -> list[tuple[frozenset[str], int]] | str:
         """The chain of 2p stages cut at the rows of `at` (`layouts.even_chain`: by the op
-        times alone, made once per rows), assembled on c's rank graph `g` and costs."""
+        times alone, made once per (t, p, rows)), as groups; or why there is none."""
         key = (at.tp, at.pp, self.rows(at))
         if key not in self.chains:
             rank = self.ranks(self.rows(at), at.tp).g
+            cost = self.cost(at, False)  # even_chain cuts by the op times alone
             try:
                 made = even_chain(rank, cost, 2 * at.pp, self.config.max_units, self.digest)
                 self.chains[key] = [(frozenset(st.nodes), 1) for st in made.stages]
             except PlanError as exc:
                 self.chains[key] = str(exc)
-        groups = self.chains[key]
+        return self.chains[key]
+
+    def _chain(
+        self,
+        c: Candidate,
+        groups: list[tuple[frozenset[str], int]] | str,
+        g: nx.DiGraph,
+        cost: CostModel,
+    ) -> Plan:
+        """A chain's groups (`_chain_groups`) assembled on c's rank graph `g` and costs."""
         if isinstance(groups, str):
             raise PlanError(groups)
         return assemble(g, groups, cost, 2 * c.pp, "sequential", self.digest)
 
     def _scheduled(self, plan: Plan, reshard: bool) -> tuple[Plan | None, float]:
         """`plan` under the fastest schedule whose simulated peak fits (module docstring)."""
-        if plan.layout != "one":  # folded: the schedule `layouts.choose` kept
-            return plan, simulate(plan).iteration_time
+        if plan.layout != "one":  # folded: the schedule and its step `layouts.choose` kept
+            return plan, _chosen_step(plan)
         names = [self.config.schedule or DEFAULT_SCHEDULE]
         if self.config.schedule is None and self.config.split_backward and not reshard:
             names.append(ZB)
@@ -642,6 +654,12 @@ def _why_not(s: Scored, best: Scored) -> str:
     if bubble >= 0.25:
         return f"bubble: {bubble:.0%} of the step idle"
     return "compute: more per rank"
+
+
+def _chosen_step(plan: Plan) -> float:
+    """The simulated step `layouts.choose` recorded for the layout it chose."""
+    note = plan.info["layouts"]
+    return float(next(x["step"] for x in note["considered"] if x["layout"] == note["chosen"]))
 
 
 def _groups(plan: Plan) -> tuple[frozenset[str], ...]:
