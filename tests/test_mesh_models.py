@@ -50,7 +50,7 @@ from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
-from graphpipe.runtime.mesh import stage_blocks
+from graphpipe.runtime.mesh import RESHARDING, stage_blocks
 from graphpipe.tracing.tracer import trace
 
 B = 8  # mini-batch: 2 micro-batches of 4 rows, 2 rows per dp rank
@@ -195,6 +195,7 @@ def _train(schedule: str) -> dict[str, Any]:
         "stages": len(pm.plan.stages),
         "sharded": all(isinstance(p, DTensor) for p in pm.module.parameters()),
         "units": [n for n, m in pm.module.named_modules() if isinstance(m, FSDPModule)],
+        "resharding": (schedule, pm.module.meta.get(RESHARDING, ())),
         "bf16": _bf16_llama() if schedule == "1f1b" else {},
     }
 
@@ -333,13 +334,19 @@ def test_an_exported_stage_is_one_fsdp_unit_per_decoder_layer(
 ) -> None:
     """torch.export lifts Llama's parameters into get_attr reads of a flat aten graph: each
     decoder layer is outlined into a called block at its own path, one FSDP2 unit, beside
-    the stage root; under zb too (its split backward reduces every unit)."""
+    the stage root; under zb too (its split backward reduces every unit). Under 1f1b
+    (reshard_after_forward) a layer reshards after every backward, so a stage holds at
+    most two layers gathered (benchmarks/fsdp_units.py measures it); under zb it stays
+    gathered until the last weight half."""
     model = llama()
     gm = trace(model, {"input_ids": batch(0)[0], "use_cache": False})
     assert not any(n.op == "call_module" for n in gm.graph.nodes)
     assert stage_blocks(gm, model) == []  # before `shard_stage` outlines the layers
     for rank, result in enumerate(runs):
-        assert result["units"] == ["", f"model.layers.{rank // 2}"], f"rank {rank}"
+        layer = f"model.layers.{rank // 2}"
+        assert result["units"] == ["", layer], f"rank {rank}"
+        schedule, resharding = result["resharding"]  # after every backward, not only the last
+        assert resharding == ((layer,) if schedule == "1f1b" else ()), f"rank {rank}"
 
 
 # -- recompute ----------------------------------------------------------------------------------

@@ -17,11 +17,14 @@ by block (`shard_stage`; a flat exported graph's blocks outlined into submodules
 `graphpipe.runtime.outline`), then as a whole. Gradients are reduced once per step:
 `prepare_backward` tells FSDP, before each backward, whether it is the stage's last one
 before the update; only then does it reduce-scatter (the others accumulate unsharded
-gradients locally). A split backward (zero bubble) never reduces in autograd: its weight
-halves add into the gathered parameters' gradients by hand, and `reduce_gradients` runs
-FSDP's reduction after the stage's last one. Its parameters stay gathered from the forward
-to the last weight half (`reshard_after_forward` is False under a split backward: a weight
-half may read a saved parameter, whose storage a reshard would free).
+gradients locally). With `reshard_after_forward` a block's parameters are gathered for its
+forward and again for its backward and freed after each, so a stage holds its root's and at
+most two blocks' (the current and the prefetched one) at a time. A split backward (zero
+bubble) never reduces in autograd: its weight halves add into the gathered parameters'
+gradients by hand, and `reduce_gradients` runs FSDP's reduction after the stage's last one.
+Its parameters stay gathered from the forward to the last weight half
+(`reshard_after_forward` is False under a split backward: a weight half may read a saved
+parameter, whose storage a reshard would free).
 
 Each micro-batch's loss is scaled by 1/M by the flush policy and FSDP averages the
 reduce-scatter over dp, so the gradient is the whole mini-batch's mean. graphpipe's own
@@ -56,6 +59,7 @@ from graphpipe.runtime.precision import Precision
 
 __all__ = [
     "MESH_SHAPES",
+    "RESHARDING",
     "ParallelLayout",
     "prepare_backward",
     "reduce_gradients",
@@ -69,6 +73,9 @@ __all__ = [
 MESH_SHAPES = (("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp"))  # the dims a mesh may name
 
 Ranks = tuple[tuple[tuple[int, ...], ...], ...]  # ranks[p][d][t]
+# stage.meta key: the paths of the block units that reshard after every backward, not only
+# the step's last (`shard_stage` with reshard_after_forward; read by `prepare_backward`)
+RESHARDING = "gp_resharding"
 
 
 @dataclass(frozen=True)
@@ -266,7 +273,9 @@ def shard_stage(
 
     Prefetching: in forward, each unit starts the next unit's all-gather (the units are in
     the stage graph's call order, which is the order it runs them); in backward, FSDP2
-    prefetches by itself, in reverse forward order.
+    prefetches by itself, in reverse forward order. With `reshard_after_forward` each block
+    also reshards after every backward of the step (`RESHARDING`, `prepare_backward`), so
+    the micro-batches' forwards and backwards each gather it again, as FSDP's ZeRO-3 does.
 
     Args:
         stage: The stage module, on its device (or on meta: `materialize_sharded`).
@@ -299,6 +308,9 @@ def shard_stage(
     wrapped = [cast(FSDPModule, unit[0]) for unit in units]  # a unit's modules share its state
     for this, following in itertools.pairwise(wrapped):
         this.set_modules_to_forward_prefetch([following])  # call order = execution order
+    if reshard_after_forward and isinstance(stage, fx.GraphModule):
+        paths = {id(m): name for name, m in stage.named_modules()}
+        stage.meta[RESHARDING] = tuple(paths[id(unit[0])] for unit in units)
     return units
 
 
@@ -317,9 +329,12 @@ def _own_outputs(module: nn.Module, args: object, output: Any) -> Any:
 
 
 def prepare_backward(module: nn.Module, last: bool) -> None:
-    """Before a stage's backward: reduce gradients (and reshard) only on its last one of
-    the step; the others accumulate unsharded gradients locally. A module FSDP does not wrap
-    is left alone.
+    """Before a stage's backward: reduce gradients only on its last one of the step; the
+    others accumulate unsharded gradients locally. The stage root reshards after its last
+    backward only (it stays gathered between micro-batches); a block unit reshards after
+    every backward where it reshards after every forward (`RESHARDING`: one block and the
+    prefetched one gathered at a time, as the cost model's `gather_share` assumes), else
+    only after the last one. A module FSDP does not wrap is left alone.
 
     Args:
         module: The stage module.
@@ -329,6 +344,10 @@ def prepare_backward(module: nn.Module, last: bool) -> None:
         module.set_requires_gradient_sync(last)
         module.set_is_last_backward(last)
         module.set_reshard_after_backward(last)
+        meta = getattr(module, "meta", None)
+        for path in meta.get(RESHARDING, ()) if isinstance(meta, dict) else ():
+            block = cast(FSDPModule, module.get_submodule(path))
+            block.set_reshard_after_backward(True, recurse=False)
 
 
 def reduce_gradients(module: nn.Module) -> None:
