@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import networkx as nx
+import numpy as np
 
 from graphpipe.errors import PlanError, ScheduleError
 from graphpipe.ir import DEFAULT_SCHEDULE, Plan, schedule_spec
@@ -240,23 +241,27 @@ def even_chain(g: nx.DiGraph, cost: CostModel, stages: int, max_units: int, dige
 
 def _cuts(times: Sequence[float], parts: int) -> list[int]:
     """Boundaries 0 = c0 < c1 < ... < c_parts = n splitting `times` into `parts` runs whose
-    largest sum is least."""
+    largest sum is least: best[k][i], the least largest sum splitting times[:i] into k runs,
+    is the least over j of max(best[k - 1][j], prefix[i] - prefix[j]), its cut the first
+    such j; each row one array operation over (i, j). O(parts x n^2)."""
     n = len(times)
-    prefix = list(itertools.accumulate(times, initial=0.0))
-    inf = float("inf")
-    # best[k][i]: the least largest sum splitting times[:i] into k runs; back[k][i] its cut
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    back = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
+    prefix = np.array(list(itertools.accumulate(times, initial=0.0)))
+    i, j = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    run = np.where(j < i, prefix[:, None] - prefix[None, :], np.inf)  # [i, j]: sum of j..i-1
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    back = np.zeros((parts + 1, n + 1), dtype=np.int64)
     for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], back[k][i] = value, j
+        value = np.maximum(best[None, :], run)  # [i, j]
+        value[:, : k - 1] = np.inf
+        back[k] = value.argmin(axis=1)  # the first least j, as a loop keeping strict gains
+        row = value.min(axis=1)
+        row[:k] = np.inf
+        row[n - (parts - k) + 1 :] = np.inf
+        best = row
     cuts = [n]
     for k in range(parts, 0, -1):
-        cuts.append(back[k][cuts[-1]])
+        cuts.append(int(back[k][cuts[-1]]))
     return cuts[::-1]
 
 
