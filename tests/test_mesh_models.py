@@ -288,16 +288,16 @@ def _accumulated(
     model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], bf16: bool = False
 ) -> dict[str, Any]:
     """One process stepping `_bf16_optimizer` once per batch, each batch's gradient
-    accumulated over its M micro-batches (under `torch.autocast(bfloat16)` with `bf16`):
-    the losses and the state after."""
+    accumulated over its M micro-batches (forward and loss under `torch.autocast(bfloat16)`
+    with `bf16`, as the last stage computes its loss): the losses and the state after."""
     opt = _bf16_optimizer()(model.parameters())
     losses = []
     for ids, target in batches:
         total = 0.0
         for j in range(M):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                out = model(input_ids=ids.chunk(M)[j], use_cache=False)
-            loss = lm_loss(out, target.chunk(M)[j])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the loss too,
+                out = model(input_ids=ids.chunk(M)[j], use_cache=False)  # as the last stage's
+                loss = lm_loss(out, target.chunk(M)[j])
             (loss / M).backward()
             total += loss.item()
         opt.step()
