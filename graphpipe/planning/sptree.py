@@ -191,7 +191,7 @@ def condense(
     lo, hi = 0.0, time[id(tree)]
     for _ in range(60):
         mid = (lo + hi) / 2
-        if len(units_of(_condensed(g, tree, mid, time))) <= max_units:
+        if _condensed_count(tree, mid, time) <= max_units:
             hi = mid
         else:
             lo = mid
@@ -235,6 +235,27 @@ def _condensed(g: nx.DiGraph, node: SPNode, limit: float, time: dict[int, float]
     if run:
         merged.append(_leaf(g, run))
     return merged[0] if len(merged) == 1 else Series(tuple(merged))
+
+
+def _condensed_count(node: SPNode, limit: float, time: dict[int, float]) -> int:
+    """`len(units_of(_condensed(g, node, limit, time)))`, counted without building it: a
+    subtree within `limit` is one unit, a series' runs of leaves merge as `_condensed`
+    merges them."""
+    if isinstance(node, Leaf) or time[id(node)] <= limit:
+        return 1
+    if isinstance(node, Parallel):
+        return sum(_condensed_count(child, limit, time) for child in node.children)
+    count, run_time, in_run = 0, 0.0, False
+    for child in node.children:
+        t = time[id(child)]
+        if isinstance(child, Leaf) or t <= limit:  # `_condensed` makes it a leaf
+            if in_run and run_time + t <= limit:
+                run_time += t
+                continue
+            count, run_time, in_run = count + 1, t, True
+        else:
+            count, run_time, in_run = count + _condensed_count(child, limit, time), 0.0, False
+    return count
 
 
 def _leaf(g: nx.DiGraph, units: Iterable[Unit]) -> Leaf:
