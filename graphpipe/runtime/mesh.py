@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.utils._pytree import tree_map_only
 
 import graphpipe._torch as _torch
@@ -378,9 +378,23 @@ def reshard(module: nn.Module) -> None:
 
 
 def whole(value: torch.Tensor) -> torch.Tensor:
-    """A state dict value whole: a sharded parameter gathered over dp (a collective over
-    its mesh: every dp rank of the stage calls it, in the same order), else as it is."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    """A state dict value whole: a sharded parameter gathered over dp (and tp) (a collective
+    over its mesh: every rank of the stage's mesh calls it, in the same order), else as it is.
+
+    One mesh dimension at a time, outermost first: a (dp, tp) parameter is FSDP2's
+    strided shard over dp of a tp shard, which `full_tensor()` would gather in one
+    redistribution that torch warns about on every rank ("2 sequential all_gather
+    operations"); gathered over dp (giving the tp shard), then over tp, it is the same two
+    all-gathers, unwarned.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    placements = list(value.placements)
+    for dim in range(len(placements)):
+        if not placements[dim].is_replicate():
+            placements[dim] = Replicate()
+            value = value.redistribute(value.device_mesh, placements)
+    return value.to_local()
 
 
 def shaped_like(current: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
