@@ -10,13 +10,15 @@ import pytest
 import torch
 from torch import fx, nn
 
-from graphpipe.errors import ConfigError
+from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Plan
 from graphpipe.ir.cost import LinkModel
 from graphpipe.planning.automesh import MeshSearch, _state, candidates, choose, grid, plan_mesh
 from graphpipe.planning.devices import NODES, Node
+from graphpipe.planning.layouts import layout_schedules
 from graphpipe.planning.partition import PlanConfig
 from graphpipe.planning.profile import Profile, ProfileConfig, profile
+from graphpipe.scheduling.floor import step_floor
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tracing.tracer import trace
 
@@ -128,3 +130,23 @@ def test_plan_mesh_traces_and_plans_a_model() -> None:
     made = plan_mesh(model, torch.randn(8, WIDTH), devices=2, profile=FLOPS, tp_plan=MLP_PLAN)
     assert made.mesh.devices == 2 and math.isfinite(simulate(made).iteration_time)
     assert all(shape[0] == 8 // made.mesh.micro_batches for shape in made.input_shapes.values())
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_a_plan_s_floor_is_within_its_simulated_step_under_every_schedule(devices: int) -> None:
+    """`step_floor` bounds every flushed schedule's step from below: what lets the search
+    skip simulating a plan whose floor is over the best step found (the choice stays the
+    grid's best, checked above)."""
+    gm, prof = _traced()
+    checked = 0
+    for s in grid(gm, prof, _config(devices), MeshSearch(node=NODE)):
+        if s.plan is None:
+            continue
+        for name in layout_schedules(s.plan.layout, None):
+            try:
+                step = simulate(s.plan, name).iteration_time
+            except ScheduleError:
+                continue  # the schedule's rule refuses the plan
+            assert step_floor(s.plan) <= step * (1 + 1e-9), (s.candidate, name)
+            checked += 1
+    assert checked >= 10

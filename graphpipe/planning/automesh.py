@@ -61,6 +61,16 @@ not planned. The bounds hold for every plan made here, so pruning never drops th
 choice equals the best of the whole grid planned the same way
 (`tests/test_automesh.py`, `python -m benchmarks.autoplan`).
 
+Once a candidate is cut, each of its plans (own, siblings', folded chains) has a floor
+(`scheduling.floor.step_floor`: per rank, the forward path into its stages, their M
+micro-batches' compute, the gradients' round trip and its update), a lower bound on its
+step under every flushed schedule. A plan whose floor is over the best step found so far is
+not simulated: it cannot win. Where every plan of a candidate is so skipped and one of them
+fits the budget whatever the schedule holds, the candidate is recorded as pruned (it would
+have had a step, over the best); where none surely fits, it is simulated whole, as the grid
+would. So the choice is still the grid's; a runner-up's step can be that of its plans
+simulated, not of all.
+
 What bound each runner-up (`info["mesh"]["runners_up"]`, `print(plan)`):
 
     memory       it needed recompute or reshard_after_forward=True to fit, or fits no plan
@@ -68,7 +78,8 @@ What bound each runner-up (`info["mesh"]["runners_up"]`, `print(plan)`):
     dp link      its all-gathers and reduce-scatter are half its slowest stage or more
     tp link      tp's all-reduces are a quarter of its compute or more
     compute      else: its per-rank compute is more
-    pruned       its lower bound (which one) is at least the chosen step: not planned
+    pruned       its lower bound (which one) is at least the chosen step: not planned; or
+                 every plan's floor is over the best step then found: cut, not simulated
 """
 
 from __future__ import annotations
@@ -85,19 +96,21 @@ import torch
 from torch import fx, nn
 
 from graphpipe.errors import ConfigError, PlanError, ScheduleError
-from graphpipe.ir import DEFAULT_SCHEDULE, Plan, over_budget
+from graphpipe.ir import DEFAULT_SCHEDULE, Plan, over_budget, schedule_spec
 from graphpipe.ir.cost import CostModel, LinkModel
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.devices import Node, node_preset
 from graphpipe.planning.fold import folded_groups
 from graphpipe.planning.layouts import choose as choose_layout
-from graphpipe.planning.layouts import even_chain, folded_chain
+from graphpipe.planning.layouts import even_chain, folded_chain, layout_schedules
 from graphpipe.planning.mesh import mesh_info, per_rank_graph, tp_rank_graph
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
 from graphpipe.planning.profile import Profile, ProfileConfig, noted, profile
 from graphpipe.planning.recompute import choose_recompute
 from graphpipe.planning.validate import validate_plan
+from graphpipe.scheduling.floor import step_floor
+from graphpipe.scheduling.rules import check
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tracing.bind import batch_of, normalise
 from graphpipe.tracing.tracer import flat_inputs, trace
@@ -336,19 +349,29 @@ class _Search:
             tp=replace(base.tp, link=tp_link),
         )
 
-    def evaluate(self, c: Candidate, reshards: tuple[bool, ...]) -> Scored:
-        """Plan and simulate `c` (module docstring), or say why it has no plan."""
+    def evaluate(self, c: Candidate, reshards: tuple[bool, ...], beat: float = math.inf) -> Scored:
+        """Plan and simulate `c` (module docstring), or say why it has no plan. A plan whose
+        floor (`step_floor`) is over `beat` is not simulated: with `beat` the best step
+        found so far, c's step where it is under `beat`, and else that c cannot win."""
         rg = self.ranks(self.rows(c), c.tp)
         why = "memory: no plan fits the budget"
+        beat = beat if self._flushed() else math.inf
         for reshard in reshards:
             cost = self.cost(c, reshard)
             ones = self._one_plans(c, rg.g, cost, reshard)
             if isinstance(ones, str):
                 why = ones
                 continue
+            over: list[Plan] = []  # the plans not simulated: floor over `beat`
             if not reshard and c.pp > 1:
-                ones = self._folded_or(ones, c, rg.g, cost)
-            plan, step = min((self._scheduled(x, reshard) for x in ones), key=lambda x: x[1])
+                folded = self._folded_or(ones, c, rg.g, cost, beat, over)
+                if folded is None:  # layouts.choose would have chosen a skipped plan, or none
+                    return _beyond(c, rg.g, over, beat) or self.evaluate(c, reshards)
+                ones = folded
+            runs = [self._scheduled(x, reshard) for x in ones if _under(x, beat, over)]
+            plan, step = min(runs, key=lambda x: x[1], default=(None, math.inf))
+            if plan is None and over:  # c's step is over `beat`, or unknown: plan it all
+                return _beyond(c, rg.g, over, beat) or self.evaluate(c, reshards)
             if plan is None:
                 why = "memory: its simulated peak is over the budget"
                 continue
@@ -416,15 +439,50 @@ class _Search:
         return plan if not over_budget(plan) else "memory: over the budget even recomputing"
 
     def _folded_or(
-        self, ones: list[Plan], c: Candidate, g: nx.DiGraph, cost: CostModel
-    ) -> list[Plan]:
+        self,
+        ones: list[Plan],
+        c: Candidate,
+        g: nx.DiGraph,
+        cost: CostModel,
+        beat: float = math.inf,
+        over: list[Plan] | None = None,
+    ) -> list[Plan] | None:
         """The fastest of `ones` (one stage per pp rank) and the chains of 2p stages folded
         loop or v where the config's layouts allow it (`layouts.choose`); a chain cut at
-        the rows of c and of each sibling, assembled on c's rank graph and costs."""
-        allowed = [x for x in ("loop", "v") if x in self.config.layouts]
+        the rows of c and of each sibling, assembled on c's rank graph and costs.
+
+        A plan whose floor is over `beat` is not simulated (it joins `over`); None where
+        `layouts.choose` then has no plan (whether it would have chosen a skipped one is not
+        known). Where it chooses a plan of one stage per rank over `beat` while some were
+        skipped, it chooses again among all: that plan is then simulated under zb too
+        (`_scheduled`), and a skipped plan might have been chosen before it."""
+        allowed: list[str] = [x for x in ("loop", "v") if x in self.config.layouts]
         plain = [x for x in ones if not any(s.recompute for s in x.stages)]
         if not allowed or not plain:
             return ones
+        skipped = [] if over is None else over
+        before = len(skipped)
+        keep = partial(_kept, beat=beat, over=skipped)
+        builders = self._layout_builders(plain, allowed, c, g, cost, keep)
+        try:
+            chosen = choose_layout(builders, g, None, self.config.split_backward)
+        except PlanError:
+            return None if len(skipped) > before else ones
+        if len(skipped) > before and chosen.layout == "one" and _chosen_step(chosen) > beat:
+            return self._folded_or(ones, c, g, cost)
+        return [chosen]
+
+    def _layout_builders(
+        self,
+        plain: list[Plan],
+        allowed: list[str],
+        c: Candidate,
+        g: nx.DiGraph,
+        cost: CostModel,
+        keep: Callable[[list[Plan]], list[Plan]],
+    ) -> dict[str, Callable[[], Plan | list[Plan]]]:
+        """`layouts.choose`'s builders: `plain` for one stage per rank, and per placement
+        of `allowed` the chains folded that way; each list through `keep`."""
         cuts = [self._chain_groups(sibling) for sibling in self.siblings(c)]
         unique = [x for i, x in enumerate(cuts) if x not in cuts[:i]]  # equal cuts, equal plans
         chains = [partial(self._chain, c, groups, g, cost) for groups in unique]
@@ -438,14 +496,11 @@ class _Search:
                     continue
             if not made:
                 raise PlanError(f"no chain of {2 * c.pp} stages")
-            return made
+            return keep(made)
 
-        builders: dict[str, Callable[[], Plan | list[Plan]]] = {"one": lambda: plain}
+        builders: dict[str, Callable[[], Plan | list[Plan]]] = {"one": lambda: keep(plain)}
         builders.update({x: partial(folded, x) for x in allowed})
-        try:
-            return [choose_layout(builders, g, None, self.config.split_backward)]
-        except PlanError:
-            return ones
+        return builders
 
     def _chain_groups(self, at: Candidate) -> list[tuple[frozenset[str], int]] | str:
         """The chain of 2p stages cut at the rows of `at` (`layouts.even_chain`: by the op
@@ -472,6 +527,11 @@ class _Search:
         if isinstance(groups, str):
             raise PlanError(groups)
         return assemble(g, groups, cost, 2 * c.pp, "sequential", self.digest)
+
+    def _flushed(self) -> bool:
+        """Whether every schedule tried is flushed (what `step_floor` bounds)."""
+        name = self.config.schedule
+        return name is None or not schedule_spec(name, training=False).asynchronous
 
     def _scheduled(self, plan: Plan, reshard: bool) -> tuple[Plan | None, float]:
         """`plan` under the fastest schedule whose simulated peak fits (module docstring)."""
@@ -600,7 +660,9 @@ def _branch_and_bound(
         elif lower >= best:
             out.append(Scored(c, lower=lower, which=which))
         else:
-            scored = replace(state.evaluate(c, reshards), lower=lower, which=which)
+            scored = state.evaluate(c, reshards, best)
+            if scored.which != "floor":
+                scored = replace(scored, lower=lower, which=which)
             best = min(best, scored.step)
             out.append(scored)
     return out
@@ -654,6 +716,63 @@ def _why_not(s: Scored, best: Scored) -> str:
     if bubble >= 0.25:
         return f"bubble: {bubble:.0%} of the step idle"
     return "compute: more per rank"
+
+
+def _under(plan: Plan, beat: float, over: list[Plan]) -> bool:
+    """Whether `plan`'s floor is within `beat` (a margin for rounding); else it joins
+    `over`. Within, not under: a plan that ties the best may still win on fewer pp ranks."""
+    if math.isinf(beat) or step_floor(plan) * (1 - 1e-9) <= beat:
+        return True
+    over.append(plan)
+    return False
+
+
+def _kept(plans: list[Plan], beat: float, over: list[Plan]) -> list[Plan]:
+    """The plans whose floor is within `beat` (`_under`)."""
+    return [x for x in plans if _under(x, beat, over)]
+
+
+def _beyond(c: Candidate, g: nx.DiGraph, over: list[Plan], beat: float) -> Scored | None:
+    """c recorded as pruned where one of the plans skipped for their floors (`over`) fits
+    whatever the schedule: c's step is then one of theirs or less, all over `beat`; None
+    where none surely fits (c's step unknown)."""
+    if not any(_fits_any_schedule(x, g) for x in over):
+        return None
+    floor = min(step_floor(x) for x in over)
+    return Scored(c, bound=_over_bound(floor, beat), lower=floor, which="floor")
+
+
+def _fits_any_schedule(plan: Plan, g: nx.DiGraph) -> bool:
+    """Whether `plan` is valid, a schedule of its layout runs it, and it fits its budget
+    whatever the schedule holds: every rank its stages' weights and all M micro-batches'
+    activations of each (so a plan not simulated for its floor would have had a step)."""
+    try:
+        validate_plan(plan, g)
+    except PlanError:
+        return False
+    if not any(_rule_holds(plan, name) for name in layout_schedules(plan.layout, None)):
+        return False
+    cost, m = plan.cost_model, plan.micro_batches
+    for rank in range(plan.num_devices):
+        held = sum(
+            cost.weights(s.param_bytes) + s.activation_bytes * m for s in plan.stages_on(rank)
+        )
+        if not cost.memory.fits(held):
+            return False
+    return True
+
+
+def _rule_holds(plan: Plan, name: str) -> bool:
+    """Whether schedule `name`'s rule runs `plan` (`scheduling.rules.check`)."""
+    try:
+        check(plan, name)
+    except ScheduleError:
+        return False
+    return True
+
+
+def _over_bound(floor: float, beat: float) -> str:
+    return f"pruned: every plan's floor (at least {floor * 1e3:.4g} ms) is over {beat * 1e3:.4g} ms"
 
 
 def _chosen_step(plan: Plan) -> float:
