@@ -53,7 +53,8 @@ is one of them, so the result is exact for this cost model. At the smallest feas
 keeps the smallest d with F(root, 0, d) <= N: GraphPipe's objective ("bottleneck"). The
 default objective, "pipeline", then probes larger taus, where a shallower stage graph may
 fit, and keeps the least (M + d - 1) * tau: the step time of a flushed pipeline, whose fill
-and drain grow with the depth.
+and drain grow with the depth. A probe is not solved where even the least depth a tau allows
+(the longest path of unit times over R tau stages) cannot score less than the best.
 
 Implementation: piece statistics and stage times are computed once (`pieces`). Per tau, a
 series row G(p, .) takes its merge options for every end q at once, as array operations over
@@ -576,6 +577,26 @@ class _Search:
         of the stage graph the pieces really form (merged ranges may run side by side)."""
         return (self.cost.micro_batches + self._depth(pieces) - 1) * tau
 
+    def _least_pipeline_time(self, tau: float, path: float) -> float:
+        """A floor on `_pipeline_time` at `tau`: a stage's compute is within R tau (its
+        stage time, within tau, is at least its compute over its replicas), so the longest
+        path of unit times (`path`) crosses at least path / (R tau) stages, each a stage
+        of the depth (stages are convex: a path enters each once)."""
+        reach = tau * self.max_replicas * (1 + 1e-9)
+        depth = max(1, math.ceil(path / reach)) if reach > 0 else 1
+        return (self.cost.micro_batches + depth - 1) * tau
+
+    def _longest_path(self) -> float:
+        """The longest forward + backward path of the unit graph (the sum, on a chain)."""
+        times = {u: d["forward"] + d["backward"] for u, d in self.g.nodes(data=True)}
+        if self.chain:
+            return sum(times.values())
+        longest: dict[Unit, float] = {}
+        for u in nx.topological_sort(self.g):
+            before = (longest[p] for p in self.g.predecessors(u))
+            longest[u] = times[u] + max(before, default=0.0)
+        return max(longest.values(), default=0.0)
+
     def _depth(self, pieces: list[Piece]) -> int:
         if self.chain:
             return len(pieces)
@@ -621,7 +642,10 @@ class _Search:
         ceiling = score / self.cost.micro_batches
         top = next((i for i in range(first, len(values)) if values[i] > ceiling), len(values))
         step = max(1, (top - 1 - first) // probes)
+        path = self._longest_path()
         for i in range(first + step, top, step):
+            if self._least_pipeline_time(values[i], path) >= score:
+                continue  # no plan at this tau can score less: not solved
             candidate = self._solution(values[i])
             candidate_score = self._pipeline_time(candidate[0], candidate[2])
             if candidate_score < score:
