@@ -148,9 +148,9 @@ class Pieces:
         n = len(positions)
         time = np.full((n, n + 1), np.inf)
         stage = np.full((n, n + 1, self.max_replicas), np.inf)
-        for (_, _, a, b), stats in self._register_ranges("range", node, [[u] for u in positions]):
+        for (_, _, a, b), stats in self._series_ranges(node, positions):
             time[a, b + 1] = stats.time
-            stage[a, b + 1] = self.stage_times(stats)
+            stage[a, b + 1] = self._stage_row(stats)
         at = {u: i for i, u in enumerate(positions)}
         children = {}
         for child in node.children:
@@ -187,6 +187,42 @@ class Pieces:
         ordered = self.sorted_children[id(child)]
         return tuple(u for kid in ordered[len(ordered) - a :] for u in units_of(kid))
 
+    def _stage_row(self, stats: Stats) -> np.ndarray | float:
+        """`stage_times(stats)`; with R = 1 its one value, `CostModel.stage_time` on one
+        replica (the same operations, without an array per piece)."""
+        if self.max_replicas > 1:
+            return self.stage_times(stats)
+        return self.cost.stage_time(stats.time, stats.pbytes, 1)
+
+    def _series_ranges(self, node: Series, positions: list[Unit]) -> list[tuple[Key, Stats]]:
+        """`_register_ranges("range", node, one block per position)`, as running sums from
+        each start a (`np.cumsum` adds in `_Accumulator`'s order, so the same floats); a
+        parameter counted at its first position from a on. Where a size is not a whole
+        number of bytes (sums would then depend on their order), `_register_ranges`."""
+        facts = _unit_facts(self.g, positions)
+        if facts is None:
+            return self._register_ranges("range", node, [[u] for u in positions])
+        times, acts, stateful = facts
+        sizes, made = self.g.graph["param_bytes"], []
+        first: dict[str, int] = {}  # parameter -> its first position from a on
+        for a in reversed(range(len(positions))):
+            first.update(dict.fromkeys(self.g.nodes[positions[a]]["params"], a))
+            new = np.zeros(len(positions) - a)
+            for name, at in first.items():
+                new[at - a] += sizes.get(name, 0)
+            rows = zip(
+                np.cumsum(times[a:]).tolist(),
+                np.cumsum(acts[a:]).tolist(),
+                np.cumsum(new).tolist(),
+                np.logical_or.accumulate(stateful[a:]).tolist(),
+                strict=True,
+            )
+            for b, (t, act, pb, st) in enumerate(rows, start=a):
+                key, stats = ("range", id(node), a, b), Stats(t, act, pb, st)
+                self.stats[key] = stats
+                made.append((key, stats))
+        return made
+
     def _register_ranges(
         self, kind: str, node: SPNode, blocks: list[list[Unit]]
     ) -> list[tuple[Key, Stats]]:
@@ -220,6 +256,24 @@ class Pieces:
             for q in range(start + 1, last_use[t] + 1):
                 crossing[q] += sizes[t]
         return [self.cost.link.transfer(x) for x in crossing]
+
+
+def _unit_facts(g: nx.DiGraph, units: list[Unit]) -> tuple[np.ndarray, ...] | None:
+    """Per unit: forward + backward time, activation bytes and stateful, as
+    `_Accumulator.add` adds them; None where a parameter's size is not a whole number of
+    bytes below 2^53 (parameter bytes then sum exactly in any order, as they must for a
+    running sum to equal the accumulator's)."""
+    sizes = g.graph["param_bytes"]
+    names = {p for u in units for p in g.nodes[u]["params"]}
+    values = [sizes.get(p, 0) for p in names]
+    if any(float(v) != int(v) for v in values) or sum(abs(v) for v in values) >= 2**53:
+        return None
+    data = [g.nodes[u] for u in units]
+    return (
+        np.array([d["forward"] + d["backward"] for d in data], dtype=np.float64),
+        np.array([d["act"] for d in data], dtype=np.float64),
+        np.array([bool(d.get("stateful", False)) for d in data]),
+    )
 
 
 class _Accumulator:
