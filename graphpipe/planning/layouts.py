@@ -11,6 +11,9 @@ The planner builds each layout it may use (the chain of 2N stages by `even_chain
 DAGs of N+1.. stages by `interleave.interleavings`),
 simulates each under each of its schedules, and keeps the fastest step whose plan and
 simulated peak memory fit the memory budget; ties keep the earlier layout in the list above.
+A plan whose floor (`scheduling.floor.step_floor`, a lower bound under every flushed
+schedule) is no less than the best step found so far is not simulated: it could not be
+chosen.
 A named schedule (`PlanConfig.schedule`) limits the layouts to those it runs; without
 zero-bubble schedules (`PlanConfig.split_backward=False`) loop runs interleaved only and v
 is not built. The plan kept records its layout and schedule (`Plan.layout`, `Plan.schedule`:
@@ -30,6 +33,7 @@ candidate and schedule.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -47,6 +51,7 @@ from graphpipe.planning.interleave import interleavings
 from graphpipe.planning.place import place_stages
 from graphpipe.planning.sptree import coarsen, condense, linearise, units_of
 from graphpipe.planning.validate import validate_plan
+from graphpipe.scheduling.floor import step_floor
 from graphpipe.scheduling.simulate import simulate
 
 __all__ = [
@@ -137,10 +142,14 @@ def choose(
     Raises:
         PlanError: no layout has a plan, naming each layout's reason.
     """
-    considered = [
-        _consider(layout, build, g, layout_schedules(layout, schedule, split_backward))
-        for layout, build in builders.items()
-    ]
+    considered: list[Considered] = []
+    beat = math.inf  # the best step so far: a plan whose floor is no less cannot win
+    for layout, build in builders.items():
+        found = _consider(
+            layout, build, g, layout_schedules(layout, schedule, split_backward), beat
+        )
+        considered.append(found)
+        beat = min(beat, found.step if found.step is not None else math.inf)
     ranked = [c for c in considered if c.plan is not None and c.step is not None]
     if not ranked:
         reasons = "; ".join(f"{c.layout}: {c.why}" for c in considered)
@@ -166,16 +175,27 @@ def made_for(plan: Plan, schedule: str | None) -> Plan:
 
 
 def _consider(
-    layout: str, build: Callable[[], Plan | list[Plan]], g: nx.DiGraph, schedules: list[str]
+    layout: str,
+    build: Callable[[], Plan | list[Plan]],
+    g: nx.DiGraph,
+    schedules: list[str],
+    beat: float = math.inf,
 ) -> Considered:
-    """The layout's fastest (plan, schedule) pair that fits, or why none does."""
+    """The layout's fastest (plan, schedule) pair that fits, or why none does. A plan whose
+    floor (`step_floor`, under flushed schedules) is no less than `beat` or the layout's
+    best so far is not simulated: it could not be chosen (ties keep the earlier)."""
     try:
         made = build()
     except PlanError as exc:
         return Considered(layout, why=_first_line(exc))
     plans = made if isinstance(made, list) else [made]
     best = Considered(layout, why="no plan")
+    flushed = all(not schedule_spec(name, training=False).asynchronous for name in schedules)
     for plan in plans:
+        bar = min(beat, best.step if best.step is not None else math.inf)
+        if flushed and step_floor(plan) * (1 - 1e-9) >= bar:
+            best = best if best.plan else Considered(layout, why=f"its floor is over {bar:.4g} s")
+            continue
         try:
             validate_plan(plan, g)  # e.g. a device's stages together over the memory budget
         except PlanError as exc:
