@@ -12,7 +12,10 @@ Every rank writes its own shard of one DCP checkpoint. Keys are names, never pos
     policy/rank<r>           rank r's weight-policy state, pickled
 
 Copies of one tensor on several ranks (tied weights, replicas) write the same key and DCP
-keeps one.
+keeps one. So do the copies of a tied weight that two stages of one rank hold under FSDP2
+(`graphpipe.runtime.groups.own_copies`, equal after every step): one is written, a load
+reads into one and copies it into the others (`_fill_copies`), and each copy's optimizer
+state gets the one saved state, a tensor of its own.
 
 Under a ("pp", "dp") mesh (FSDP2 per stage) a parameter and its optimizer state of the same
 shape (Adam's exp_avg, exp_avg_sq) are DTensors: each dp rank writes its shard of the one
@@ -379,8 +382,27 @@ def load(pm: Checkpointable, path: str | Path) -> dict[str, Any]:
     optim = _optim_template(pm, saved, same_plan)
     template = {**model, **optim}
     guarded("the checkpoint load", lambda: dcp.load(template, checkpoint_id=str(where)))
+    _fill_copies(pm, template)
     _restore(pm, template, same_plan, meta)
     return meta
+
+
+def _fill_copies(pm: Checkpointable, loaded: Mapping[str, Any]) -> None:
+    """Copy each loaded value into the other tensors of this rank's module under its key:
+    the copies of a tied weight two stages of the rank hold (`_model_items` keeps one).
+    Local parts of one layout (the copies are laid out alike)."""
+    if pm.module is None:
+        return
+    with torch.no_grad():
+        for key, value in pm.module.state_dict(keep_vars=True).items():
+            source = _local(loaded[f"model/{pm.held_names[key]}"])
+            if _local(value).data_ptr() != source.data_ptr():  # not the one DCP read into
+                _local(value).copy_(source)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t` (a DTensor's local shard), detached."""
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
 def _optim_template(pm: Checkpointable, saved: dict[str, Any], same_plan: bool) -> dict[str, Any]:
@@ -444,13 +466,15 @@ def _restore_optimizer(pm: Checkpointable, template: dict[str, Any]) -> None:
     """
     assert pm.module is not None
     state: dict[str, dict[str, Any]] = {}
+    named: set[str] = set()  # names given their state already: a copy's gets its own tensors
     for fqn, name in _names(pm).items():
         prefix = f"optim/{name}/"
         entries = {
-            k[len(prefix) :]: v if isinstance(v, torch.Tensor) else pickle.loads(v)
+            k[len(prefix) :]: _entry(v, name in named)
             for k, v in template.items()
             if k.startswith(prefix)
         }
+        named.add(name)
         if entries:
             state[fqn] = entries
     fqn_of = {id(p): n for n, p in pm.module.named_parameters()}
@@ -471,6 +495,14 @@ def _restore_optimizer(pm: Checkpointable, template: dict[str, Any]) -> None:
         cast(Any, {"state": state, "param_groups": groups}),
         options=StateDictOptions(strict=False),
     )
+
+
+def _entry(value: Any, again: bool) -> Any:
+    """A saved optimizer state entry: a tensor (cloned `again`, for a second copy of a tied
+    weight: the optimizer updates each copy's state in place), else unpickled."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if again else value
+    return pickle.loads(value)
 
 
 def _restore_policy(

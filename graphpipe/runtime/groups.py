@@ -10,6 +10,7 @@ import datetime
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
@@ -20,7 +21,7 @@ from graphpipe.runtime.refusals import refusal
 from graphpipe.runtime.spec import RunSpec
 from graphpipe.runtime.sync import GradSync, SyncGroup, make_groups
 
-__all__ = ["Modules", "scale_group", "sum_groups", "update_group"]
+__all__ = ["Modules", "own_copies", "scale_group", "sum_groups", "update_group"]
 
 Modules = dict[int, tuple[Any, Any]]  # stage index -> (its module, its StageIO)
 
@@ -46,6 +47,14 @@ def sum_groups(
     one coordinate are the same rows of the same tensor on every holder). The group's
     parameters are FSDP2's sharded ones once the stages are sharded (`GradSync.rebind`).
 
+    A weight tied across two stages of this rank is one tensor there, except where FSDP2
+    wraps the stages (a "dp" dimension; `whole` stages run one stage per device, under
+    async or 2bw): each stage is an FSDP2 root of its own, so every stage after the first
+    gets a copy of its own, of equal values, before it is wrapped (`own_copies`); the
+    GradSync adds the copies' gradients on this rank after FSDP2's reduce-scatter, sums
+    that over the tie's group where the tie spans other pp ranks too, and gives every copy
+    the sum (`GradSync.copies`).
+
     With `whole` (a versioned weight policy under a mesh: each dp rank keeps its stages
     whole, no FSDP2) one group per pp device p and tp index t holds the dp ranks
     `layout.ranks[p][d][t]`, d = 0..dp-1, and averages every parameter of the rank's stages
@@ -55,9 +64,8 @@ def sum_groups(
 
     Raises:
         ConfigError: a weight tied across ranks under an asynchronous schedule, or across
-            two stages of one pp rank under a mesh with a "dp" dimension (FSDP2; under tp
-            alone the rank's stages share one DTensor of it, `graphpipe.runtime.tp.apply_tp`)
-            or of a model on the meta device, on every rank alike, before any collective.
+            two stages of one pp rank under a mesh in a model on the meta device, on every
+            rank alike, before any collective.
     """
     meshed = layout is not None and layout.sharded
     holders: dict[str, set[int]] = {}
@@ -74,12 +82,7 @@ def sum_groups(
     ]
     if tied and schedule_spec(schedule).asynchronous:
         _refuse_tied(tied[0], spec.numerics.weights, schedule)
-    doubled = {  # on one rank, in two of its stages: FSDP2 shards per stage
-        name: held for name, held in shared.items() if _on_one_rank_twice(held, stages)
-    }
-    if doubled and meshed:
-        assert layout is not None
-        _refuse_doubled(doubled, layout, modules, canon)
+    copies = _doubled(plan, shared, modules, canon, mine, layout, whole) if meshed else []
     over_dp: list[tuple[tuple[int, ...], str]] = []
     if meshed:
         assert layout is not None
@@ -89,7 +92,10 @@ def sum_groups(
             over_dp = _over_dp(plan, layout)
     memberships = replicas + tied + over_dp
     groups = make_groups(memberships, rank, spec.runtime.timeout)
-    local = {canon.get(n, n): p for index in mine for n, p in modules[index][0].named_parameters()}
+    local: dict[str, Any] = {}  # canonical name -> its first copy on this rank
+    for index in mine:
+        for n, p in modules[index][0].named_parameters():
+            local.setdefault(canon.get(n, n), p)
     sums: list[SyncGroup] = []
     for (ranks, label), group in zip(memberships, groups, strict=True):
         if label.startswith("tied "):
@@ -99,7 +105,7 @@ def sum_groups(
         else:
             params = [p for n, p in local.items() if n not in shared]
         sums.append(SyncGroup(ranks, group, params, label, mean=label.startswith("dp ")))
-    return GradSync(sums), shared
+    return GradSync(sums, copies=copies), shared
 
 
 def _over_dp(plan: Plan, layout: ParallelLayout) -> list[tuple[tuple[int, ...], str]]:
@@ -113,24 +119,78 @@ def _over_dp(plan: Plan, layout: ParallelLayout) -> list[tuple[tuple[int, ...], 
     ]
 
 
-def _refuse_doubled(
-    doubled: dict[str, tuple[int, ...]],
-    layout: ParallelLayout,
-    modules: Modules,
-    canon: dict[str, str],
+def _refuse_meta(
+    doubled: dict[str, tuple[int, ...]], modules: Modules, canon: dict[str, str]
 ) -> None:
-    """Raises: ConfigError: a weight tied across two stages of one pp rank under a mesh with
-    a "dp" dimension, or in a model on the meta device (every stage's module is on every
-    rank, so every rank refuses alike)."""
-    name, held = next(iter(doubled.items()))
-    subject = f"{name} is held by stages {list(held)} on one pp rank"
-    if layout.fsdp:
-        raise ConfigError(refusal("mesh-tie-one-rank", subject))
+    """Raises: ConfigError: a weight tied across two stages of one pp rank under a mesh, in
+    a model on the meta device (every stage's module is on every rank, so every rank
+    refuses alike)."""
     for name, held in doubled.items():
         module = modules[held[0]][0]
         if any(p.is_meta for n, p in module.named_parameters() if canon.get(n, n) == name):
             subject = f"{name} is held by stages {list(held)} on one pp rank, on meta"
             raise ConfigError(refusal("meta-tie-one-rank", subject))
+
+
+def own_copies(modules: Modules, mine: tuple[int, ...], canon: dict[str, str]) -> list[list[Any]]:
+    """Give each of this rank's stages its own copy of a weight an earlier stage of the rank
+    holds (equal values, under every name the stage reads it by), so that each stage's
+    FSDP2 root shards a parameter of its own; in place, before the stages are wrapped.
+
+    The copies get the same gradient (their sum, `GradSync`) and so step identically; the
+    optimizer keeps a state for each, duplicated and identical. A checkpoint and
+    `pm.state_dict()` show one value under the canonical name, and a load fills every copy
+    (`graphpipe.runtime.checkpoint`, `graphpipe.runtime.state`).
+
+    Args:
+        modules: Every stage's module.
+        mine: This rank's stages, in order.
+        canon: Every name -> the first name of its tensor.
+
+    Returns:
+        Per tied weight this rank's stages hold twice, its copies, the first stage's first.
+    """
+    seen: dict[int, Any] = {}  # id of a tensor an earlier stage holds -> that tensor
+    copies: dict[str, list[Any]] = {}
+    for index in mine:
+        stage = modules[index][0]
+        held = list(stage.named_parameters(remove_duplicate=False))
+        made: dict[int, Any] = {}  # the original's id -> this stage's copy
+        for name, p in held:
+            if id(p) not in seen:
+                continue
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                copies.setdefault(canon.get(name, name), [p]).append(made[id(p)])
+            *path, leaf = name.split(".")
+            setattr(stage.get_submodule(".".join(path)), leaf, made[id(p)])
+        seen.update((id(p), p) for _, p in held)
+    return list(copies.values())
+
+
+def _doubled(
+    plan: Plan,
+    shared: dict[str, tuple[int, ...]],
+    modules: Modules,
+    canon: dict[str, str],
+    mine: tuple[int, ...],
+    layout: ParallelLayout | None,
+    whole: bool,
+) -> list[list[Any]]:
+    """Under a mesh, the copies `own_copies` gives this rank's stages of the weights tied
+    across two stages of one pp rank, where FSDP2 wraps each stage (none: one tensor).
+
+    Raises:
+        ConfigError: such a weight in a model on the meta device (`meta-tie-one-rank`).
+    """
+    doubled = {  # on one rank, in two of its stages
+        name: held for name, held in shared.items() if _on_one_rank_twice(held, plan.stages)
+    }
+    if not doubled:
+        return []
+    _refuse_meta(doubled, modules, canon)
+    fsdp = layout is not None and layout.fsdp and not whole  # each stage an FSDP2 root
+    return own_copies(modules, mine, canon) if fsdp else []
 
 
 def _on_one_rank_twice(held: tuple[int, ...], stages: Any) -> bool:

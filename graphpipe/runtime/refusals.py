@@ -6,7 +6,9 @@ message from its row (`refusal`), naming the offending value, so the table and t
 cannot drift apart; the guides quote `table()` (tests/test_refusals.py checks they do).
 What is not here runs: stash and 2bw over dp (each dp rank's stages whole, their gradients
 averaged over dp at each update), bf16 and fp16 on every mesh, a weight tied across pp ranks
-under dp and tp, a weight tied to a tp-split layer (one layout for both uses, `runtime.tp`),
+under dp and tp, a weight tied across two stages of one pp rank under dp (each stage's FSDP2
+root shards a copy of its own, their gradients summed: `runtime.groups.own_copies`) and tp
+(one DTensor), a weight tied to a tp-split layer (one layout for both uses, `runtime.tp`),
 a mixture of experts under tp (its own plan's expert entries kept whole), `pm(...)` and
 `eval_step` under a mesh, an exported graph at other shapes under a mesh, the production
 recipe (pp x dp x tp, bf16, interleaved, recompute) on a model torch.export traced.
@@ -79,14 +81,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "the mesh's dp dimension replicates every stage already",
         False,
         "plan with replication=False (compile's default)",
-    ),
-    Refusal(
-        "mesh-tie-one-rank",
-        "a weight tied across two stages of one pp rank, with a 'dp' dimension",
-        "each stage is an FSDP2 root of its own, so each would shard a copy of its own",
-        True,
-        "put its readers in one stage, or on two pp ranks (summed as Megatron's embedding "
-        "group is); under tp alone the rank's stages share one DTensor of it",
     ),
     Refusal(
         "meta-tie-one-rank",

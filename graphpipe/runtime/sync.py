@@ -5,6 +5,10 @@ Three kinds of group, all made once at compile time, identically on every rank:
   over them (each replica saw its share of the micro-batches);
 - holders of a shared parameter: stages that each hold a copy of a tied weight (its canonical
   name is the same); the copies' gradients are summed, so the copies stay identical.
+- copies of one tied weight on one rank (two stages of a pp rank under FSDP2, each stage an
+  FSDP2 root of its own: `groups.own_copies`): their gradients are added locally, after
+  FSDP2's reduce-scatter, before any group sums them, and every copy gets the result
+  (`GradSync.copies`), so the copies step identically.
 - the dp ranks of a stage kept whole under a mesh (a versioned weight policy, stash or 2bw:
   no FSDP2): each ran its slice of every micro-batch, so their gradients are averaged
   (`SyncGroup.mean`), once per weight version, at the policy's update.
@@ -223,6 +227,11 @@ class GradSync:
         groups: Every group (those this rank is not in, or holds nothing of, are ignored;
             those on one process group are summed as one, `merge_groups`).
         bucket_bytes: The size at which a group's parameters are cut into buckets.
+        copies: Copies of one tied weight held by this rank's stages, each list first copy
+            first: at the update their gradients are added on this rank (local parts of one
+            layout), the first copy's sum is then summed by its groups, and every copy gets
+            the result. A copy is never reported ready early (`tracks` is False for it), so
+            a bucket holding the first copy is launched at the update, after the local sum.
 
     Example (on every member of the groups; a process group is needed)::
 
@@ -231,9 +240,15 @@ class GradSync:
         sync()  # every .grad of the groups now holds the group's sum
     """
 
-    def __init__(self, groups: Sequence[SyncGroup], bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        groups: Sequence[SyncGroup],
+        bucket_bytes: int = BUCKET_BYTES,
+        copies: Sequence[Sequence[nn.Parameter]] = (),
+    ) -> None:
         self.bucket_bytes = bucket_bytes
         self._lock = threading.Lock()  # hooks may run on autograd's device threads
+        self.copies = [list(c) for c in copies]
         self._index(merge_groups(groups))
 
     def _index(self, groups: list[SyncGroup]) -> None:
@@ -246,11 +261,13 @@ class GradSync:
                 for p in bucket.params:
                     self._where.setdefault(id(p), []).append((gi, bi))
         self._next = [0] * len(self.groups)  # per group: buckets launched this step
+        self._copied = {id(p) for c in self.copies for p in c}
 
     def rebind(self, fresh: dict[int, nn.Parameter]) -> None:
         """Sum the parameters that replaced the groups' own (FSDP2's sharded ones, which
         `fully_shard` registers in the modules in place of the originals): `fresh` maps
         id(original) -> its replacement; a parameter not in it stays."""
+        self.copies = [[fresh.get(id(p), p) for p in c] for c in self.copies]
         self._index(
             [
                 SyncGroup(
@@ -275,8 +292,9 @@ class GradSync:
                     )
 
     def tracks(self, p: torch.Tensor) -> bool:
-        """Whether `p` is summed by a group of this rank."""
-        return id(p) in self._where
+        """Whether `p` is summed by a group of this rank and may be reported ready early
+        (not a copy of a weight tied on this rank: its copies are added at the update)."""
+        return id(p) in self._where and id(p) not in self._copied
 
     def launched(self) -> int:
         """Buckets launched early in this step (the update waits for them)."""
@@ -290,6 +308,8 @@ class GradSync:
             holder: The tensor whose `.grad` holds p's gradient: p itself, or the version
                 of p the backward ran on (moved into p.grad before the update).
         """
+        if id(p) in self._copied:
+            return  # added to its copies at the update first
         with self._lock:
             for gi, bi in self._where.get(id(p), ()):
                 bucket = self.buckets[gi][bi]
@@ -331,12 +351,16 @@ class GradSync:
                 its bucket was launched; naming the group and its ranks.
         """
         try:
+            for c in self.copies:
+                _add_copies(c)
             for gi in range(len(self.groups)):
                 for bucket in self.buckets[gi]:
                     if not bucket.launched():
                         bucket.holders = {}  # the gradients now live in p.grad
                         self._launch(gi, bucket)
                     self._finish(self.groups[gi], bucket)
+            for c in self.copies:
+                _share_copies(c)
         finally:
             for buckets in self.buckets:
                 for bucket in buckets:
@@ -374,6 +398,27 @@ class GradSync:
             n = local_part(p).numel()
             p.grad = _like(p, bucket.flat[at : at + n].view_as(local_part(p)).clone())
             at += n
+
+
+def _add_copies(copies: Sequence[nn.Parameter]) -> None:
+    """The first copy's gradient becomes the sum of every copy's (None counting as zeros):
+    local parts of one layout (each laid out as its parameter, `laid_as`), added on this
+    rank, so that the copies of one weight on one rank sum as one tensor's gradient would."""
+    grads = [laid_as(p.grad, p) for p in copies if p.grad is not None]
+    if not grads:
+        return
+    total = local_part(grads[0]).clone()
+    for g in grads[1:]:
+        total.add_(local_part(g))
+    copies[0].grad = _like(copies[0], total)
+
+
+def _share_copies(copies: Sequence[nn.Parameter]) -> None:
+    """Every copy gets the first copy's (summed) gradient, a tensor of its own (clipping
+    scales each gradient in place)."""
+    first = copies[0].grad
+    for p in copies[1:]:
+        p.grad = None if first is None else _like(p, local_part(first).clone())
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

@@ -151,7 +151,8 @@ def wire(
 
     Raises:
         ConfigError: a weight tied across ranks under an asynchronous schedule, or across
-            two stages of one pp rank under a mesh with a "dp" dimension (`sum_groups`).
+            two stages of one pp rank under a mesh in a model on the meta device
+            (`sum_groups`).
     """
     s = _settings(spec)
     factory = stage_factory(spec.runtime.emulate)  # the one place emulation is decided
@@ -446,15 +447,17 @@ def _clipper(
     params: list[nn.Parameter],
     group: dist.ProcessGroup | None,
 ) -> GradClipper:
-    """Count each parameter on one rank: its first holding stage's first device."""
+    """Count each parameter on one rank: its first holding stage's first device; once there,
+    however many copies of it the rank's stages hold (`groups.own_copies`)."""
     counted = []
-    seen: set[int] = set()
+    seen: set[str] = set()
     for index in c.place.stage_indices:
         for n, p in modules[index][0].named_parameters():
-            owner = c.shared.get(c.canon.get(n, n), (index,))[0]
-            if c.plan.stages[owner].devices[0] == c.place.rank and id(p) not in seen:
+            name = c.canon.get(n, n)
+            owner = c.shared.get(name, (index,))[0]
+            if c.plan.stages[owner].devices[0] == c.place.rank and name not in seen:
                 counted.append(p)
-                seen.add(id(p))
+                seen.add(name)
     return GradClipper(clip[0], clip[1], params, counted, group)
 
 
