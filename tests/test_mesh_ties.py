@@ -19,6 +19,7 @@ process too (SGD with momentum, its gradients clipped as torch's clip_grad_norm_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,9 @@ from test_mesh_models import (
     lm_loss,
     reference,
 )
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from zoo import ZOO, dict_loss
+from zoo import ZOO, D, dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
@@ -84,10 +86,57 @@ def _copies(pm: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def _fx_reference() -> tuple[list[float], list[float], torch.Tensor]:
+class ThreeReaders(nn.Module):
+    """zoo's Tied with a third reader of its table in the middle of the chain: embed.weight
+    is mid.weight (D -> vocab) and out.weight too."""
+
+    def __init__(self, vocab: int = 12) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, D)
+        self.body = nn.Sequential(nn.Linear(D, D), nn.Tanh())
+        self.mid = nn.Linear(D, vocab, bias=False)
+        self.up = nn.Linear(vocab, D)
+        self.out = nn.Linear(D, vocab, bias=False)
+        self.mid.weight = self.embed.weight
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.embed(tokens))  # (B, L, D)
+        h = self.up(torch.tanh(self.mid(h)))  # (B, L, D)
+        return self.out(h.mean(dim=1))  # (B, vocab)
+
+
+def _three_readers() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = ThreeReaders()
+    return model, (_tied_batch(0)[0],)
+
+
+# name -> (the net, its pins, the table's names, its copies on pp rank 0 and on pp rank 1)
+FX_NETS: dict[str, tuple[Callable[[], Any], dict[str, int], tuple[str, ...], tuple[int, int]]]
+FX_NETS = {
+    # stages 0 and 3 on pp rank 0: two copies there, no group
+    "two readers": (
+        ZOO["tied"],
+        {"embed": 0, "body.0": 1, "body.1": 2, "body.2": 3, "out": 3},
+        ("embed.weight", "out.weight"),
+        (2, 0),
+    ),
+    # and stage 2 on pp rank 1: pp rank 0's sum summed with pp rank 1's over the tie's group
+    "three readers": (
+        _three_readers,
+        {"embed": 0, "body": 1, "mid": 2, "up": 2, "out": 3},
+        ("embed.weight", "mid.weight", "out.weight"),
+        (2, 1),
+    ),
+}
+
+
+def _fx_reference(net: str) -> tuple[list[float], list[float], torch.Tensor]:
     """One process, gradient accumulation over M micro-batches, then torch's clip_grad_norm_:
     the losses, the norms before clipping and the tied weight after the last step."""
-    model, _ = ZOO["tied"]()
+    model, _ = FX_NETS[net][0]()
     opt = fx_optimizer()(model.parameters())
     losses, norms = [], []
     for step in range(FX_STEPS):
@@ -104,12 +153,12 @@ def _fx_reference() -> tuple[list[float], list[float], torch.Tensor]:
     return losses, norms, model.embed.weight.detach().clone()
 
 
-def _fx_tied() -> dict[str, Any]:
-    """tests/test_mesh.py's fx-traced tied net (embed.weight read again as out.weight) folded
-    as a V on pp 2 x dp 2 under zbv: embed on stage 0, out on stage 3, both on pp rank 0;
-    clipped (the table's norm counted once, not once per copy)."""
-    model, inputs = ZOO["tied"]()
-    pins = {"embed": 0, "body.0": 1, "body.1": 2, "body.2": 3, "out": 3}
+def _fx_tied(net: str) -> dict[str, Any]:
+    """An fx-traced tied net of `FX_NETS` folded as a V on pp 2 x dp 2 under zbv: embed on
+    stage 0, out on stage 3, both on pp rank 0; clipped (the table's norm counted once, not
+    once per copy). Its losses, norms, state and every step's copies of the table here."""
+    make, pins, names, _ = FX_NETS[net]
+    model, inputs = make()
     folded = plan(model, inputs, devices=4, dp=2, micro_batches=FX_M, pins=pins,
                   virtual_stages=2, placement="v")  # fmt: skip
     pm = gp_compile(
@@ -129,13 +178,8 @@ def _fx_tied() -> dict[str, Any]:
         tokens, target = _tied_batch(s)
         losses.append(float(pm.step(tokens, target=target)))
         norms.append(pm.last_grad_norm)
-        held.append(
-            [
-                whole(p.detach()).clone()
-                for n, p in pm.module.named_parameters()
-                if n.endswith(("embed.weight", "out.weight"))
-            ]
-        )
+        params = pm.module.named_parameters()
+        held.append([whole(p.detach()).clone() for n, p in params if n.endswith(names)])
     return {"losses": losses, "norms": norms, "state": pm.state_dict(), "held": held}
 
 
@@ -158,7 +202,7 @@ def _worker(world: int, where: str) -> dict[str, Any]:
     fresh = llama(tied=True)  # its state dict lacks the non-persistent rotary inv_freq
     pm.load_state_dict({**dict(fresh.named_buffers()), **fresh.state_dict()})
     return {
-        "fx": _fx_tied() if world == 4 else {},
+        "fx": {net: _fx_tied(net) for net in FX_NETS} if world == 4 else {},
         "stages": [s.index for s in pm.plan.stages_on(pm.rank)],
         "losses": losses,
         "held": held,
@@ -231,17 +275,26 @@ def test_a_weight_tied_across_two_stages_of_one_pp_rank_trains_as_one_process_un
     their gradients added on the rank; equal to one process and to each other."""
     results = launch(_worker, 4, args=(4, str(tmp_path / "ckpt")), timeout=TIMEOUT)
     _check(results, expected, 4)
-    ref_losses, ref_norms, ref_weight = _fx_reference()
+    for net in FX_NETS:
+        _check_fx(results, net)
+
+
+def _check_fx(results: list[dict[str, Any]], net: str) -> None:
+    """Every rank of the fx net equals one process; every copy of the table, on either pp
+    rank, is the same tensor after every step."""
+    ref_losses, ref_norms, ref_weight = _fx_reference(net)
     assert min(ref_norms) > 2 * MAX_NORM  # every step is clipped
+    held = FX_NETS[net][3]
     for rank, result in enumerate(results):
-        got = result["fx"]
-        assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
-        assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {rank}"
+        got = result["fx"][net]
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), f"{net} rank {rank}"
+        assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), f"{net} rank {rank}"
         torch.testing.assert_close(got["state"]["embed.weight"], ref_weight, rtol=1e-5, atol=1e-6)
-        for copies in got["held"]:  # pp rank 0's two, equal bit for bit
-            assert len(copies) == (2 if rank < 2 else 0), f"rank {rank}"
-            for other in copies[1:]:
-                torch.testing.assert_close(other, copies[0], rtol=0, atol=0)
+        for step, copies in enumerate(got["held"]):
+            assert len(copies) == held[rank // 2], f"{net} rank {rank}"
+            first = results[0]["fx"][net]["held"][step][0]
+            for copy in copies:  # bit for bit
+                torch.testing.assert_close(copy, first, rtol=0, atol=0)
 
 
 def test_a_weight_tied_across_two_stages_of_one_pp_rank_trains_as_one_process_under_dp_tp(
