@@ -21,6 +21,7 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
 from graphpipe.planning.fold import bound_groups, folded_groups
+from graphpipe.planning.layouts import _cuts
 from graphpipe.planning.opgraph import op_graph, value_kind
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph, plan, score
 from graphpipe.planning.profile import ProfileConfig, profile
@@ -30,6 +31,9 @@ from graphpipe.planning.sptree import (
     Leaf,
     Parallel,
     Series,
+    _condensed,
+    _condensed_count,
+    _subtree_times,
     coarsen,
     condense,
     decompose,
@@ -601,6 +605,46 @@ def test_condense_bounds_the_units_and_keeps_plans_valid() -> None:
         config = PlanConfig(devices=3, max_units=4, partitioner=partitioner)
         p = partition_op_graph(g, cost(bandwidth=1e9), config, "x")
         assert p.info["units"] <= max(4, 4 * 3)
+
+
+def test_condense_counts_the_units_a_limit_leaves_as_it_builds_them() -> None:
+    """condense's bisection counts units without building trees: the count must be the
+    built tree's, at every limit, on series, parallel and linearised trees."""
+    for seed in range(5):
+        g = random_branchy(random.Random(seed))
+        units = coarsen(g, max_time=0.0)
+        for tree in (decompose(units), linearise(units)):
+            time: dict[int, float] = {}
+            total = _subtree_times(units, tree, time)
+            for limit in [total * f for f in (0.0, 0.01, 0.05, 0.1, 0.3, 0.7, 1.0)]:
+                built = _condensed(g, tree, limit, time)
+                assert _condensed_count(tree, limit, time) == len(units_of(built))
+
+
+def test_the_linear_partition_keeps_the_first_least_cut_of_the_loop() -> None:
+    """even_chain's DP as array rows: the same cuts as the loop over (k, i, j), ties too."""
+
+    def looped(times: list[float], parts: int) -> list[int]:
+        n, prefix = len(times), list(itertools.accumulate(times, initial=0.0))
+        best = [[float("inf")] * (n + 1) for _ in range(parts + 1)]
+        back = [[0] * (n + 1) for _ in range(parts + 1)]
+        best[0][0] = 0.0
+        for k, i in itertools.product(range(1, parts + 1), range(n + 1)):
+            for j in range(k - 1, i) if k <= i <= n - (parts - k) else ():
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], back[k][i] = value, j
+        cuts = [n]
+        for k in range(parts, 0, -1):
+            cuts.append(back[k][cuts[-1]])
+        return cuts[::-1]
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 16)
+        times = [rng.choice([0.5, 1.0, 2.0, rng.random()]) for _ in range(n)]
+        parts = rng.randint(1, n)
+        assert _cuts(times, parts) == looped(times, parts), (times, parts)
 
 
 def _normed(norm: nn.Module) -> nn.Module:
