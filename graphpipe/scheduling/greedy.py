@@ -145,7 +145,7 @@ def _greedy(plan: Plan, ranks: Sequence[_Rank], what: str, costs: Costs) -> floa
         rank.clock = start + costs.compute(plan.stages[stage], kind)
         if not rank.busy():
             busy.remove(chosen)
-        for m in _wires(plan).sends((stage, kind, j)):
+        for m in _wires(plan).sends(plan, (stage, kind, j)):
             arrivals[m] = rank.clock + costs.transit(plan, m)
             for i in receivers.get(m.dst, ()):
                 starts.pop(i, None)
@@ -157,23 +157,22 @@ class _Wires:
     once per step and plan: a greedy run asks again and again when its next action can
     start, and the candidate orders of one schedule are run on the same plan."""
 
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
+    def __init__(self) -> None:  # holds no plan: `_WIRES` keeps it only while the plan lives
         self._awaits: dict[Step, list[Message]] = {}
         self._sends: dict[Step, list[Message]] = {}
 
-    def awaits(self, step: Step) -> list[Message]:
+    def awaits(self, plan: Plan, step: Step) -> list[Message]:
         """`awaits(plan, Action(*step))`, made once."""
         found = self._awaits.get(step)
         if found is None:
-            found = self._awaits[step] = awaits(self.plan, Action(*step))
+            found = self._awaits[step] = awaits(plan, Action(*step))
         return found
 
-    def sends(self, step: Step) -> list[Message]:
+    def sends(self, plan: Plan, step: Step) -> list[Message]:
         """`sends(plan, Action(*step))`, made once."""
         found = self._sends.get(step)
         if found is None:
-            found = self._sends[step] = sends(self.plan, Action(*step))
+            found = self._sends[step] = sends(plan, Action(*step))
         return found
 
 
@@ -187,7 +186,7 @@ def _wires(plan: Plan) -> _Wires:
         return held[1]
     key = id(plan)
     ref = weakref.ref(plan, lambda _: _WIRES.pop(key, None))
-    _WIRES[key] = (ref, _Wires(plan))
+    _WIRES[key] = (ref, _Wires())
     return _WIRES[key][1]
 
 
@@ -195,11 +194,11 @@ class _Needs:
     """When the messages a step awaits arrive (`_Wires.awaits`)."""
 
     def __init__(self, plan: Plan) -> None:
-        self.wires = _wires(plan)
+        self.plan, self.wires = plan, _wires(plan)
 
     def arrived(self, step: Step, arrivals: Arrivals) -> float:
         """When the last message `step` awaits arrives (inf: one is not sent yet)."""
-        needed = self.wires.awaits(step)
+        needed = self.wires.awaits(self.plan, step)
         return max((arrivals.get(m, float("inf")) for m in needed), default=0.0)
 
 
