@@ -350,9 +350,11 @@ class _Search:
         )
 
     def evaluate(self, c: Candidate, reshards: tuple[bool, ...], beat: float = math.inf) -> Scored:
-        """Plan and simulate `c` (module docstring), or say why it has no plan. A plan whose
-        floor (`step_floor`) is over `beat` is not simulated: with `beat` the best step
-        found so far, c's step where it is under `beat`, and else that c cannot win."""
+        """Plan and simulate `c` (module docstring), or say why it has no plan.
+
+        A plan whose floor (`step_floor`) is over `beat` (the best step found so far) is not
+        simulated: the Scored is c's where its step is within `beat`; else a step over
+        `beat` or c recorded as pruned (either way c cannot win)."""
         rg = self.ranks(self.rows(c), c.tp)
         why = "memory: no plan fits the budget"
         beat = beat if self._flushed() else math.inf
