@@ -199,8 +199,8 @@ def _worker(world: int, where: str) -> dict[str, Any]:
     pm.load(where)
     again = _step(pm, STEPS - 1)  # the last step again, from the checkpoint
     resumed = {"loss": again, "state": pm.state_dict(), "held": _copies(pm)}
-    fresh = llama(tied=True)  # its state dict lacks the non-persistent rotary inv_freq
-    pm.load_state_dict({**dict(fresh.named_buffers()), **fresh.state_dict()})
+    fresh = llama(tied=True)  # its state dict lacks the non-persistent rotary inv_freq,
+    pm.load_state_dict(fresh.state_dict())  # which the stage keeps as it is
     return {
         "fx": {net: _fx_tied(net) for net in FX_NETS} if world == 4 else {},
         "stages": [s.index for s in pm.plan.stages_on(pm.rank)],

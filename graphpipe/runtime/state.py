@@ -149,6 +149,10 @@ class ModelState:
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Take this rank's stages' part of a full state dict (tied weights under any name).
 
+        A tensor the model keeps out of its own state dict (a non-persistent buffer, such as
+        a Hugging Face rotary embedding's `inv_freq`, which an exported stage holds as a
+        buffer) is not asked for: it keeps its value, as `model.load_state_dict` keeps it.
+
         Raises:
             ConfigError: names this rank's stages need that `state` lacks.
         """
@@ -156,17 +160,19 @@ class ModelState:
             return
         found: dict[str, torch.Tensor] = {}
         missing = []
+        saved = set(self.names)
         for key, value in self.module.state_dict(keep_vars=True).items():
-            names = [a for a in self._aliases(key, value) if a in state]
+            aliases = self._aliases(key, value)
+            names = [a for a in aliases if a in state]
             if names:
                 found[key] = shaped_like(value, state[names[0]])  # a mesh's: this rank's shard
-            else:
+            elif saved.intersection(aliases):
                 missing.append(key)
         if missing:
             raise ConfigError(
                 f"state dict lacks {missing} (needed by stages {list(self.stage_indices)})"
             )
-        self.module.load_state_dict(found)
+        self.module.load_state_dict(found, strict=False)  # the unsaved keep their values
 
     def _aliases(self, key: str, value: torch.Tensor) -> list[str]:
         """Every name of the model's tensor that this rank's module holds as `key`: by
