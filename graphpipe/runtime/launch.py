@@ -201,6 +201,11 @@ def _worker(
             world_size=int(env["WORLD_SIZE"]),
             timeout=datetime.timedelta(seconds=comm_timeout),
         )
+        # every rank connected before any runs `fn`: gloo's full mesh is made pair by pair,
+        # and a rank whose `fn` returns at once could close its pairs (exit) while a peer
+        # still reads its handshake ("Connection closed by peer" in that peer's
+        # init_process_group, seen with two test files launching at once)
+        dist.barrier()
         # plain pickle bytes: torch's queue pickler would share tensors through file
         # descriptors that vanish with this process
         results.put((rank, None, pickle.dumps(fn(*args))))
