@@ -3,9 +3,10 @@
     pm = graphpipe.compile(model, x, ..., precision="bf16")   # or "fp16", or None (fp32)
 
 - Each stage's forward runs under `torch.autocast` with the chosen dtype; parameters and the
-  optimizer state stay float32 (the master weights). Under a ("pp", "dp") mesh bf16 is
-  FSDP2's `MixedPrecisionPolicy` instead (`Precision.fsdp_policy`): parameters gathered in
-  bf16, gradients reduce-scattered in float32; fp16 is refused there.
+  optimizer state stay float32 (the master weights). Under a mesh with a "dp" dimension
+  bf16 and fp16 are FSDP2's `MixedPrecisionPolicy` instead (`Precision.fsdp_policy`):
+  parameters gathered in the half dtype, gradients reduce-scattered in float32 (fp16's loss
+  scale agreed over every rank, below).
 - A graph torch.export traced keeps autocast under a mesh too (`Precision.by_autocast`):
   export wrote the model's own dtype handling into the graph (HF's RMSNorm and rotary
   embedding upcast to float32 on purpose, then cast back to the dtype they were given,
