@@ -74,6 +74,7 @@ from graphpipe.ir import Plan
 from graphpipe.runtime import integrity
 from graphpipe.runtime.failures import first_line, guarded
 from graphpipe.runtime.integrity import META
+from graphpipe.runtime.sync import local_part
 from graphpipe.runtime.weights import WeightPolicy
 
 __all__ = ["Checkpointable", "export_checkpoint", "load", "resolve", "save"]
@@ -395,14 +396,10 @@ def _fill_copies(pm: Checkpointable, loaded: Mapping[str, Any]) -> None:
         return
     with torch.no_grad():
         for key, value in pm.module.state_dict(keep_vars=True).items():
-            source = _local(loaded[f"model/{pm.held_names[key]}"])
-            if _local(value).data_ptr() != source.data_ptr():  # not the one DCP read into
-                _local(value).copy_(source)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `t` (a DTensor's local shard), detached."""
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+            source = local_part(loaded[f"model/{pm.held_names[key]}"]).detach()
+            target = local_part(value).detach()
+            if target.data_ptr() != source.data_ptr():  # not the one DCP read into
+                target.copy_(source)
 
 
 def _optim_template(pm: Checkpointable, saved: dict[str, Any], same_plan: bool) -> dict[str, Any]:
