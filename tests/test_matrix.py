@@ -35,11 +35,10 @@ import pytest
 import torch
 from test_mesh import Chain
 from test_mesh import _optimizer as chain_optimizer
-from test_mesh_models import BF16_ATOL, BF16_RTOL, PINS_FOLDED, V, lm_loss
+from test_mesh_models import BF16_ATOL, BF16_RTOL, PINS_FOLDED, V, lm_loss, rounded_to
 from test_mesh_models import PINS as LLAMA_PINS
 from test_mesh_models import llama as build_llama
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._pytree import tree_map
 from zoo import dict_loss
 
 from graphpipe.compile import RuntimeConfig
@@ -172,16 +171,6 @@ def _worker(cases: list[tuple[str, str, str, str]]) -> dict[tuple[str, str, str,
     return {case: _run(case) for case in cases}
 
 
-def _rounded(dtype: torch.dtype) -> Any:
-    """A forward hook: the output rounded to `dtype` and back, as a value crossing stages
-    is sent (its gradient, coming back through the same casts, is rounded too)."""
-
-    def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
-        return tree_map(lambda x: x.to(dtype).float() if x.is_floating_point() else x, out)
-
-    return hook
-
-
 def _reference(tracing: str, precision: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, gradient accumulation over the same M micro-batches: in float32, or by
     the half-precision recipe (module docstring) with `precision` "bf16" or "fp16" (fp16's
@@ -189,8 +178,8 @@ def _reference(tracing: str, precision: str) -> tuple[list[float], dict[str, tor
     model, loss_fn, optimizer, constants = _setup(tracing)
     half = HALF.get(precision)
     if half is not None and tracing == "export":  # the cut: layer 0's output, the rotary's
-        model.model.layers[0].register_forward_hook(_rounded(half))
-        model.model.rotary_emb.register_forward_hook(_rounded(half))
+        model.model.layers[0].register_forward_hook(rounded_to(half))
+        model.model.rotary_emb.register_forward_hook(rounded_to(half))
     opt = optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     losses = []

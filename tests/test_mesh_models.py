@@ -265,10 +265,14 @@ def _bf16_optimizer() -> functools.partial[torch.optim.Optimizer]:
     return functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9)
 
 
-def _crossing(module: nn.Module, args: Any, out: Any) -> Any:
-    """A forward hook: the output rounded to bf16 and back, as a value crossing stages is
-    sent (its gradient, coming back through the same casts, is rounded too)."""
-    return tree_map(lambda x: x.to(torch.bfloat16).float() if x.is_floating_point() else x, out)
+def rounded_to(dtype: torch.dtype) -> Any:
+    """A forward hook: the output rounded to `dtype` and back, as a value crossing stages
+    is sent (its gradient, coming back through the same casts, is rounded too)."""
+
+    def hook(module: nn.Module, args: Any, out: Any) -> Any:
+        return tree_map(lambda x: x.to(dtype).float() if x.is_floating_point() else x, out)
+
+    return hook
 
 
 def _sgd_run(bf16: bool) -> dict[str, Any]:
@@ -279,8 +283,8 @@ def _sgd_run(bf16: bool) -> dict[str, Any]:
     are, gradients accumulated in float32 on the float32 weights, which SGD steps."""
     model = llama()
     if bf16:
-        model.model.layers[0].register_forward_hook(_crossing)
-        model.model.rotary_emb.register_forward_hook(_crossing)
+        model.model.layers[0].register_forward_hook(rounded_to(torch.bfloat16))
+        model.model.rotary_emb.register_forward_hook(rounded_to(torch.bfloat16))
     return _accumulated(model, [batch(step) for step in range(STEPS)], bf16)
 
 
