@@ -9,11 +9,13 @@ several outputs feeds a parameter's gradient.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphpipe.runtime import backward
 
@@ -184,3 +186,43 @@ def test_weight_half_gives_each_gradient_its_own_storage(micro_batches: int) -> 
     before = {n: g.clone() for n, g in grads.items() if g is not None}
     split.a.grad.mul_(0.5)  # type: ignore[union-attr]  # as a clip does
     torch.testing.assert_close(split.b.grad, before["b"])
+
+
+class _WeightGrads(TorchDispatchMode):
+    """Records each matmul whose result has a parameter's shape (or its transpose): a weight
+    gradient computed."""
+
+    def __init__(self, shapes: dict[tuple[int, ...], str], events: list[str]) -> None:
+        super().__init__()
+        self.shapes, self.events = shapes, events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            for shape in (tuple(out.shape), tuple(reversed(out.shape))):
+                if shape in self.shapes:
+                    self.events.append(f"computed {self.shapes[shape]}")
+        return out
+
+
+def test_weight_half_adds_each_layers_gradient_before_computing_the_next() -> None:
+    """A chain of Linears: each layer's weight gradient is added into `.grad` (`on_grad`)
+    before the next layer's is computed, as the whole backward does; the weight half does not
+    hold every layer's at once (tens of MB a micro-batch on a real stage)."""
+    torch.manual_seed(0)
+    widths = [3, 4, 5, 6]
+    chain = nn.Sequential(*[nn.Linear(a, b) for a, b in itertools.pairwise(widths)])
+    x = torch.randn(2, widths[0], requires_grad=True)
+    y = chain(x)
+    shapes = {tuple(m.weight.shape): name for name, m in chain.named_children()}
+    names = {id(m.weight): name for name, m in chain.named_children()}
+    events: list[str] = []
+    _, half = backward.input_half([y], [torch.ones_like(y)], [x], list(chain.parameters()))
+    assert all(b.own for b in half.boundaries)  # each Linear owns its weight and bias
+    with _WeightGrads(shapes, events):
+        backward.weight_half(
+            half, lambda p: events.append(f"added {names[id(p)]}") if id(p) in names else None
+        )
+    layers = [e.removeprefix("computed ") for e in events[::2]]
+    assert sorted(layers) == ["0", "1", "2"]
+    assert events == [f"{what} {n}" for n in layers for what in ("computed", "added")]
