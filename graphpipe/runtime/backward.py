@@ -308,8 +308,11 @@ def weight_half(half: WeightHalf, on_grad: Callable[[torch.Tensor], None] | None
         if b.own and live:
             params = [half.params[k] for k in b.own]
             edges = [GradientEdge(b.node, k) for k, _ in live]
-            results = torch.autograd.grad(edges, params, [g for _, g in live], allow_unused=True)
-            _add(params, results, held, on_grad)
+            # freed here, before the next layer's are computed
+            arriving = [g for _, g in live]
+            grads = torch.autograd.grad(edges, params, arriving, allow_unused=True)
+            _add(params, grads, held, on_grad)
+            del grads
     totals: dict[tuple[int, int], tuple[GradientEdge, torch.Tensor]] = {}
     for b in half.boundaries:
         if b.own:
