@@ -10,6 +10,7 @@
     failures.py  the failure board and the watch every wait runs under
     precision.py autocast, half-width values between stages, fp16 loss scaling
     emulate.py   emulated devices: stage compute replaced by waits of the plan's times
+    hostmem.py   on CPU, glibc keeps freed blocks for reuse, as a device's caching allocator
     factory.py   real stages or emulated stand-ins, chosen once from RuntimeConfig.emulate
     spec.py      RunSpec: compile's arguments, checked once and frozen; RuntimeConfig
     hooks.py     update hooks run before each optimizer step: fp16 unscale, NaN check, clip

@@ -93,6 +93,9 @@ class RuntimeConfig(OptionGroup):
     compile_stages: bool = option(
         False, "torch.compile each stage module in place (not with zero bubble)", "--compile-stages"
     )
+    host_cache: bool = option(
+        True, "on CPU: glibc keeps freed memory for reuse, as a device's allocator does"
+    )
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -109,8 +112,9 @@ class RuntimeConfig(OptionGroup):
             )
         if self.timer not in (None, "host", "profiler"):
             out.append(f"timer must be 'host' or 'profiler', got {self.timer!r}")
-        if not isinstance(self.compile_stages, bool):
-            out.append(f"compile_stages={self.compile_stages!r}: it must be True or False")
+        for name in ("compile_stages", "host_cache"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name}={getattr(self, name)!r}: it must be True or False")
         return out
 
 

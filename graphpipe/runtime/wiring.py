@@ -38,6 +38,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from graphpipe.ir import Plan, Schedule
+from graphpipe.runtime import hostmem
 from graphpipe.runtime.batching import cpu
 from graphpipe.runtime.clip import GradClipper
 from graphpipe.runtime.comm import Transport
@@ -160,6 +161,8 @@ def wire(
     watch = install_watch(s.timeout)
     set_collective_timeout(s.timeout)
     place = _locate(plan, layout, runtime_device(spec.runtime))
+    if spec.runtime.host_cache and place.device.type == "cpu":
+        hostmem.keep_freed()  # the step's tensors reuse freed host blocks
     canon = {n: names[0] for names in names_by_id(model).values() for n in names}
     precision = _precision(s.precision, layout, gm, s.whole)
     built = _build_modules(model, gm, plan, example_inputs, place, precision, factory, s)
