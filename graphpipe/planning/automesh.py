@@ -63,13 +63,13 @@ choice equals the best of the whole grid planned the same way
 
 Once a candidate is cut, each of its plans (own, siblings', folded chains) has a floor
 (`scheduling.floor.step_floor`: per rank, the forward path into its stages, their M
-micro-batches' compute, the gradients' round trip and its update), a lower bound on its
-step under every flushed schedule. A plan whose floor is over the best step found so far is
-not simulated: it cannot win. Where every plan of a candidate is so skipped and one of them
-fits the budget whatever the schedule holds, the candidate is recorded as pruned (it would
-have had a step, over the best); where none surely fits, it is simulated whole, as the grid
-would. So the choice is still the grid's; a runner-up's step can be that of its plans
-simulated, not of all.
+micro-batches' compute, the gradients' round trip, every backward after the first return
+of gradients, and its update), a lower bound on its step under every flushed schedule. A
+plan whose floor is over the best step found so far is not simulated: it cannot win. Where
+every plan of a candidate is so skipped and one of them fits the budget whatever the
+schedule holds, the candidate is recorded as pruned (it would have had a step, over the
+best); where none surely fits, it is simulated whole, as the grid would. So the choice is
+still the grid's; a runner-up's step can be that of its plans simulated, not of all.
 
 What bound each runner-up (`info["mesh"]["runners_up"]`, `print(plan)`):
 

@@ -26,6 +26,10 @@ so, for each rank r, with U_r the least update time of its stages:
     last      for each stage s on r: head(s) + c_r(s) F_s + back(s) + B_s + U_r (the last
               of its forwards ends after c_r(s) of them from head(s) on; that micro-batch's
               backward then waits back(s), and its I and W, then the update, follow)
+    drain     min over its stages of head(s) + F_s + back(s), plus the sum over its stages
+              of c_r(s) B_s, plus U_r (no backward of a stage, I or W, starts before its
+              first micro-batch's gradients came back: every backward on r runs after the
+              earliest such return: the pipeline's drain)
 
 and the floor is the largest. O(S + E) for S stages and E edges.
 """
@@ -67,6 +71,9 @@ def step_floor(plan: Plan) -> float:
         counts = {s.index: _runs(plan, s.index, rank) for s in stages}
         work = sum(counts[s.index] * (s.forward_time + s.backward_time) for s in stages)
         best = max(best, min(head[s.index] for s in stages) + work + update)
+        returned = min(head[s.index] + s.forward_time + back[s.index] for s in stages)
+        drain = sum(counts[s.index] * s.backward_time for s in stages)
+        best = max(best, returned + drain + update)
         for s in stages:
             end = head[s.index] + counts[s.index] * s.forward_time + back[s.index]
             best = max(best, end + s.backward_time + update)
