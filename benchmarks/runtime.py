@@ -2,6 +2,7 @@
 
     python -m benchmarks.runtime            # about five minutes on 2 cores
     python -m benchmarks.runtime --paired 5 # the chain, both sides interleaved, 5 runs
+    python -m benchmarks.runtime --paired 5 --keep-freed  # glibc keeps freed blocks on both
 
 Two models, batch 256, M = 8 micro-batches, SGD; each figure is the median step time over
 20 steps after 5 warm-up steps:
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +53,7 @@ from tabulate import tabulate
 from torch import nn
 
 from benchmarks._common import log, machine, ratio
+from benchmarks.emulated import KEEP_FREED
 from graphpipe.compile import compile as pipeline
 from graphpipe.ir import Action
 from graphpipe.planning.partition import plan
@@ -475,10 +478,12 @@ def _spread(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def paired(runs: int, width: int = 1024, steps: int = STEPS) -> str:
+def paired(runs: int, width: int = 1024, steps: int = STEPS, keep_freed: bool = False) -> str:
     """The chain's schedules on both sides, one launch each, in turn, `runs` times: each
     run's step times (ms, the slower rank's median) and the ratios that matter, then each
     ratio's median and range over the runs."""
+    if keep_freed:  # before this process's first launch starts the ranks' server: glibc
+        os.environ.update(KEEP_FREED)  # reads it when that server starts
     rows, ratios = [], []
     for r in range(runs):
         log(f"paired run {r + 1}/{runs} (width {width})")
@@ -524,7 +529,9 @@ def paired(runs: int, width: int = 1024, steps: int = STEPS) -> str:
     spread = [_spread([x[k] for x in ratios]) for k in range(5)]
     return (
         f"{machine()}\n\nCommand: `python -m benchmarks.runtime --paired {runs} --width "
-        f"{width} --steps {steps}`. The chain 8 x (Linear({width}) + ReLU), batch {BATCH}, "
+        f"{width} --steps {steps}{' --keep-freed' if keep_freed else ''}`. "
+        + (_KEPT if keep_freed else _PLAIN)
+        + f"The chain 8 x (Linear({width}) + ReLU), batch {BATCH}, "
         f"M = {M}, SGD, 2 ranks of one thread; each schedule in a launch of its own, both "
         "sides in turn, each step after a barrier; each figure the slower rank's median of "
         f"{steps} steps after {WARMUP} warm-up steps. Ratios are step-time ratios (below 1: "
@@ -540,14 +547,35 @@ def paired(runs: int, width: int = 1024, steps: int = STEPS) -> str:
     )
 
 
+_KEPT = (
+    "Both sides' ranks start with glibc told to keep freed blocks (`MALLOC_MMAP_THRESHOLD_` "
+    "32 MiB, `MALLOC_TRIM_THRESHOLD_` 4 GiB, `benchmarks.emulated.KEEP_FREED`), as a device's "
+    "caching allocator keeps them. "
+)
+_PLAIN = (
+    "graphpipe's ranks keep freed blocks (its default on CPU, `host_cache`, "
+    "`graphpipe.runtime.hostmem`); torch's run on glibc's defaults, which give a freed "
+    "weight gradient's 4 MB back to the system and fault it in again (`--keep-freed` gives "
+    "both sides the same). "
+)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Print the tables (with --paired: only the chain, both sides interleaved)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paired", type=int, default=0, help="runs of the interleaved chain")
     parser.add_argument("--width", type=int, default=WIDTH["chain"], help="the chain's width")
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps of each")
+    parser.add_argument(
+        "--keep-freed",
+        action="store_true",
+        help="with --paired: both sides' glibc keeps freed blocks (benchmarks.emulated.KEEP_FREED)",
+    )
     args = parser.parse_args(argv)
-    print(paired(args.paired, args.width, args.steps) if args.paired else report())
+    if args.paired:
+        print(paired(args.paired, args.width, args.steps, args.keep_freed))
+    else:
+        print(report())
 
 
 if __name__ == "__main__":
