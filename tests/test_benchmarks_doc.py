@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.__main__ import NOTES, kept_notes, with_notes
+from benchmarks.__main__ import NOTES, kept_notes, unlisted, with_notes
 
 OLD = f"""# Benchmarks
 
@@ -46,3 +46,11 @@ def test_the_checked_in_document_round_trips() -> None:
         section = "## " + part
         generated = section.split(NOTES)[0]
         assert with_notes(generated, notes).strip() == section.strip()
+
+
+def test_sections_no_benchmark_generates_are_kept_as_they_are() -> None:
+    runtime = "## Runtime\n\n| model | ms |\n|-------|----|\n| chain | 140 |\n"
+    assert unlisted(OLD, [runtime]) == [
+        "## Planner\n\n| config | ratio |\n|--------|-------|\n| mmt | 1.1x |\n"
+    ]
+    assert unlisted(OLD, [runtime, "## Planner\n\nnew figures\n"]) == []
