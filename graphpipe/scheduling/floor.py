@@ -30,6 +30,11 @@ so, for each rank r, with U_r the least update time of its stages:
               of c_r(s) B_s, plus U_r (no backward of a stage, I or W, starts before its
               first micro-batch's gradients came back: every backward on r runs after the
               earliest such return: the pipeline's drain)
+    through   for each stage s of one device: arrive(s) + B_s + U_r, arrive(s) when the
+              last micro-batch's gradients reach s at the earliest: a stage v's last I ends
+              after head(v) and the F and I of every micro-batch its busiest rank runs, and
+              after its own last gradients arrived, and then crosses its edge back to s
+              (`_latest_returns`; with replicas the last arrival's rank is not known)
 
 and the floor is the largest. O(S + E) for S stages and E edges.
 """
@@ -62,6 +67,7 @@ def step_floor(plan: Plan) -> float:
     """
     head = _heads(plan)
     back = _returns(plan)
+    latest = _latest_returns(plan, head)
     best = 0.0
     for rank in range(plan.num_devices):
         stages = plan.stages_on(rank)
@@ -77,7 +83,29 @@ def step_floor(plan: Plan) -> float:
         for s in stages:
             end = head[s.index] + counts[s.index] * s.forward_time + back[s.index]
             best = max(best, end + s.backward_time + update)
+            if len(s.devices) == 1:
+                best = max(best, latest[s.index] + s.backward_time + update)
     return best
+
+
+def _latest_returns(plan: Plan, head: list[float]) -> list[float]:
+    """arrive(s) per stage, from the sinks back: when the last micro-batch's gradients reach
+    s at the earliest. A stage v's last I ends after its first forward's head and every
+    F and I of the micro-batches its busiest rank runs, and after its own last gradients
+    arrived: done(v) = max(head(v) + c(v) (F_v + I_v), arrive(v) + I_v), c(v) the most any
+    of its ranks runs; arrive(s) = max over edges e = (s, v) carrying one of done(v) +
+    t_B(e)."""
+    arrive = [0.0] * len(plan.stages)
+    done = [0.0] * len(plan.stages)
+    for s in reversed(_topological(plan)):
+        st = plan.stages[s]
+        for e in plan.edges:
+            if e.src == s and e.backward_message:
+                arrive[s] = max(arrive[s], done[e.dst] + _transfer(plan, e.dst, s, "B"))
+        runs = max(_runs(plan, s, r) for r in st.devices)
+        own = compute_time(st, "I")
+        done[s] = max(head[s] + runs * (st.forward_time + own), arrive[s] + own)
+    return arrive
 
 
 def _heads(plan: Plan) -> list[float]:
