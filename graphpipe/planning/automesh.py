@@ -56,10 +56,11 @@ graph without planning it, that no plan of it can beat:
 
 The bounds hold for folded layouts too (a rank holds at least one group, and the busiest
 at least 1 / p of the work). Candidates are planned in the order of an estimate (the bound
-with 1F1B's bubble, (M + p - 1) / M), and one whose bound is at least the best step found is
-not planned. The bounds hold for every plan made here, so pruning never drops the best: the
-choice equals the best of the whole grid planned the same way
-(`tests/test_automesh.py`, `python -m benchmarks.autoplan`).
+with 1F1B's bubble, (M + p - 1) / M, and a median edge's transfer both ways across p - 1
+cuts), and one whose bound is at least the best step found is not planned. The bounds hold
+for every plan made here, so pruning never drops the best: the choice equals the best of
+the whole grid planned the same way (`tests/test_automesh.py`, `python -m
+benchmarks.autoplan`).
 
 Once a candidate is cut, each of its plans (own, siblings', folded chains) has a floor
 (`scheduling.floor.step_floor`: per rank, the forward path into its stages, their M
@@ -92,6 +93,7 @@ from functools import cache, partial
 from typing import Any
 
 import networkx as nx
+import numpy as np
 import torch
 from torch import fx, nn
 
@@ -260,6 +262,7 @@ class RankGraph:
     path: float  # the longest forward + backward path
     param_bytes: float  # P: every parameter and buffer of one tp rank
     collectives: float  # tp's all-reduces and all-gathers in T
+    hop_bytes: float = 0.0  # the median edge's bytes: what a cut sends (the estimate's)
 
 
 def rank_graph(g: nx.DiGraph, whole: nx.DiGraph | None = None) -> RankGraph:
@@ -283,6 +286,7 @@ def rank_graph(g: nx.DiGraph, whole: nx.DiGraph | None = None) -> RankGraph:
         max(longest.values(), default=0.0),
         float(sum(g.graph["param_bytes"].values())),
         max(0.0, total - bare),
+        float(np.median([b for *_, b in g.edges(data="bytes", default=0.0)] or [0.0])),
     )
 
 
@@ -650,7 +654,7 @@ def _branch_and_bound(
             bounded.append((math.inf, math.inf, c, "memory"))
             continue
         lower, which = lower_bound(c, rg, cost)
-        estimate = lower * (c.micro_batches + c.pp - 1) / c.micro_batches
+        estimate = _estimate(c, rg, cost, lower)
         bounded.append((estimate, lower, c, which))
     bounded.sort(key=lambda x: (x[0], x[2].pp, x[2].tp, x[2]))
     best, out = math.inf, []
@@ -668,6 +672,14 @@ def _branch_and_bound(
             best = min(best, scored.step)
             out.append(scored)
     return out
+
+
+def _estimate(c: Candidate, rg: RankGraph, cost: CostModel, lower: float) -> float:
+    """The step the search expects of c, to order the candidates by (not a bound): its bound
+    with 1F1B's bubble, (M + p - 1) / M, and a median edge's transfer each way across the
+    p - 1 cuts of the first micro-batch's path."""
+    p, m = c.pp, c.micro_batches
+    return lower * (m + p - 1) / m + 2 * (p - 1) * cost.link.transfer(rg.hop_bytes)
 
 
 def _chosen(found: list[Scored], state: _Search, seconds: float) -> Plan:
