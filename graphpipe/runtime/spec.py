@@ -94,7 +94,9 @@ class RuntimeConfig(OptionGroup):
         False, "torch.compile each stage module in place (not with zero bubble)", "--compile-stages"
     )
     host_cache: bool = option(
-        True, "on CPU: glibc keeps freed memory for reuse, as a device's allocator does"
+        True,
+        "on CPU: glibc keeps freed memory for reuse, as a device's allocator does",
+        "--host-cache",
     )
 
     def __post_init__(self) -> None:

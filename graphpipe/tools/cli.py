@@ -89,6 +89,7 @@ PLAN_OPTIONS = (
 RUN_OPTIONS = (
     "micro_batches", "schedule", "weights", "dp", "tp", "tp_plan", "replication",
     "max_grad_norm", "recompute", "compile_stages", "precision", "memory_budget", "timeout",
+    "host_cache",
 )  # fmt: skip
 
 
