@@ -135,6 +135,7 @@ class Row:
 
 
 def _plan(w: Workload, n: int, dp: int | str, link: LinkModel, budget: float | None) -> Plan:
+    """One stage per device (the table's 1f1b runs no folded layout)."""
     profile = ProfileConfig(mode="roofline", preset="a100")
     return plan(
         w.model,
@@ -146,6 +147,7 @@ def _plan(w: Workload, n: int, dp: int | str, link: LinkModel, budget: float | N
         link=link,
         memory_budget=budget,
         profile=profile,
+        layouts=("one",),
     )
 
 
