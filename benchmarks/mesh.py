@@ -3,6 +3,7 @@
     python -m benchmarks.mesh                       # the table in BENCHMARKS.md (about 3 minutes)
     python -m benchmarks.mesh --measure 8 16        # also emulate the 16-device rows (slow)
     python -m benchmarks.mesh --measure             # simulated only
+    python -m benchmarks.mesh --auto 8              # mesh="auto" and two hand meshes, emulated
 
 The model: the paper's MMT (models.mmt, 4 transformer towers x 8 layers, hidden 1024, 414 M
 parameters) at a mini-batch of 2048, M = 16 micro-batches of 128 rows, op times from the A100
@@ -47,6 +48,13 @@ simulator's step for the emulated run (compute x time_scale, the loopback link x
 An emulated stage is one FSDP unit: its gathers are not hidden behind its compute, which the
 cost model assumes (max(compute, gathers)); host memory is unlimited, so a plan over budget
 runs anyway.
+
+`--auto N` (issue 38's measured check): `plan(..., mesh="auto")` at N devices on the same
+model, M, budget and 200 GB/s link (the search chooses pp x dp, the layout, the schedule and
+FSDP2's resharding), and two hand meshes, pp N x dp 1 and pp N/4 x dp 4 (`HANDS`, planned as
+the table plans them), each emulated on N ranks under its own schedule and resharding; per
+plan its simulated step, and the measured and simulated steps of the emulated run (wall
+seconds) and their ratio.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from unittest import mock
 
@@ -73,6 +81,7 @@ from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import PlanError
 from graphpipe.ir import DEFAULT_SCHEDULE, Plan
 from graphpipe.ir.cost import LinkModel
+from graphpipe.planning.api import plan as gp_plan
 from graphpipe.planning.partition import plan
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.emulate import Emulate
@@ -231,23 +240,31 @@ def scales(loop: LinkModel, time_scale: float) -> Emulate:
     return Emulate(time_scale=time_scale, byte_scale=byte_scale)
 
 
-def _steps(p: Plan, emulate: Emulate, steps: int) -> float:
-    """On each rank: the median seconds of `steps` emulated steps of `p` (after a warm-up)."""
+def _steps(p: Plan, emulate: Emulate, steps: int, own: bool = False) -> float:
+    """On each rank: the median seconds of `steps` emulated steps of `p` (after a warm-up);
+    `own`: under the plan's own schedule and FSDP2 resharding (a mesh search's choice),
+    else under 1f1b and compile's resharding (the table's rows)."""
     w = workload()
     # inputs no stand-in reads: one zero, broadcast (micro-batches are views of it)
     inputs = [torch.zeros((), dtype=x.dtype).expand(x.shape) for x in w.example_inputs]
     target = zero_target(w)
     dp = p.cost_model.dp.degree
+    schedule, options = DEFAULT_SCHEDULE, {}
+    if own:
+        schedule = p.schedule or DEFAULT_SCHEDULE
+        if dp > 1:
+            options["reshard_after_forward"] = p.cost_model.dp.reshard_after_forward
     pm = gp_compile(
         w.model,
         w.example_inputs,
         loss_fn=w.loss_fn,
         optimizer=functools.partial(torch.optim.SGD, lr=0.0),
         micro_batches=p.micro_batches,
-        schedule=DEFAULT_SCHEDULE,
+        schedule=schedule,
         plan=p,
         dp=dp if dp > 1 else None,
         runtime=RuntimeConfig(timeout=600, emulate=emulate),
+        **options,
     )
     pm.step(*inputs, target=target)  # warm-up
     times = []
@@ -259,14 +276,18 @@ def _steps(p: Plan, emulate: Emulate, steps: int) -> float:
     return statistics.median(times)
 
 
-def _emulated(plans: list[str], time_scale: float, steps: int) -> tuple[LinkModel, list[float]]:
+def _emulated(
+    plans: list[str], time_scale: float, steps: int, own: bool = False
+) -> tuple[LinkModel, list[float]]:
     """On each rank: the loopback, then each plan's median step seconds, one after another."""
     loop = loopback()
     emulate = scales(loop, time_scale)
-    return loop, [_steps(Plan.from_json(p), emulate, steps) for p in plans]
+    return loop, [_steps(Plan.from_json(p), emulate, steps, own) for p in plans]
 
 
-def measured(plans: Sequence[Plan], time_scale: float, steps: int) -> tuple[LinkModel, list[float]]:
+def measured(
+    plans: Sequence[Plan], time_scale: float, steps: int, own: bool = False
+) -> tuple[LinkModel, list[float]]:
     """The loopback of N ranks and the seconds per step of each plan emulated on them (the
     slowest rank's median), in one launch of N processes.
 
@@ -274,13 +295,86 @@ def measured(plans: Sequence[Plan], time_scale: float, steps: int) -> tuple[Link
         plans: Plans of the same N = pp x dp ranks.
         time_scale: Waits are the plans' compute times x this.
         steps: Timed steps per plan.
+        own: Run each plan's own schedule and resharding (`_steps`).
     """
     ranks = plans[0].num_devices * plans[0].cost_model.dp.degree
-    args = ([p.to_json() for p in plans], time_scale, steps)
-    with mock.patch.dict(os.environ, KEEP_FREED):  # spawned ranks' glibc reads it at start
-        results = launch(_emulated, ranks, args=args, timeout=1200, start_method="spawn")
+    args = ([p.to_json() for p in plans], time_scale, steps, own)
+    # the fork server (launch's default) starts at this process's first launch, with these
+    # set: its glibc reads them at start, and the ranks fork from it. Under "spawn" a rank
+    # got the launcher's stderr as fd 2 itself and closed it (launch's _Inherited.install),
+    # then a socket took fd 2: rank 0's compile line failed (EBADF), or a warning went into
+    # a gloo connection ("Broken pipe" building the mesh)
+    with mock.patch.dict(os.environ, KEEP_FREED):
+        results = launch(_emulated, ranks, args=args, timeout=1200)
     seconds = [max(r[1][i] for r in results) for i in range(len(plans))]
     return results[0][0], seconds
+
+
+# -- mesh="auto" beside hand meshes, measured (issue 38, item 4) -----------------------------
+
+HANDS = (1, 4)  # the dp degrees of the hand meshes beside the auto choice: pp N x dp 1, N/4 x 4
+
+
+def emulated_step(p: Plan, emulate: Emulate, loop: LinkModel) -> float:
+    """The simulated step of `p`'s emulated run under its own schedule: compute x
+    time_scale, the pp link and the dp link (where the plan names one) the loopback x
+    byte_scale (`emulated_plan`)."""
+    run = emulated_plan(p, emulate, loop)
+    if run.cost_model.dp.link is not None:  # a mesh search's plan names its dp link
+        cost = run.cost_model
+        run = replace(run, cost_model=replace(cost, dp=replace(cost.dp, link=cost.link)))
+    return simulate(run, p.schedule or DEFAULT_SCHEDULE).iteration_time
+
+
+def _hand(w: Workload, n: int, dp: int, link: LinkModel) -> Plan:
+    """The hand mesh of N / dp x dp as the table's rows plan it (one stage per device, 1f1b),
+    within the budget or, where nothing fits, without it."""
+    try:
+        return _plan(w, n, dp, link, BUDGET)
+    except PlanError:
+        return _plan(w, n, dp, link, None)
+
+
+def auto_rows(n: int, time_scale: float, steps: int) -> tuple[list[list[Any]], str]:
+    """mesh="auto" at N devices (M, the budget and the 200 GB/s link of the table; the search
+    chooses pp x dp, the layout, the schedule and the resharding) and the hand meshes of
+    `HANDS` (planned as the table's rows: `plan(..., dp=k)`, `_hand`), each emulated on N ranks
+    under its own schedule: measured and simulated steps of the same emulated run."""
+    w, link = workload(), LINKS[EMULATED_LINK]
+    auto = gp_plan(
+        w.model,
+        w.example_inputs,
+        devices=n,
+        mesh="auto",
+        micro_batches=MICRO_BATCHES,
+        replication=False,
+        link=link,
+        memory_budget=BUDGET,
+        profile=ProfileConfig(mode="roofline", preset="a100"),
+    )
+    hands = [_hand(w, n, k, link) for k in HANDS]
+    plans = [auto, *hands]
+    start = time.perf_counter()
+    loop, walls = measured(plans, time_scale, steps, own=True)
+    emulate = scales(loop, time_scale)
+    note = (
+        f"N={n}: loopback {loop.bandwidth / 1e9:.3f} GB/s and {loop.latency * 1e6:.0f} us per "
+        f"rank, time x {time_scale:g}, bytes / {emulate.byte_scale:.1f}, "
+        f"{time.perf_counter() - start:.0f} s"
+    )
+    table = []
+    for name, p, wall in zip(["auto", "hand", "hand"], plans, walls, strict=True):
+        sim, own = emulated_step(p, emulate, loop), simulate(p, p.schedule).iteration_time
+        shape = f"pp {p.num_devices} x dp {p.cost_model.dp.degree}, M {p.micro_batches}"
+        table.append(
+            [name, shape, f"{p.layout}/{p.schedule}", f"{own:.3f}", f"{wall:.3f}",
+             f"{sim:.3f}", f"{wall / sim:.3f}"]
+        )  # fmt: skip
+    return table, note
+
+
+AUTO_HEADERS = ["mesh", "pp x dp, M", "layout/schedule", "sim step s (200 GB/s)",
+                "measured s", "simulated s", "measured / simulated"]  # fmt: skip
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -373,7 +467,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--measure", nargs="*", type=int, default=list(MEASURED), help="N emulated")
     parser.add_argument("--time-scale", type=float, default=8.0, help="waits x plan times")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per run")
+    parser.add_argument(
+        "--auto", type=int, default=None, help="mesh='auto' and two hand meshes on N ranks"
+    )
     args = parser.parse_args(argv)
+    if args.auto:
+        table, note = auto_rows(args.auto, args.time_scale, args.steps)
+        print(f"{note}\n\n{tabulate(table, headers=AUTO_HEADERS, tablefmt='github')}")
+        return
     print(report(args.devices, args.measure, args.time_scale, args.steps))
 
 
