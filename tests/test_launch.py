@@ -37,6 +37,33 @@ def test_each_start_method_runs_every_rank(method: str) -> None:
     assert launch(_rank, 2, start_method=method, timeout=60) == [0, 1]
 
 
+def _speak() -> int:
+    """Write a line to stdout and to stderr (through sys, as print does)."""
+    print(f"out {dist.get_rank()}", flush=True)
+    print(f"err {dist.get_rank()}", file=sys.stderr, flush=True)
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_a_worker_writes_to_the_launchers_stdout_and_stderr(method: str) -> None:
+    """Under "spawn" each worker closed its own stderr (the handed descriptor kept its
+    number, 2, and was closed after installing it on itself): its first write to stderr
+    raised EBADF."""
+    script = (
+        "from test_launch import _speak\n"
+        "from graphpipe.runtime.launch import launch\n"
+        f"if __name__ == '__main__':\n    print(launch(_speak, 2, start_method={method!r}, "
+        "timeout=60))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {"out 0", "out 1", "[0, 1]"} <= set(done.stdout.splitlines())
+    assert {"err 0", "err 1"} <= set(done.stderr.splitlines())
+
+
 def test_an_unknown_start_method_is_named() -> None:
     with pytest.raises(ConfigError, match=r"start_method must be one of .*got 'fork'"):
         launch(_rank, 2, start_method="fork")

@@ -241,12 +241,23 @@ class _Inherited:
     stderr: Any
 
     def install(self) -> None:
-        """Point this process's fds 1 and 2 at the launcher's stdout and stderr."""
+        """Point this process's fds 1 and 2 at the launcher's stdout and stderr.
+
+        Under "spawn" a handed descriptor keeps its number in the child: it may be 1 or 2
+        itself (closing it closed the stream it is), or the other stream's target (installing
+        one first overwrote the other). Each is copied to a number of its own before either
+        is installed, and only descriptors other than 1 and 2 are closed.
+        """
+        own = {}
         for target, handed in ((1, self.stdout), (2, self.stderr)):
             if handed is not None:
                 fd = handed.detach()
-                os.dup2(fd, target)
-                os.close(fd)
+                own[target] = os.dup(fd)
+                if fd not in (1, 2):
+                    os.close(fd)
+        for target, fd in own.items():
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 def _is_open(fd: int) -> bool:
