@@ -66,12 +66,20 @@ def _run(setup: str) -> tuple[int, int]:
     return int(given), int(called)
 
 
+def _kept(given: int) -> bool:
+    """The 24 MB block stayed (the resident size, in whole MB, moved by rounding at most)."""
+    return given <= 2
+
+
 def test_keep_freed_keeps_a_freed_block_for_the_next_allocation() -> None:
-    assert _run("") == (24, 0)  # glibc unmapped it: the next one faults every page in again
-    assert _run(ALONE) == (0, 1)
+    given, called = _run("")
+    assert given >= 22 and called == 0  # glibc unmapped it: the next one faults it in again
+    given, called = _run(ALONE)
+    assert _kept(given) and called == 1
 
 
 def test_compile_on_cpu_keeps_freed_memory_unless_told_not_to() -> None:
-    assert _run(COMPILE.format(host_cache=True)) == (0, 1)
+    given, called = _run(COMPILE.format(host_cache=True))
+    assert _kept(given) and called == 1
     _, called = _run(COMPILE.format(host_cache=False))
     assert called == 0
