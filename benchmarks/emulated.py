@@ -187,7 +187,9 @@ def measured(config: str, choice: Choice, emulate: Emulate, steps: int) -> float
 
 
 def emulated_plan(plan: Plan, emulate: Emulate, link: LinkModel) -> Plan:
-    """`plan` as the emulation runs it: compute x time_scale on the link, bytes / byte_scale."""
+    """`plan` as the emulation runs it: compute x time_scale on the link, bytes / byte_scale.
+    Every link the plan names is the loopback: the pp link, and the dp link where it names
+    one (a mesh search's plan)."""
     scaled = LinkModel(bandwidth=link.bandwidth * emulate.byte_scale, latency=link.latency)
     stages = tuple(
         dataclasses.replace(
@@ -198,9 +200,10 @@ def emulated_plan(plan: Plan, emulate: Emulate, link: LinkModel) -> Plan:
         )
         for s in plan.stages
     )
-    return dataclasses.replace(
-        plan, stages=stages, cost_model=dataclasses.replace(plan.cost_model, link=scaled)
-    )
+    cost = dataclasses.replace(plan.cost_model, link=scaled)
+    if cost.dp.link is not None:
+        cost = dataclasses.replace(cost, dp=dataclasses.replace(cost.dp, link=scaled))
+    return dataclasses.replace(plan, stages=stages, cost_model=cost)
 
 
 def simulated(choice: Choice, emulate: Emulate, link: LinkModel) -> float:

@@ -65,7 +65,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
@@ -319,11 +319,7 @@ def emulated_step(p: Plan, emulate: Emulate, loop: LinkModel) -> float:
     """The simulated step of `p`'s emulated run under its own schedule: compute x
     time_scale, the pp link and the dp link (where the plan names one) the loopback x
     byte_scale (`emulated_plan`)."""
-    run = emulated_plan(p, emulate, loop)
-    if run.cost_model.dp.link is not None:  # a mesh search's plan names its dp link
-        cost = run.cost_model
-        run = replace(run, cost_model=replace(cost, dp=replace(cost.dp, link=cost.link)))
-    return simulate(run, p.schedule or DEFAULT_SCHEDULE).iteration_time
+    return simulate(emulated_plan(p, emulate, loop), p.schedule or DEFAULT_SCHEDULE).iteration_time
 
 
 def _hand(w: Workload, n: int, dp: int, link: LinkModel) -> Plan:
