@@ -164,7 +164,7 @@ def _claim(half: WeightHalf, in_n: set[int], to_param: set[int]) -> None:
     """
     owner: dict[int, int] = {}  # D node -> the first source that reached it
     shared: set[int] = set()
-    held: dict[int, list[int]] = {}  # source -> its region's accumulators' parameter indices
+    reached: dict[int, set[int]] = {}  # source -> its region's parameters (indices)
     at = {id(p): k for k, p in enumerate(half.params)}
     sources = [[c for _, (c, _) in b.slots] for b in half.boundaries]
     sources += [[r.grad_fn] for r in half.roots]
@@ -177,12 +177,8 @@ def _claim(half: WeightHalf, in_n: set[int], to_param: set[int]) -> None:
                 shared.update((first, i))
                 continue  # the first source's walk went on below it
             variable = _torch.accumulated(node)
-            if (
-                variable is not None
-                and id(variable) in at
-                and at[id(variable)] not in held.get(i, [])
-            ):
-                held.setdefault(i, []).append(at[id(variable)])
+            if variable is not None and id(variable) in at:
+                reached.setdefault(i, set()).add(at[id(variable)])
             stack.extend(
                 c
                 for c, _ in node.next_functions
@@ -191,7 +187,7 @@ def _claim(half: WeightHalf, in_n: set[int], to_param: set[int]) -> None:
             )
     for i, b in enumerate(half.boundaries):
         if not b.direct and i not in shared:
-            b.own = sorted(held.get(i, []))
+            b.own = sorted(reached.get(i, ()))
 
 
 def _mark_direct(boundaries: list[_Boundary], order: list[Any]) -> None:
