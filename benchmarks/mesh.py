@@ -300,10 +300,7 @@ def measured(
     ranks = plans[0].num_devices * plans[0].cost_model.dp.degree
     args = ([p.to_json() for p in plans], time_scale, steps, own)
     # the fork server (launch's default) starts at this process's first launch, with these
-    # set: its glibc reads them at start, and the ranks fork from it. Under "spawn" a rank
-    # got the launcher's stderr as fd 2 itself and closed it (launch's _Inherited.install),
-    # then a socket took fd 2: rank 0's compile line failed (EBADF), or a warning went into
-    # a gloo connection ("Broken pipe" building the mesh)
+    # set: its glibc reads them at start, and the ranks fork from it
     with mock.patch.dict(os.environ, KEEP_FREED):
         results = launch(_emulated, ranks, args=args, timeout=1200)
     seconds = [max(r[1][i] for r in results) for i in range(len(plans))]

@@ -6,8 +6,8 @@ default glibc gives a freed block of that size back to the operating system once
 memory at the top of its heap passes its trim threshold (twice its mmap threshold, which
 follows the largest block freed), and the next allocation faults every page in again and
 zeroes it. Measured on the 2-core VM (`benchmarks.runtime`, 2 ranks of 8 x Linear(1024),
-M = 8): 5,000 to 9,000 page faults a step on a rank, 10-15% of its time; with the thresholds
-raised, none after the first step.
+M = 8): 3,000 to 24,000 page faults a step on a rank, 10-15% of its time; with the
+thresholds raised, 9 to 219.
 
 `keep_freed` raises both with `mallopt`: blocks up to 32 MiB (glibc's largest dynamic mmap
 threshold on 64-bit) come from the heap, and the heap is not trimmed below 2 GiB free. A

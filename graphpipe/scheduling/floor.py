@@ -36,7 +36,8 @@ so, for each rank r, with U_r the least update time of its stages:
               after its own last gradients arrived, and then crosses its edge back to s
               (`_latest_returns`; with replicas the last arrival's rank is not known)
 
-and the floor is the largest. O(S + E) for S stages and E edges.
+and the floor is the largest. O(S x E) for S stages and E edges (each stage scans the edge
+list).
 """
 
 from __future__ import annotations
