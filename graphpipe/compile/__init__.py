@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from graphpipe.compile.agree import agree_schedule, agreed_plan
 from graphpipe.compile.steps import (
     build_mesh,
     check_world,
@@ -109,7 +110,9 @@ def compile(
         loss_fn: (model output, target) -> scalar, mean-reduced over the batch.
         optimizer: Builds the optimizer from a list of parameters, e.g.
             `functools.partial(torch.optim.SGD, lr=0.1)`.
-        plan: A Plan, or a path to its JSON, instead of planning.
+        plan: A Plan, or a path to its JSON, instead of planning. Every rank runs rank 0's
+            copy: copies made on each rank may differ in their measured stage times, but a
+            rank whose copy differs in anything else is refused (`graphpipe.compile.agree`).
         planning, parallelism, numerics, memory, init, runtime: The option groups
             (`graphpipe.planning.options`, `RuntimeConfig`): every option is defined there
             once, with its default and meaning, under the name `graphpipe.plan` and the
@@ -155,8 +158,10 @@ def compile(
 
     Raises:
         ConfigError: bad arguments, every one found before any work named in one error
-            (`RunSpec.build`); later, a world size the plan was not made for.
+            (`RunSpec.build`); later, a world size the plan was not made for, or ranks
+            given different plans (`graphpipe.compile.agree`).
         PlanError: no plan fits, or the given plan is not for this model.
+        ScheduleError: the ranks made different schedules (`agree_schedule`).
     """
     groups = dict(
         planning=planning, parallelism=parallelism, numerics=numerics, memory=memory,
@@ -177,6 +182,7 @@ def compile(
         the_plan = _plan(gm, inputs, spec)
     check_world(spec, the_plan)
     the_plan, sched = _scheduled(the_plan, spec)
+    agree_schedule(sched, spec.runtime.timeout)
     announce(the_plan, sched, spec)
     with posted("compile"):
         return PipelinedModel(model, gm, inputs, the_plan, sched, spec)
@@ -248,9 +254,11 @@ def _planned_at(
 
 
 def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -> Plan:
-    """The given plan checked against the trace, or rank 0's."""
+    """The given plan checked against the trace, rank 0's copy of it on every rank
+    (`agreed_plan`), or the plan rank 0 makes."""
     if spec.plan is not None:
-        return checked_plan(spec.plan, gm, spec.data_parallel, spec.tensor_parallel)
+        checked = checked_plan(spec.plan, gm, spec.data_parallel, spec.tensor_parallel)
+        return agreed_plan(checked, spec.runtime.timeout)
     return plan_on_rank_0(gm, inputs, spec)
 
 
