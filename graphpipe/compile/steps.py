@@ -336,6 +336,9 @@ def broadcast_plan(make: Callable[[], Plan], runtime: RuntimeConfig) -> Plan:
     is sent in the plan's place: every rank raises a PlanError naming its type and message
     at once, rank 0's chained to the original, instead of the others waiting out
     `plan_timeout`.
+
+    Every rank has finished with the group (a barrier on the default group) before any rank
+    destroys it.
     """
     group = guarded(  # its rendezvous, too, stops when a rank dies
         "the plan broadcast's group",
@@ -358,6 +361,10 @@ def broadcast_plan(make: Callable[[], Plan], runtime: RuntimeConfig) -> Plan:
             lambda: dist.broadcast_object_list(message, src=0, group=group),
             timeout=runtime.timeout if dist.get_rank() == 0 else runtime.plan_timeout,
         )
+        # no rank closes the group's connections while another still reads or connects on
+        # them: a rank destroying it right after its own part of the broadcast cut a slow
+        # rank's connection ("Connection closed by peer" in connectFullMesh, 8 ranks)
+        guarded("the plan broadcast's end", dist.barrier, timeout=runtime.timeout)
     finally:
         dist.destroy_process_group(group)
     kind, payload = message[0]
