@@ -661,12 +661,24 @@ def cost_model(
     )
 
 
+def _coarse(g: nx.DiGraph, devices: int) -> nx.DiGraph:
+    """`g`'s folded groups, coarsened to units of at most half a stage's share of the time:
+    what both partitioners search over (made once for the two of them)."""
+    total = sum(d["forward"] + d["backward"] for _, d in g.nodes(data=True))
+    return coarsen(g, total / (2 * devices), folded_groups(g))
+
+
 def _searched(
-    g: nx.DiGraph, cost: CostModel, config: PlanConfig, kind: str, digest: str, held_floor: int = 0
+    g: nx.DiGraph,
+    cost: CostModel,
+    config: PlanConfig,
+    kind: str,
+    digest: str,
+    held_floor: int = 0,
+    coarse: nx.DiGraph | None = None,
 ) -> Plan:
     start = time.perf_counter()
-    total = sum(d["forward"] + d["backward"] for _, d in g.nodes(data=True))
-    units = coarsen(g, total / (2 * config.devices), folded_groups(g))
+    units = _coarse(g, config.devices) if coarse is None else coarse
     tree = decompose(units) if kind == "graph" else linearise(units)
     units, tree = condense(g, units, tree, max(config.max_units, 4 * config.devices))
     units.graph["tensor_bytes"] = {n: wire_bytes(g, n) for n in g}
@@ -711,9 +723,10 @@ def score(plan: Plan, objective: str) -> tuple[float, int]:
 def _best_of_graph_and_sequential(
     g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str, held_floor: int = 0
 ) -> Plan:
-    graph_plan = _searched(g, cost, config, "graph", digest, held_floor)
+    coarse = _coarse(g, config.devices)
+    graph_plan = _searched(g, cost, config, "graph", digest, held_floor, coarse)
     try:
-        seq_plan = _searched(g, cost, config, "sequential", digest, held_floor)
+        seq_plan = _searched(g, cost, config, "sequential", digest, held_floor, coarse)
     except PlanError as exc:  # a graph plan can fit where no sequential one does
         return replace(
             graph_plan,
