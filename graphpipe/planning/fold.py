@@ -97,6 +97,32 @@ def folded_groups(g: nx.DiGraph) -> list[Unit]:
         >>> folded_groups(g)
         [('a', 'check'), ('b',), ('output',)]
     """
+    key = _structure(g)
+    known = _FOLDED.get(key)
+    if known is None:
+        if len(_FOLDED) >= FOLDED_KEPT:
+            _FOLDED.clear()
+        known = _FOLDED[key] = _folded(g)
+    return list(known)
+
+
+FOLDED_KEPT = 64  # graph structures whose folded groups are kept
+_FOLDED: dict[tuple[object, ...], list[Unit]] = {}
+
+
+def _structure(g: nx.DiGraph) -> tuple[object, ...]:
+    """What `folded_groups` reads of `g`: every node with its order, tensor, constant and
+    tp_split attributes, and every edge. The mesh search plans one graph at many row counts
+    (`mesh.per_rank_graph`: the same structure, other times), each partitioner and layout
+    folding it again; the groups are made once per structure."""
+    nodes = tuple(
+        (n, d.get("order"), d.get("tensor", True), bool(d.get("constant")), bool(d.get("tp_split")))
+        for n, d in g.nodes(data=True)
+    )
+    return nodes, tuple(g.edges)
+
+
+def _folded(g: nx.DiGraph) -> list[Unit]:
     groups = _tp_bound(g, bound_groups(g))
     if len(groups) == 1:
         return groups
