@@ -587,6 +587,23 @@ def test_constants_read_by_the_layers_fold_into_their_first_consumer() -> None:
     )
 
 
+def test_folded_groups_are_kept_per_structure_and_never_stale() -> None:
+    """The mesh search folds one structure at many row counts: the groups are made once per
+    what `folded_groups` reads, and an attribute it reads changes them."""
+    edges = [("x", "l0"), ("l0", "l1"), ("arange", "table"), ("table", "view0")]
+    edges += [("table", "view1"), ("view0", "l0"), ("view1", "l1"), ("l1", "output")]
+    names = ["x", "arange", "table", "view0", "view1", "l0", "l1", "output"]
+    plain = folded_groups(_equal_ops(edges, names))
+    g = _equal_ops(edges, names)
+    nx.set_node_attributes(g, {n: 7.0 for n in g}, "forward")  # other times: the same fold
+    assert folded_groups(g) == plain
+    folded_groups(g).clear()  # each call's own list
+    assert folded_groups(g) == plain
+    nx.set_node_attributes(g, {n: True for n in ("arange", "table", "view0", "view1")}, "constant")
+    assert folded_groups(g) != plain
+    assert ("view0", "l0") in folded_groups(g)
+
+
 # -- condensing large trees ------------------------------------------------------------------------
 
 
