@@ -24,6 +24,7 @@ from graphpipe.planning.fold import bound_groups, folded_groups
 from graphpipe.planning.layouts import _cuts
 from graphpipe.planning.opgraph import op_graph, value_kind
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph, plan, score
+from graphpipe.planning.pieces import Pieces, _Accumulator
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.planning.schedule_memory import for_schedule
 from graphpipe.planning.search import search
@@ -602,6 +603,41 @@ def test_folded_groups_are_kept_per_structure_and_never_stale() -> None:
     nx.set_node_attributes(g, {n: True for n in ("arange", "table", "view0", "view1")}, "constant")
     assert folded_groups(g) != plain
     assert ("view0", "l0") in folded_groups(g)
+
+
+def test_a_series_ranges_read_lazily_equal_the_accumulators_sums() -> None:
+    """Pieces keeps a series' ranges as arrays (`StatsTable`): every range read equals the
+    stats `_Accumulator` adds up one unit at a time (a shared parameter counted once), a
+    range past the series is no piece, and the least memory is every range's least."""
+    names = [f"op{i}" for i in range(6)]
+    rng = random.Random(7)
+    params = {n: frozenset({f"{n}.w"}) for n in names}
+    params["op4"] = frozenset({"op1.w", "op4.w"})  # op4 reads op1's weight too
+    g = synthetic(
+        list(itertools.pairwise(names)),
+        {n: rng.uniform(0.5, 4.0) for n in names},
+        {n: rng.choice([100, 1000, 20000]) for n in names},
+        params,
+    )
+    units = units_of_graph(g)
+    tree = linearise(units)
+    cost = CostModel(1, 4, LinkModel(bandwidth=3e9, latency=7e-6))
+    least = Pieces(units, tree, cost, max_replicas=1).smallest_memory()  # before any read
+    pieces = Pieces(units, tree, cost, max_replicas=1)
+    order = units_of(tree)
+    every = []
+    for a in range(len(order)):
+        acc = _Accumulator(units)
+        for b in range(a, len(order)):
+            acc.add(order[b])
+            key = ("range", id(tree), a, b)
+            assert key in pieces.stats
+            assert pieces.stats[key] == acc.stats()
+            every.append(acc.stats())
+    assert ("range", id(tree), 2, len(order)) not in pieces.stats
+    with pytest.raises(KeyError):
+        pieces.stats[("range", id(tree), 3, 2)]
+    assert least == min(cost.stage_memory(x.pbytes, x.act, 1, 1) for x in every)
 
 
 # -- condensing large trees ------------------------------------------------------------------------

@@ -11,7 +11,8 @@ A piece is a set of units that the DP (`search`) may make one stage, named by a 
 Each piece has its time, activation bytes and parameter bytes (`Stats`, shared parameters
 counted once) and its stage time on 1..R replicas (`CostModel.stage_time`). A series node
 also keeps them as arrays over the end position, which the DP reads once per bottleneck
-value instead of piece by piece. Units of a piece are listed only when a solution is built.
+value instead of piece by piece; a range's `Stats` is made only when something reads it
+(`StatsTable`). Units of a piece are listed only when a solution is built.
 
 Complexity: O(n^2 R) stage times per series node of n positions (every range, R replica
 counts), O(L n R) per parallel child of L branches (absorbing pieces) and O(L^2 R) per
@@ -29,7 +30,7 @@ import numpy as np
 from graphpipe.ir.cost import CostModel
 from graphpipe.planning.sptree import Leaf, Parallel, Series, SPNode, Unit, units_of
 
-__all__ = ["Key", "Pieces", "SeriesInfo", "Stats"]
+__all__ = ["Key", "Pieces", "SeriesInfo", "Stats", "StatsTable"]
 
 Key = tuple[Any, ...]
 
@@ -57,6 +58,77 @@ class SeriesInfo:
     absorb: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
+@dataclass
+class _Ranges:
+    """Every range a..b of a series' positions as arrays [a, b] (b >= a; the rest unused):
+    running sums from each a, as `_Accumulator` adds them."""
+
+    time: np.ndarray
+    act: np.ndarray
+    pbytes: np.ndarray
+    stateful: np.ndarray
+
+    def stats(self, a: int, b: int) -> Stats:
+        return Stats(
+            float(self.time[a, b]),
+            float(self.act[a, b]),
+            float(self.pbytes[a, b]),
+            bool(self.stateful[a, b]),
+        )
+
+
+class StatsTable:
+    """Key -> Stats, as a dict reads. A series of n positions has O(n^2) ranges, kept as
+    arrays (`_Ranges`); a range's Stats is made the first time it is read, since the DP
+    reads few of them (at 512 devices, making all of them was an eighth of the search)."""
+
+    def __init__(self) -> None:
+        self._made: dict[Key, Stats] = {}
+        self._ranges: dict[int, _Ranges] = {}
+
+    def add_ranges(self, node_id: int, ranges: _Ranges) -> None:
+        """The ranges of series `node_id`: pieces ("range", node_id, a, b)."""
+        self._ranges[node_id] = ranges
+
+    def __setitem__(self, key: Key, stats: Stats) -> None:
+        self._made[key] = stats
+
+    def __getitem__(self, key: Key) -> Stats:
+        found = self.get(key)
+        if found is None:
+            raise KeyError(key)
+        return found
+
+    def __contains__(self, key: Key) -> bool:
+        return self.get(key) is not None
+
+    def get(self, key: Key) -> Stats | None:
+        """The piece's Stats, or None for no such piece."""
+        found = self._made.get(key)
+        if found is not None or key[0] != "range" or len(key) != 4:
+            return found
+        ranges = self._ranges.get(key[1])
+        a, b = key[2], key[3]
+        if ranges is None or not 0 <= a <= b < ranges.time.shape[0]:
+            return None
+        found = self._made[key] = ranges.stats(a, b)
+        return found
+
+    def made(self) -> dict[Key, Stats]:
+        """The pieces whose Stats exist: every leaf, group and absorbing piece, and the
+        ranges read so far (or all, for a series not kept as arrays)."""
+        return self._made
+
+    def least_memory(self, memory: Any) -> float:
+        """min over every piece of `memory(stats)`, for a `memory` that grows with the
+        parameter and activation bytes: a series' ranges are each at least their last
+        position alone (a..b holds b's parameters and activations), so only those count."""
+        every = list(self._made.values())
+        for ranges in self._ranges.values():
+            every += [ranges.stats(b, b) for b in range(ranges.time.shape[0])]
+        return min((memory(s) for s in every), default=0.0)
+
+
 class Pieces:
     """Every piece of a series-parallel tree over a unit graph, with its statistics.
 
@@ -70,7 +142,7 @@ class Pieces:
 
     def __init__(self, g: nx.DiGraph, tree: SPNode, cost: CostModel, max_replicas: int) -> None:
         self.g, self.cost, self.max_replicas = g, cost, max_replicas
-        self.stats: dict[Key, Stats] = {}
+        self.stats = StatsTable()
         self.series: dict[int, SeriesInfo] = {}
         self.sorted_children: dict[int, tuple[SPNode, ...]] = {}
         self.leaves: dict[int, Leaf] = {}
@@ -114,7 +186,7 @@ class Pieces:
             chunks += [stage.ravel() for _, stage in info.absorb.values()]
         chunks += [
             self.stage_times(stats)
-            for key, stats in self.stats.items()
+            for key, stats in self.stats.made().items()
             if key[0] in ("leaf", "group")
         ]
         values = np.unique(np.concatenate(chunks))
@@ -122,10 +194,7 @@ class Pieces:
 
     def smallest_memory(self) -> float:
         """The least memory any piece needs, one micro-batch in flight, one replica."""
-        return min(
-            (self.cost.stage_memory(s.pbytes, s.act, 1, 1) for s in self.stats.values()),
-            default=0.0,
-        )
+        return self.stats.least_memory(lambda s: self.cost.stage_memory(s.pbytes, s.act, 1, 1))
 
     # -- preparation -------------------------------------------------------------------------
 
@@ -148,9 +217,18 @@ class Pieces:
         n = len(positions)
         time = np.full((n, n + 1), np.inf)
         stage = np.full((n, n + 1, self.max_replicas), np.inf)
-        for (_, _, a, b), stats in self._series_ranges(node, positions):
-            time[a, b + 1] = stats.time
-            stage[a, b + 1] = self._stage_row(stats)
+        ranges = self._series_ranges(positions)
+        if ranges is None:  # sizes whose sums depend on their order: added one by one
+            for (_, _, a, b), stats in self._register_ranges(
+                "range", node, [[u] for u in positions]
+            ):
+                time[a, b + 1] = stats.time
+                stage[a, b + 1] = self._stage_row(stats)
+        else:
+            self.stats.add_ranges(id(node), ranges)
+            for a in range(n):
+                time[a, a + 1 :] = ranges.time[a, a:]
+                self._stage_rows(ranges, a, stage[a])
         at = {u: i for i, u in enumerate(positions)}
         children = {}
         for child in node.children:
@@ -194,34 +272,41 @@ class Pieces:
             return self.stage_times(stats)
         return self.cost.stage_time(stats.time, stats.pbytes, 1)
 
-    def _series_ranges(self, node: Series, positions: list[Unit]) -> list[tuple[Key, Stats]]:
-        """`_register_ranges("range", node, one block per position)`, as running sums from
-        each start a (`np.cumsum` adds in `_Accumulator`'s order, so the same floats); a
-        parameter counted at its first position from a on. Where a size is not a whole
-        number of bytes (sums would then depend on their order), `_register_ranges`."""
+    def _series_ranges(self, positions: list[Unit]) -> _Ranges | None:
+        """Every range's stats as running sums from each start a (`np.cumsum` adds in
+        `_Accumulator`'s order, so the same floats); a parameter counted at its first
+        position from a on. None where a size is not a whole number of bytes (sums would
+        then depend on their order: `_register_ranges` adds them one by one)."""
         facts = _unit_facts(self.g, positions)
         if facts is None:
-            return self._register_ranges("range", node, [[u] for u in positions])
+            return None
         times, acts, stateful = facts
-        sizes, made = self.g.graph["param_bytes"], []
+        n, sizes = len(positions), self.g.graph["param_bytes"]
+        out = _Ranges(
+            np.zeros((n, n)), np.zeros((n, n)), np.zeros((n, n)), np.zeros((n, n), dtype=bool)
+        )
         first: dict[str, int] = {}  # parameter -> its first position from a on
-        for a in reversed(range(len(positions))):
+        for a in reversed(range(n)):
             first.update(dict.fromkeys(self.g.nodes[positions[a]]["params"], a))
-            new = np.zeros(len(positions) - a)
+            new = np.zeros(n - a)
             for name, at in first.items():
                 new[at - a] += sizes.get(name, 0)
-            rows = zip(
-                np.cumsum(times[a:]).tolist(),
-                np.cumsum(acts[a:]).tolist(),
-                np.cumsum(new).tolist(),
-                np.logical_or.accumulate(stateful[a:]).tolist(),
-                strict=True,
-            )
-            for b, (t, act, pb, st) in enumerate(rows, start=a):
-                key, stats = ("range", id(node), a, b), Stats(t, act, pb, st)
-                self.stats[key] = stats
-                made.append((key, stats))
-        return made
+            out.time[a, a:] = np.cumsum(times[a:])
+            out.act[a, a:] = np.cumsum(acts[a:])
+            out.pbytes[a, a:] = np.cumsum(new)
+            out.stateful[a, a:] = np.logical_or.accumulate(stateful[a:])
+        return out
+
+    def _stage_rows(self, ranges: _Ranges, a: int, row: np.ndarray) -> None:
+        """row[b + 1] = the stage time(s) of range a..b, for every b >= a (`_stage_row`)."""
+        n = ranges.time.shape[0]
+        if self.max_replicas > 1:
+            for b in range(a, n):
+                row[b + 1] = self.stage_times(ranges.stats(a, b))
+            return
+        times, pbytes = ranges.time[a, a:].tolist(), ranges.pbytes[a, a:].tolist()
+        for b, (t, pb) in enumerate(zip(times, pbytes, strict=True), start=a):
+            row[b + 1] = self.cost.stage_time(t, pb, 1)
 
     def _register_ranges(
         self, kind: str, node: SPNode, blocks: list[list[Unit]]
