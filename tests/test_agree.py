@@ -76,12 +76,10 @@ def test_measured_times_alone_change_the_zbv_order() -> None:
     assert str(make_schedule(p, "zbv")) != str(make_schedule(_slower_last_backward(p), "zbv"))
 
 
-def _train_with_own_plans() -> dict[str, Any]:
-    p = _plan()
-    if dist.get_rank() == 1:
-        p = _slower_last_backward(p)
+def _compiled(p: Plan) -> Any:
+    """tied under zbv, compiled with this rank's plan `p`."""
     model, inputs = ZOO["tied"]()
-    pm = gp_compile(
+    return gp_compile(
         model,
         inputs,
         loss_fn=dict_loss,
@@ -90,6 +88,13 @@ def _train_with_own_plans() -> dict[str, Any]:
         plan=p,
         runtime=RuntimeConfig(timeout=20, quiet=True),
     )
+
+
+def _train_with_own_plans() -> dict[str, Any]:
+    p = _plan()
+    if dist.get_rank() == 1:
+        p = _slower_last_backward(p)
+    pm = _compiled(p)
     losses = [pm.step(*batch("tied", s)[0], target=batch("tied", s)[1]) for s in range(2)]
     return {"schedule": str(pm.schedule), "own": str(make_schedule(p, "zbv")), "losses": losses}
 
@@ -105,16 +110,7 @@ def test_ranks_given_plans_that_differ_in_measured_times_run_rank_0s() -> None:
 
 def _compile_with_moved_stage() -> None:
     pins = {**CHAINS["tied"], "body.2": 2} if dist.get_rank() == 1 else None
-    model, inputs = ZOO["tied"]()
-    gp_compile(
-        model,
-        inputs,
-        loss_fn=dict_loss,
-        optimizer=_optimizer(),
-        schedule="zbv",
-        plan=_plan(pins=pins),
-        runtime=RuntimeConfig(timeout=20, quiet=True),
-    )
+    _compiled(_plan(pins=pins))
 
 
 def test_ranks_given_plans_with_other_stages_are_all_refused_naming_the_rank() -> None:
