@@ -49,9 +49,9 @@ from typing import TypeVar
 
 import networkx as nx
 
-from graphpipe.planning.sptree import Unit
+from graphpipe.planning.sptree import Unit, coarsen
 
-__all__ = ["bound_groups", "folded_groups", "in_topological_order"]
+__all__ = ["bound_groups", "coarse_units", "folded_groups", "in_topological_order"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -104,6 +104,13 @@ def folded_groups(g: nx.DiGraph) -> list[Unit]:
             _FOLDED.clear()
         known = _FOLDED[key] = _folded(g)
     return list(known)
+
+
+def coarse_units(g: nx.DiGraph, parts: int) -> nx.DiGraph:
+    """`g`'s folded groups coarsened (`sptree.coarsen`) to units of at most half of one of
+    `parts` equal shares of its time: what the partitioners and `even_chain` cut."""
+    total = sum(d["forward"] + d["backward"] for _, d in g.nodes(data=True))
+    return coarsen(g, total / (2 * parts), folded_groups(g))
 
 
 FOLDED_KEPT = 64  # graph structures whose folded groups are kept

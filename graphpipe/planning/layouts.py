@@ -46,10 +46,10 @@ from graphpipe.ir import DEFAULT_SCHEDULE, Plan, schedule_spec
 from graphpipe.ir.cost import CostModel
 from graphpipe.ir.plan import LAYOUTS
 from graphpipe.planning.assemble import assemble
-from graphpipe.planning.fold import folded_groups
+from graphpipe.planning.fold import coarse_units
 from graphpipe.planning.interleave import interleavings
 from graphpipe.planning.place import place_stages
-from graphpipe.planning.sptree import coarsen, condense, linearise, units_of
+from graphpipe.planning.sptree import condense, linearise, units_of
 from graphpipe.planning.validate import validate_plan
 from graphpipe.scheduling.floor import step_floor
 from graphpipe.scheduling.simulate import simulate
@@ -243,8 +243,7 @@ def even_chain(g: nx.DiGraph, cost: CostModel, stages: int, max_units: int, dige
     Raises:
         PlanError: fewer units than stages.
     """
-    total = sum(d["forward"] + d["backward"] for _, d in g.nodes(data=True))
-    units = coarsen(g, total / (2 * stages), folded_groups(g))
+    units = coarse_units(g, stages)
     units, tree = condense(g, units, linearise(units), max(max_units, 4 * stages))
     order = units_of(tree)
     if len(order) < stages:

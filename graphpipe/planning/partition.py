@@ -46,7 +46,7 @@ from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan, schedule_spec
 from graphpipe.ir.cost import CostModel, DataParallel, LinkModel, MemoryModel, TensorParallel
 from graphpipe.ir.registry import POLICIES, SCHEDULES, policy_spec
 from graphpipe.planning.assemble import assemble
-from graphpipe.planning.fold import folded_groups
+from graphpipe.planning.fold import coarse_units
 from graphpipe.planning.interleave import interleavings
 from graphpipe.planning.layouts import (
     LAYOUTS,
@@ -84,7 +84,7 @@ from graphpipe.planning.place import PLACEMENTS, place_stages
 from graphpipe.planning.profile import Profile, ProfileConfig, noted, profile
 from graphpipe.planning.schedule_memory import held_floor
 from graphpipe.planning.search import search
-from graphpipe.planning.sptree import coarsen, condense, decompose, linearise
+from graphpipe.planning.sptree import condense, decompose, linearise
 from graphpipe.planning.validate import validate_plan
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tracing.bind import batch_of, normalise
@@ -661,13 +661,6 @@ def cost_model(
     )
 
 
-def _coarse(g: nx.DiGraph, devices: int) -> nx.DiGraph:
-    """`g`'s folded groups, coarsened to units of at most half a stage's share of the time:
-    what both partitioners search over (made once for the two of them)."""
-    total = sum(d["forward"] + d["backward"] for _, d in g.nodes(data=True))
-    return coarsen(g, total / (2 * devices), folded_groups(g))
-
-
 def _searched(
     g: nx.DiGraph,
     cost: CostModel,
@@ -678,7 +671,7 @@ def _searched(
     coarse: nx.DiGraph | None = None,
 ) -> Plan:
     start = time.perf_counter()
-    units = _coarse(g, config.devices) if coarse is None else coarse
+    units = coarse_units(g, config.devices) if coarse is None else coarse
     tree = decompose(units) if kind == "graph" else linearise(units)
     units, tree = condense(g, units, tree, max(config.max_units, 4 * config.devices))
     units.graph["tensor_bytes"] = {n: wire_bytes(g, n) for n in g}
@@ -723,7 +716,7 @@ def score(plan: Plan, objective: str) -> tuple[float, int]:
 def _best_of_graph_and_sequential(
     g: nx.DiGraph, cost: CostModel, config: PlanConfig, digest: str, held_floor: int = 0
 ) -> Plan:
-    coarse = _coarse(g, config.devices)
+    coarse = coarse_units(g, config.devices)  # one for both searches
     graph_plan = _searched(g, cost, config, "graph", digest, held_floor, coarse)
     try:
         seq_plan = _searched(g, cost, config, "sequential", digest, held_floor, coarse)
