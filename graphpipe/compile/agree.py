@@ -24,13 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Plan, Schedule
+from graphpipe.runtime.collectives import gather_objects
 from graphpipe.runtime.failures import guarded
 
 __all__ = ["agree_schedule", "agreed_plan", "first_difference", "plan_shape"]
@@ -105,10 +105,13 @@ def agreed_plan(plan: Plan, timeout: float | None = None) -> Plan:
         timeout=timeout,
     )
     theirs = str(message[0])
-    found = None
-    if theirs != mine:
-        found = first_difference(plan_shape(json.loads(theirs)), plan_shape(json.loads(mine)))
-    found_by = _gathered(found, "the given plans' comparison", timeout)
+    same = theirs == mine
+    found = (
+        None
+        if same
+        else first_difference(plan_shape(json.loads(theirs)), plan_shape(json.loads(mine)))
+    )
+    found_by = gather_objects(found, "the given plans' differences", timeout)
     differ = {r: f for r, f in enumerate(found_by) if f is not None}
     if differ:
         r, where = next(iter(differ.items()))
@@ -118,9 +121,10 @@ def agreed_plan(plan: Plan, timeout: float | None = None) -> Plan:
             "make the plan once (graphpipe.plan on one rank, then Plan.save and Plan.load on "
             "every rank) or let compile plan on rank 0 (no plan=)"
         )
-    if theirs != mine:
-        log.debug("rank %d runs rank 0's plan: their measured times differ", dist.get_rank())
-    return plan if theirs == mine else Plan.from_json(theirs)
+    if same:
+        return plan
+    log.debug("rank %d runs rank 0's plan: their measured times differ", dist.get_rank())
+    return Plan.from_json(theirs)
 
 
 def agree_schedule(schedule: Schedule, timeout: float | None = None) -> None:
@@ -133,7 +137,7 @@ def agree_schedule(schedule: Schedule, timeout: float | None = None) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     digest = hashlib.sha256(schedule.to_json().encode()).hexdigest()[:16]
-    digests = _gathered(digest, "the schedules' comparison", timeout)
+    digests = gather_objects(digest, "the schedules' digests", timeout)
     differ = [r for r, d in enumerate(digests) if d != digests[0]]
     if differ:
         raise ScheduleError(
@@ -141,10 +145,3 @@ def agree_schedule(schedule: Schedule, timeout: float | None = None) -> None:
             f"{differ} differ from rank 0's (digests {digests[0]} != {digests[differ[0]]}); "
             "their programs would wait for each other"
         )
-
-
-def _gathered(value: Any, what: str, timeout: float | None) -> Sequence[Any]:
-    """`value` from every rank, by rank."""
-    out: list[Any] = [None] * dist.get_world_size()
-    guarded(what, lambda: dist.all_gather_object(out, value), timeout=timeout)
-    return out

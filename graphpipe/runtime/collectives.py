@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from graphpipe.runtime.failures import guarded, guarded_work
 
-__all__ = ["Collectives"]
+__all__ = ["Collectives", "gather_objects"]
 
 
 class Collectives:
@@ -34,9 +34,7 @@ class Collectives:
 
     def gather(self, mine: Any, what: str) -> list[Any]:
         """`mine` from every rank, by rank; `what` names it in a failure."""
-        gathered: list[Any] = [None] * dist.get_world_size()
-        guarded(f"the gather of {what}", lambda: dist.all_gather_object(gathered, mine))
-        return gathered
+        return gather_objects(mine, what)
 
     def mean_loss(self, losses: Iterable[torch.Tensor], m: int) -> float:
         """The mean of the M micro-batch losses held across the ranks, on every rank: one
@@ -54,3 +52,13 @@ class Collectives:
         )
         self.all_reduce(total, "the loss")
         return float(total.item()) / m
+
+
+def gather_objects(mine: Any, what: str, timeout: float | None = None) -> list[Any]:
+    """`mine` from every rank of the default process group, by rank, under the watch
+    (`guarded`); `what` names it in a failure; `timeout`: the watch's by default."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    guarded(
+        f"the gather of {what}", lambda: dist.all_gather_object(gathered, mine), timeout=timeout
+    )
+    return gathered
