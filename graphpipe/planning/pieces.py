@@ -21,6 +21,7 @@ parallel node.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -119,7 +120,7 @@ class StatsTable:
         ranges read so far (or all, for a series not kept as arrays)."""
         return self._made
 
-    def least_memory(self, memory: Any) -> float:
+    def least_memory(self, memory: Callable[[Stats], float]) -> float:
         """min over every piece of `memory(stats)`, for a `memory` that grows with the
         parameter and activation bytes: a series' ranges are each at least their last
         position alone (a..b holds b's parameters and activations), so only those count."""
