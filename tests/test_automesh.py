@@ -13,7 +13,15 @@ from torch import fx, nn
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Plan
 from graphpipe.ir.cost import LinkModel
-from graphpipe.planning.automesh import MeshSearch, _state, candidates, choose, grid, plan_mesh
+from graphpipe.planning.automesh import (
+    MeshSearch,
+    _Search,
+    _state,
+    candidates,
+    choose,
+    grid,
+    plan_mesh,
+)
 from graphpipe.planning.devices import NODES, Node
 from graphpipe.planning.layouts import layout_schedules
 from graphpipe.planning.partition import PlanConfig
@@ -150,3 +158,33 @@ def test_a_plan_s_floor_is_within_its_simulated_step_under_every_schedule(device
             assert step_floor(s.plan) <= step * (1 + 1e-9), (s.candidate, name)
             checked += 1
     assert checked >= 10
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_a_candidate_planned_against_a_best_step_has_its_grid_step_wherever_either_is_within(
+    devices: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planned against a best step found so far (`beat`), a candidate skips the plans whose
+    floor is over it; its step is then over `beat` or exactly the grid's, and the grid's
+    within `beat` is always found. The unsure choice (a plan of one stage per rank chosen
+    over `beat` while folded plans were skipped) is among the cases."""
+    gm, prof = _traced()
+    config, search = _config(devices), MeshSearch(node=NODE)
+    every = grid(gm, prof, config, search)
+    best = min(s.step for s in every)
+    state = _state(gm, prof, config, search, BATCH)
+    unsure = []
+    folded_or = _Search._folded_or
+
+    def noted(self: _Search, *args: object, **kwargs: object) -> object:
+        made = folded_or(self, *args, **kwargs)  # type: ignore[arg-type]
+        unsure.extend([made[1]] if made is not None else [])
+        return made
+
+    monkeypatch.setattr(_Search, "_folded_or", noted)
+    for s in every:
+        for beat in (0.8 * best, best, 1.05 * best, 1.2 * best, 1.5 * best, 2 * best):
+            step = state.evaluate(s.candidate, search.reshard, beat).step
+            if step <= beat or s.step <= beat:
+                assert step == pytest.approx(s.step, rel=1e-12), (s.candidate, beat)
+    assert any(unsure)

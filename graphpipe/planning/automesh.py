@@ -369,15 +369,18 @@ class _Search:
                 why = ones
                 continue
             over: list[Plan] = []  # the plans not simulated: floor over `beat`
+            unsure = False  # whether layouts.choose might have chosen a skipped plan instead
             if not reshard and c.pp > 1:
                 folded = self._folded_or(ones, c, rg.g, cost, beat, over)
                 if folded is None:  # layouts.choose would have chosen a skipped plan, or none
                     return _beyond(c, rg.g, over, beat) or self.evaluate(c, reshards)
-                ones = folded
+                ones, unsure = folded
             runs = [self._scheduled(x, reshard) for x in ones if _under(x, beat, over)]
             plan, step = min(runs, key=lambda x: x[1], default=(None, math.inf))
             if plan is None and over:  # c's step is over `beat`, or unknown: plan it all
                 return _beyond(c, rg.g, over, beat) or self.evaluate(c, reshards)
+            if unsure and step <= beat:  # c might win, on a step a skipped plan would change
+                return self.evaluate(c, reshards)
             if plan is None:
                 why = "memory: its simulated peak is over the budget"
                 continue
@@ -452,20 +455,24 @@ class _Search:
         cost: CostModel,
         beat: float = math.inf,
         over: list[Plan] | None = None,
-    ) -> list[Plan] | None:
+    ) -> tuple[list[Plan], bool] | None:
         """The fastest of `ones` (one stage per pp rank) and the chains of 2p stages folded
         loop or v where the config's layouts allow it (`layouts.choose`); a chain cut at
-        the rows of c and of each sibling, assembled on c's rank graph and costs.
+        the rows of c and of each sibling, assembled on c's rank graph and costs. With it,
+        whether the choice is unsure (below).
 
         A plan whose floor is over `beat` is not simulated (it joins `over`); None where
         `layouts.choose` then has no plan (whether it would have chosen a skipped one is not
-        known). Where it chooses a plan of one stage per rank over `beat` while some were
-        skipped, it chooses again among all: that plan is then simulated under zb too
-        (`_scheduled`), and a skipped plan might have been chosen before it."""
+        known). Where it chooses a plan of one stage per rank whose step (its default
+        schedule's) is over `beat` while some were skipped, the choice is unsure: that plan
+        is then simulated under zb too (`_scheduled`), and a skipped plan, whose step is
+        over `beat` too (its floor is), might have been chosen before it. c's step is then
+        over `beat` either way unless zb brings that plan within it (`evaluate` then plans
+        c again, nothing skipped)."""
         allowed: list[str] = [x for x in ("loop", "v") if x in self.config.layouts]
         plain = [x for x in ones if not any(s.recompute for s in x.stages)]
         if not allowed or not plain:
-            return ones
+            return ones, False
         skipped = [] if over is None else over
         before = len(skipped)
         keep = partial(_kept, beat=beat, over=skipped)
@@ -473,10 +480,9 @@ class _Search:
         try:
             chosen = choose_layout(builders, g, None, self.config.split_backward)
         except PlanError:
-            return None if len(skipped) > before else ones
-        if len(skipped) > before and chosen.layout == "one" and _chosen_step(chosen) > beat:
-            return self._folded_or(ones, c, g, cost)
-        return [chosen]
+            return None if len(skipped) > before else (ones, False)
+        unsure = len(skipped) > before and chosen.layout == "one" and _chosen_step(chosen) > beat
+        return [chosen], unsure
 
     def _layout_builders(
         self,
