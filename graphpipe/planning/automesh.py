@@ -69,8 +69,12 @@ of gradients, and its update), a lower bound on its step under every flushed sch
 plan whose floor is over the best step found so far is not simulated: it cannot win. Where
 every plan of a candidate is so skipped and one of them fits the budget whatever the
 schedule holds, the candidate is recorded as pruned (it would have had a step, over the
-best); where none surely fits, it is simulated whole, as the grid would. So the choice is
-still the grid's; a runner-up's step can be that of its plans simulated, not of all.
+best); where none surely fits, it is simulated whole, as the grid would. Where the layouts'
+choice falls on a plan of one stage per rank whose step is over the best while folded plans
+were skipped, the grid might have chosen a skipped one (its step over the best too); the
+candidate is planned again, nothing skipped, only where zb brings that plan within the best
+step. So the choice is still the grid's; a runner-up's step can be that of its plans
+simulated, not of all.
 
 What bound each runner-up (`info["mesh"]["runners_up"]`, `print(plan)`):
 
