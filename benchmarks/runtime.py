@@ -3,6 +3,7 @@
     python -m benchmarks.runtime            # about five minutes on 2 cores
     python -m benchmarks.runtime --paired 5 # the chain, both sides interleaved, 5 runs
     python -m benchmarks.runtime --paired 5 --keep-freed  # glibc keeps freed blocks on both
+    python -m benchmarks.runtime --same-launch 5 --keep-freed  # both sides in one launch
 
 Two models, batch 256, M = 8 micro-batches, SGD; each figure is the median step time over
 20 steps after 5 warm-up steps:
@@ -245,8 +246,11 @@ def _torch_pipelining(name: str, schedule_name: str) -> dict[str, float]:
     return {"step": _timed(_torch_step(name, schedule_name))}
 
 
-def _torch_step(name: str, schedule_name: str, width: int | None = None) -> Callable[[], None]:
-    """One step of torch's `schedule_name` on the same split, and its optimizer's step."""
+def _torch_step(
+    name: str, schedule_name: str, width: int | None = None, group: Any = None
+) -> Callable[[], None]:
+    """One step of torch's `schedule_name` on the same split, and its optimizer's step
+    (`group`: the process group its stages talk on, the default one if None)."""
     from torch.distributed import pipelining
 
     rank = dist.get_rank()
@@ -256,7 +260,9 @@ def _torch_step(name: str, schedule_name: str, width: int | None = None) -> Call
         "ScheduleInterleaved1F1B": [rank, rank + 2],  # loop placement
     }.get(schedule_name, [rank, 3 - rank])  # V placement
     parts = _torch_parts(name, n, width)
-    stages = [pipelining.PipelineStage(parts[i], i, n, torch.device("cpu")) for i in ids]
+    stages = [
+        pipelining.PipelineStage(parts[i], i, n, torch.device("cpu"), group=group) for i in ids
+    ]
     cls = getattr(pipelining, schedule_name)
     schedule = cls(stages[0] if n == 2 else stages, n_microbatches=M, loss_fn=F.mse_loss)
     x, y = _data(name, width)
@@ -547,6 +553,103 @@ def paired(runs: int, width: int = 1024, steps: int = STEPS, keep_freed: bool = 
     )
 
 
+# -- both sides in one launch, steps alternating ---------------------------------------------
+
+GP_SCHEDULES = ("1f1b", "zb", "interleaved", "zbv")
+TORCH_SCHEDULES = {  # label -> torch.distributed.pipelining's class
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "ZBV": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+
+
+def _alternating_worker(schedule: str, width: int, steps: int) -> dict[str, float]:
+    """graphpipe's `schedule` and every torch schedule in this one process pair, their steps
+    in turn (the order rotated each round, each step after a barrier): this rank's median
+    step of each. torch's schedules each talk on a process group of their own, graphpipe's
+    on the default one, so no message of one meets a receive of another."""
+    pm, x, y = _graphpipe_pipeline("chain", schedule, width)
+    steps_of: dict[str, Callable[[], Any]] = {"gp": functools.partial(pm.step, x, target=y)}
+    for label, name in TORCH_SCHEDULES.items():
+        steps_of[label] = _torch_step("chain", name, width, group=dist.new_group([0, 1]))
+    order = list(steps_of)
+    times: dict[str, list[float]] = {label: [] for label in order}
+    for i in range(WARMUP + steps):
+        for label in order[i % len(order) :] + order[: i % len(order)]:
+            dist.barrier()
+            start = time.perf_counter()
+            steps_of[label]()
+            if i >= WARMUP:
+                times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def alternating(runs: int, width: int = 1024, steps: int = STEPS, keep_freed: bool = False) -> str:
+    """Per run, one launch per graphpipe schedule, its steps alternating with every torch
+    schedule's in the same two processes: each graphpipe schedule is read against torch's
+    1F1B of its own launch, and torch's schedules against the same 1F1B (their median over
+    the launches), so no ratio spans two launches' placement and memory."""
+    if keep_freed:
+        os.environ.update(KEEP_FREED)
+    rows, ratios = [], []
+    for r in range(runs):
+        log(f"same-launch run {r + 1}/{runs} (width {width})")
+        ours: dict[str, float] = {}  # graphpipe's schedule / torch 1F1B of its launch
+        theirs: dict[str, list[float]] = {label: [] for label in TORCH_SCHEDULES}
+        ms: dict[str, float] = {}
+        for schedule in GP_SCHEDULES:
+            results = launch(_alternating_worker, 2, args=(schedule, width, steps), timeout=900)
+            slower = {k: max(res[k] for res in results) for k in results[0]}
+            ours[schedule] = slower["gp"] / slower["1F1B"]
+            ms[schedule] = slower["gp"]
+            for label in TORCH_SCHEDULES:
+                theirs[label].append(slower[label] / slower["1F1B"])
+                ms[f"torch {label}"] = slower[label]  # the last launch's
+        peers = {k: statistics.median(v) for k, v in theirs.items()}
+        best, peer = min(ours, key=ours.__getitem__), min(peers, key=peers.__getitem__)
+        ratios.append((ours["1f1b"], ours[best] / peers[peer], ours["zb"] / ours["1f1b"]))
+        rows.append(
+            [
+                str(r + 1),
+                ", ".join(f"{k} {ms[k] * 1e3:.1f}" for k in GP_SCHEDULES),
+                ", ".join(f"{k} {ms[f'torch {k}'] * 1e3:.1f}" for k in TORCH_SCHEDULES),
+                ", ".join(f"{k} {v:.3f}" for k, v in ours.items()),
+                ", ".join(f"{k} {v:.3f}" for k, v in peers.items()),
+                *(f"{x:.3f}" for x in ratios[-1]),
+                f"{best} / {peer}",
+            ]
+        )
+    headers = [
+        "run",
+        "graphpipe (ms)",
+        "torch, last launch (ms)",
+        "graphpipe / 1F1B, same launch",
+        "torch / 1F1B, median of launches",
+        "1f1b / 1F1B",
+        "best / best",
+        "zb / 1f1b",
+        "bests",
+    ]
+    spread = [_spread([x[k] for x in ratios]) for k in range(3)]
+    return (
+        f"{machine()}\n\nCommand: `python -m benchmarks.runtime --same-launch {runs} --width "
+        f"{width} --steps {steps}{' --keep-freed' if keep_freed else ''}`. "
+        + (_KEPT if keep_freed else _PLAIN)
+        + f"The chain 8 x (Linear({width}) + ReLU), batch {BATCH}, M = {M}, SGD, 2 ranks of "
+        "one thread. Per run, one launch per graphpipe schedule; in it that schedule's steps "
+        "and every torch schedule's alternate (the order rotated each round, each step after "
+        f"a barrier; torch's on process groups of their own), {steps} steps each after "
+        f"{WARMUP} warm-up rounds; each figure the slower rank's median. Ratios are "
+        "step-time ratios (below 1: the first is faster), each within one launch: graphpipe's "
+        "schedules against torch's 1F1B of their launch, torch's against the same 1F1B "
+        "(the median over the launches).\n\n"
+        + tabulate(rows, headers=headers, tablefmt="github")
+        + f"\n\nOver {runs} runs, median (range): 1f1b / 1F1B {spread[0]}, graphpipe's best / "
+        f"torch's best {spread[1]}, zb / 1f1b {spread[2]}.\n"
+    )
+
+
 _KEPT = (
     "Both sides' ranks start with glibc told to keep freed blocks (`MALLOC_MMAP_THRESHOLD_` "
     "32 MiB, `MALLOC_TRIM_THRESHOLD_` 4 GiB, `benchmarks.emulated.KEEP_FREED`), as a device's "
@@ -569,10 +672,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--keep-freed",
         action="store_true",
-        help="with --paired: both sides' glibc keeps freed blocks (benchmarks.emulated.KEEP_FREED)",
+        help="with --paired or --same-launch: both sides' glibc keeps freed blocks",
+    )
+    parser.add_argument(
+        "--same-launch",
+        type=int,
+        default=0,
+        help="runs of the chain with both sides' steps alternating in one launch",
     )
     args = parser.parse_args(argv)
-    if args.paired:
+    if args.same_launch:
+        print(alternating(args.same_launch, args.width, args.steps, args.keep_freed))
+    elif args.paired:
         print(paired(args.paired, args.width, args.steps, args.keep_freed))
     else:
         print(report())
