@@ -534,9 +534,7 @@ def paired(runs: int, width: int = 1024, steps: int = STEPS, keep_freed: bool = 
     ]
     spread = [_spread([x[k] for x in ratios]) for k in range(5)]
     return (
-        f"{machine()}\n\nCommand: `python -m benchmarks.runtime --paired {runs} --width "
-        f"{width} --steps {steps}{' --keep-freed' if keep_freed else ''}`. "
-        + (_KEPT if keep_freed else _PLAIN)
+        _command("--paired", runs, width, steps, keep_freed)
         + f"The chain 8 x (Linear({width}) + ReLU), batch {BATCH}, "
         f"M = {M}, SGD, 2 ranks of one thread; each schedule in a launch of its own, both "
         "sides in turn, each step after a barrier; each figure the slower rank's median of "
@@ -633,9 +631,7 @@ def alternating(runs: int, width: int = 1024, steps: int = STEPS, keep_freed: bo
     ]
     spread = [_spread([x[k] for x in ratios]) for k in range(3)]
     return (
-        f"{machine()}\n\nCommand: `python -m benchmarks.runtime --same-launch {runs} --width "
-        f"{width} --steps {steps}{' --keep-freed' if keep_freed else ''}`. "
-        + (_KEPT if keep_freed else _PLAIN)
+        _command("--same-launch", runs, width, steps, keep_freed)
         + f"The chain 8 x (Linear({width}) + ReLU), batch {BATCH}, M = {M}, SGD, 2 ranks of "
         "one thread. Per run, one launch per graphpipe schedule; in it that schedule's steps "
         "and every torch schedule's alternate (the order rotated each round, each step after "
@@ -647,6 +643,15 @@ def alternating(runs: int, width: int = 1024, steps: int = STEPS, keep_freed: bo
         + tabulate(rows, headers=headers, tablefmt="github")
         + f"\n\nOver {runs} runs, median (range): 1f1b / 1F1B {spread[0]}, graphpipe's best / "
         f"torch's best {spread[1]}, zb / 1f1b {spread[2]}.\n"
+    )
+
+
+def _command(flag: str, runs: int, width: int, steps: int, keep_freed: bool) -> str:
+    """The machine, the command line and what the allocators were told."""
+    kept = " --keep-freed" if keep_freed else ""
+    return (
+        f"{machine()}\n\nCommand: `python -m benchmarks.runtime {flag} {runs} --width {width} "
+        f"--steps {steps}{kept}`. " + (_KEPT if keep_freed else _PLAIN)
     )
 
 
