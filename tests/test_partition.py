@@ -20,6 +20,7 @@ from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.planning import search as search_module
 from graphpipe.planning.fold import bound_groups, folded_groups
 from graphpipe.planning.layouts import _cuts
 from graphpipe.planning.opgraph import op_graph, value_kind
@@ -273,6 +274,48 @@ def test_unbudgeted_array_recursions_plan_as_the_budgeted_loops(objective: str) 
             (s.nodes, s.devices) for s in loops.stages
         ], seed
         assert free.bottleneck == loops.bottleneck
+
+
+def test_budgeted_tables_made_up_to_m_in_flight_plan_as_tables_for_every_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a replica holds at most M micro-batches, so with a budget the DP makes its tables for
+    # in-flight counts up to M only and reads the deeper ones off them; made for every
+    # count up to the device count instead, the plans must be the same
+    def plans(every_count: bool) -> list[Any]:
+        made: list[Any] = []
+        init = search_module._Search.__init__
+
+        def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            if every_count:
+                self.top_k = self.depth_bound
+
+        monkeypatch.setattr(search_module._Search, "__init__", counted)
+        for seed in range(24):
+            rng = random.Random(500 + seed)
+            g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(8, 14))
+            devices = min(rng.randint(4, 8), g.number_of_nodes())
+            m = 1 + seed % 3  # fewer micro-batches than devices: counts past M in the tables
+            config = PlanConfig(
+                devices=devices,
+                replication=seed % 4 < 2,
+                objective=("pipeline", "bottleneck")[seed % 2],
+            )
+            loose = partition_op_graph(g, cost(micro_batches=m), config, "x")
+            budget = 0.8 * max(st.memory_bytes for st in loose.stages)  # it binds
+            try:
+                p = partition_op_graph(g, cost(micro_batches=m, budget=budget), config, "x")
+            except PlanError as exc:
+                made.append(str(exc))
+                continue
+            made.append(([(st.nodes, st.devices) for st in p.stages], p.bottleneck))
+        monkeypatch.undo()
+        return made
+
+    fewer, every = plans(every_count=False), plans(every_count=True)
+    assert fewer == every
+    assert sum(not isinstance(x, str) for x in fewer) >= 12  # most are planned
 
 
 def test_stage_times_array_equals_stage_time_per_replica_count() -> None:

@@ -206,6 +206,7 @@ class _Search:
         self.tree = tree if isinstance(tree, Series) else Series((tree,))
         self.max_replicas = min(max_replicas, devices)
         self.depth_bound = devices
+        self.top_k = max(0, cost.micro_batches - 1)  # the largest k a budgeted table is made for
         self.budgeted = cost.memory.budget is not None and not _budget_never_binds(g, cost)
         self.pieces = Pieces(g, self.tree, cost, self.max_replicas)
         self.tau = INF
@@ -303,10 +304,22 @@ class _Search:
             self.held[r] = np.ceil(np.minimum(held, m) / r)
         return self.held[r]
 
+    def _normalised(self, k: int, d: int) -> tuple[int, int]:
+        """(k, d) as the tables are kept. Without a budget r does not depend on the
+        in-flight count: F(node, k, d) = F(node, 0, d - k). With one, a replica holds at
+        most M micro-batches, so r is the same for every in-flight count from M on:
+        F(node, k, d) = F(node, M - 1, d - (k - M + 1)) for k > M - 1 (the depths beyond
+        D this lets a sub-solution use need more than N devices, so no feasible solution
+        and no value it is built from changes); the tables are made for k <= M - 1 only."""
+        if not self.budgeted:
+            return 0, d - k
+        if k > self.top_k:
+            return self.top_k, d - (k - self.top_k)
+        return k, d
+
     def f(self, node: SPNode, k: int, d: int) -> float:
         """F(node, k, d): fewest devices (INF when impossible)."""
-        if not self.budgeted:
-            k, d = 0, d - k
+        k, d = self._normalised(k, d)
         if d <= k:
             return INF
         return self._table(node, k)[0][min(d, self.depth_bound)]
@@ -321,10 +334,8 @@ class _Search:
 
     def _make_f_row(self, node: SPNode, k: int) -> np.ndarray:
         row = np.full(self.depth_bound + 1, INF)
-        if not self.budgeted:
-            row[k + 1 :] = np.array(self._table(node, 0)[0])[1 : self.depth_bound + 1 - k]
-        else:
-            row[k + 1 :] = np.array(self._table(node, k)[0])[k + 1 :]
+        at, d = self._normalised(k, k + 1)  # the table F(node, k, k + 1 ..) is read from
+        row[k + 1 :] = np.array(self._table(node, at)[0])[d : d + self.depth_bound - k]
         return row
 
     def _table(self, node: SPNode, k: int) -> Any:
@@ -470,8 +481,7 @@ class _Search:
 
     def _prefix(self, node: Parallel, k: int, d: int, count: int) -> float:
         """Fewest devices for the `count` most expensive children of `node` (as F does)."""
-        if not self.budgeted:
-            k, d = 0, d - k
+        k, d = self._normalised(k, d)
         if d <= k:
             return INF
         return self._table(node, k)[1][min(d, self.depth_bound)][0][count]
@@ -480,8 +490,7 @@ class _Search:
 
     def build(self, node: SPNode, k: int, d: int) -> list[Piece]:
         """The pieces of the solution F(node, k, d) (which must be finite)."""
-        if not self.budgeted:
-            k, d = 0, d - k
+        k, d = self._normalised(k, d)
         d = min(d, self.depth_bound)
         if isinstance(node, Leaf):
             return [self._piece(("leaf", id(node), 0, 0), k + 1)]
@@ -551,8 +560,7 @@ class _Search:
         return pieces
 
     def _build_prefix(self, node: Parallel, k: int, d: int, count: int) -> list[Piece]:
-        if not self.budgeted:
-            k, d = 0, d - k
+        k, d = self._normalised(k, d)
         return self._build_parallel(node, k, min(d, self.depth_bound), count)
 
     # -- the outer loop -------------------------------------------------------------------
