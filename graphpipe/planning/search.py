@@ -45,7 +45,11 @@ the assembled Plan counts every stage edge, so its bottleneck can differ slightl
 Without a memory budget r does not depend on the in-flight count, so F(node, k, d) =
 F(node, 0, d - k) and one table per node suffices; nor with a budget that the whole graph,
 holding all M micro-batches on one replica, fits (no piece can then exceed it), so such a
-budget is searched as none: the same values, D times fewer tables.
+budget is searched as none: the same values, D times fewer tables. With a budget that binds,
+a replica still holds at most M micro-batches, so r is the same for every in-flight count
+from M on and F(node, k, d) = F(node, M - 1, d - (k - M + 1)) for k >= M: tables are made
+for k < min(M, D) only (`_normalised`; the depths this lets a sub-solution use past D need
+more than N devices, so no feasible solution changes).
 
 The outer loop binary-searches tau over the sorted candidate values (every stage time of every
 piece and replica count, and every cut time, at least the perfect-balance bound): the optimum
@@ -71,7 +75,7 @@ they replace, in the same order, so the same values and the same solutions). The
 the last feasible tau are kept: the binary search ends on it.
 
 Complexity per tau: O(sum over series nodes of n^2 D + L D^2, plus sum over parallel nodes of
-L^2 D), times D with a memory budget; n is a series node's unit count and L a node's child
+L^2 D), times min(M, D) with a memory budget; n is a series node's unit count and L a node's child
 count; the n^2 D part, and without a budget the D^2 part, run as array operations. There
 are O(log #candidates) values of tau, plus the probes of the "pipeline" objective.
 `sptree.condense` bounds n.
