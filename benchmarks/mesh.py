@@ -105,6 +105,7 @@ LINKS = {  # name -> the device link (pp and dp)
     "200 GB/s": LinkModel(bandwidth=200e9, latency=10e-6),
 }
 EMULATED_LINK = "200 GB/s"
+HOST = "overlapped"  # the emulated host work (`Emulate.host`): a GPU's, the cost model's
 STRATEGIES = (("joint", "auto"), ("pure PP", 1), ("pure FSDP", -1))  # -1: dp = N
 HEADERS = [
     "N",
@@ -239,7 +240,7 @@ def loopback() -> LinkModel:
     return LinkModel(bandwidth=bandwidth, latency=latency)
 
 
-def scales(loop: LinkModel, time_scale: float, host: str = "serial") -> Emulate:
+def scales(loop: LinkModel, time_scale: float, host: str = HOST) -> Emulate:
     """The scales that make the loopback a 200 GB/s link in the emulated devices' time;
     `host`: `Emulate.host` ("overlapped": a GPU's, the host running ahead of the device)."""
     byte_scale = LINKS[EMULATED_LINK].bandwidth / (time_scale * loop.bandwidth)
@@ -283,7 +284,7 @@ def _steps(p: Plan, emulate: Emulate, steps: int, own: bool = False) -> float:
 
 
 def _emulated(
-    plans: list[str], time_scale: float, steps: int, own: bool = False, host: str = "serial"
+    plans: list[str], time_scale: float, steps: int, own: bool = False, host: str = HOST
 ) -> tuple[LinkModel, list[float]]:
     """On each rank: the loopback, then each plan's median step seconds, one after another."""
     loop = loopback()
@@ -292,7 +293,7 @@ def _emulated(
 
 
 def measured(
-    plans: Sequence[Plan], time_scale: float, steps: int, own: bool = False, host: str = "serial"
+    plans: Sequence[Plan], time_scale: float, steps: int, own: bool = False, host: str = HOST
 ) -> tuple[LinkModel, list[float]]:
     """The loopback of N ranks and the seconds per step of each plan emulated on them (the
     slowest rank's median), in one launch of N processes.
@@ -336,7 +337,7 @@ def _hand(w: Workload, n: int, dp: int, link: LinkModel) -> Plan:
 
 
 def auto_rows(
-    n: int, time_scale: float, steps: int, host: str = "overlapped"
+    n: int, time_scale: float, steps: int, host: str = HOST
 ) -> tuple[list[list[Any]], str]:
     """mesh="auto" at N devices (M, the budget and the 200 GB/s link of the table; the search
     chooses pp x dp, the layout, the schedule and the resharding) and the hand meshes of
@@ -395,7 +396,7 @@ def block(
     measure: bool,
     time_scale: float,
     steps: int,
-    host: str = "overlapped",
+    host: str = HOST,
 ) -> tuple[list[list[Any]], str]:
     """The rows of N devices on one link, and a line on the emulation (if measured)."""
     rows = [planned(w, n, link, s, n if dp == -1 else dp) for s, dp in STRATEGIES]
@@ -444,7 +445,7 @@ def report(
     time_scale: float = 8.0,
     steps: int = 2,
     command: str = "python -m benchmarks.mesh",
-    host: str = "overlapped",
+    host: str = HOST,
 ) -> str:
     """The benchmark as a markdown section."""
     w = workload()
@@ -483,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--host",
         choices=HOST_MODES,
-        default="overlapped",
+        default=HOST,
         help="emulated host work: serial (a CPU's) or overlapped (a GPU's, ahead of the device)",
     )
     args = parser.parse_args(argv)
