@@ -286,12 +286,12 @@ def test_budgeted_tables_made_up_to_m_in_flight_plan_as_tables_for_every_count(
         made: list[Any] = []
         init = search_module._Search.__init__
 
-        def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        def made_up_to(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
             if every_count:
                 self.top_k = self.depth_bound
 
-        monkeypatch.setattr(search_module._Search, "__init__", counted)
+        monkeypatch.setattr(search_module._Search, "__init__", made_up_to)
         for seed in range(24):
             rng = random.Random(500 + seed)
             g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(8, 14))
