@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import random
 from dataclasses import replace
 from typing import Any
@@ -316,6 +317,59 @@ def test_budgeted_tables_made_up_to_m_in_flight_plan_as_tables_for_every_count(
     fewer, every = plans(every_count=False), plans(every_count=True)
     assert fewer == every
     assert sum(not isinstance(x, str) for x in fewer) >= 12  # most are planned
+
+
+def test_a_budget_is_searched_only_at_the_taus_where_it_binds_a_piece(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # below the least stage time of a piece over the budget (`_binding_tau`), no piece
+    # that meets tau is over it, so those taus are solved with the unbudgeted tables;
+    # searched with the budget at every tau instead, the plans must be the same
+    unbudgeted_taus = 0
+
+    def plans(everywhere: bool) -> list[Any]:
+        nonlocal unbudgeted_taus
+        made: list[Any] = []
+        init, feasible = search_module._Search.__init__, search_module._Search.feasible
+
+        def budget_at_every_tau(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            if everywhere and self.budgeted:
+                self.binding = 0.0
+
+        def counted(self: Any, tau: float) -> Any:
+            found = feasible(self, tau)
+            nonlocal unbudgeted_taus
+            unbudgeted_taus += not everywhere and self.binding < math.inf and not self.budgeted
+            return found
+
+        monkeypatch.setattr(search_module._Search, "__init__", budget_at_every_tau)
+        monkeypatch.setattr(search_module._Search, "feasible", counted)
+        for seed in range(24):
+            rng = random.Random(700 + seed)
+            g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(8, 14))
+            devices = min(rng.randint(3, 8), g.number_of_nodes())
+            m = 2 + seed % 4
+            config = PlanConfig(
+                devices=devices,
+                replication=seed % 4 < 2,
+                objective=("pipeline", "bottleneck")[seed % 2],
+            )
+            loose = partition_op_graph(g, cost(micro_batches=m), config, "x")
+            budget = (0.7 + 0.15 * (seed % 3)) * max(st.memory_bytes for st in loose.stages)
+            try:
+                p = partition_op_graph(g, cost(micro_batches=m, budget=budget), config, "x")
+            except PlanError as exc:
+                made.append(str(exc))
+                continue
+            made.append(([(st.nodes, st.devices) for st in p.stages], p.bottleneck))
+        monkeypatch.undo()
+        return made
+
+    shortcut, everywhere = plans(everywhere=False), plans(everywhere=True)
+    assert shortcut == everywhere
+    assert sum(not isinstance(x, str) for x in shortcut) >= 12  # most are planned
+    assert unbudgeted_taus >= 50  # the shortcut was taken
 
 
 def test_stage_times_array_equals_stage_time_per_replica_count() -> None:

@@ -669,7 +669,11 @@ def _searched(
     digest: str,
     held_floor: int = 0,
     coarse: nx.DiGraph | None = None,
+    guess: float | None = None,
 ) -> Plan:
+    """The DP's plan on `g`'s units (`coarse`, else coarsened here) under the `kind` tree;
+    `guess` is where its least bottleneck likely lies (`search.search`), its own
+    recorded in `info["least_bottleneck"]`."""
     start = time.perf_counter()
     units = coarse_units(g, config.devices) if coarse is None else coarse
     tree = decompose(units) if kind == "graph" else linearise(units)
@@ -685,11 +689,13 @@ def _searched(
         objective=config.objective,
         chain=kind == "sequential",
         held_floor=held_floor,
+        guess=guess,
     )
     groups = [(frozenset(n for u in p.units for n in u), p.replicas) for p in result.pieces]
     info = {
         "units": units.number_of_nodes(),
         "dp_bottleneck": result.tau,
+        "least_bottleneck": result.least,
         "candidates": result.candidates,
         "iterations": result.iterations,
     }
@@ -718,8 +724,9 @@ def _best_of_graph_and_sequential(
 ) -> Plan:
     coarse = coarse_units(g, config.devices)  # one for both searches
     graph_plan = _searched(g, cost, config, "graph", digest, held_floor, coarse)
+    least = graph_plan.info["least_bottleneck"]  # the sequential one's is seldom far above
     try:
-        seq_plan = _searched(g, cost, config, "sequential", digest, held_floor, coarse)
+        seq_plan = _searched(g, cost, config, "sequential", digest, held_floor, coarse, least)
     except PlanError as exc:  # a graph plan can fit where no sequential one does
         return replace(
             graph_plan,

@@ -115,6 +115,10 @@ class StatsTable:
         found = self._made[key] = ranges.stats(a, b)
         return found
 
+    def ranges(self) -> dict[int, _Ranges]:
+        """The series kept as arrays: node id -> every range's running sums."""
+        return self._ranges
+
     def made(self) -> dict[Key, Stats]:
         """The pieces whose Stats exist: every leaf, group and absorbing piece, and the
         ranges read so far (or all, for a series not kept as arrays)."""

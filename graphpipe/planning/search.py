@@ -49,16 +49,22 @@ budget is searched as none: the same values, D times fewer tables. With a budget
 a replica still holds at most M micro-batches, so r is the same for every in-flight count
 from M on and F(node, k, d) = F(node, M - 1, d - (k - M + 1)) for k >= M: tables are made
 for k < min(M, D) only (`_normalised`; the depths this lets a sub-solution use past D need
-more than N devices, so no feasible solution changes).
+more than N devices, so no feasible solution changes). Nor, at a given tau, with a budget
+that binds only pieces slower than tau: below the least stage time of a piece over the
+budget holding what it can hold at most (`_binding_tau`), every piece that meets tau fits
+whatever its in-flight count, so such a tau is solved with the unbudgeted tables.
 
 The outer loop binary-searches tau over the sorted candidate values (every stage time of every
 piece and replica count, and every cut time, at least the perfect-balance bound): the optimum
-is one of them, so the result is exact for this cost model. At the smallest feasible tau it
-keeps the smallest d with F(root, 0, d) <= N: GraphPipe's objective ("bottleneck"). The
-default objective, "pipeline", then probes larger taus, where a shallower stage graph may
-fit, and keeps the least (M + d - 1) * tau: the step time of a flushed pipeline, whose fill
-and drain grow with the depth. A probe is not solved where even the least depth a tau allows
-(the longest path of unit times over R tau stages) cannot score less than the best.
+is one of them, so the result is exact for this cost model. Given a guess (the graph
+search's least tau, for the sequential search of the same units), it gallops out from the
+guess first: the same tau (feasibility is monotone in tau), in fewer checks. At the
+smallest feasible tau it keeps the smallest d with F(root, 0, d) <= N: GraphPipe's
+objective ("bottleneck"). The default objective, "pipeline", then probes larger taus, where
+a shallower stage graph may fit, and keeps the least (M + d - 1) * tau: the step time of a
+flushed pipeline, whose fill and drain grow with the depth. A probe is not solved where
+even the least depth a tau allows (the fewest runs of R tau that a path of units packs
+into: every unit on a chain, else the longest path) cannot score less than the best.
 
 Implementation: piece statistics and stage times are computed once (`pieces`). Per tau, a
 series row G(p, .) takes its merge options for every end q at once, as array operations over
@@ -83,12 +89,13 @@ are O(log #candidates) values of tau, plus the probes of the "pipeline" objectiv
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import networkx as nx
 import numpy as np
@@ -121,6 +128,8 @@ class SearchResult:
         in_flight: Micro-batches in flight at the source stages.
         candidates: Number of candidate bottleneck values searched.
         iterations: Feasibility checks run.
+        least: The least feasible bottleneck (the "bottleneck" objective's tau; "pipeline"
+            may trade up from it): a search of the same units may start from it (`guess`).
     """
 
     pieces: tuple[Piece, ...]
@@ -128,6 +137,7 @@ class SearchResult:
     in_flight: int
     candidates: int
     iterations: int
+    least: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,7 @@ def search(
     objective: str = "pipeline",
     chain: bool = False,
     held_floor: int = 0,
+    guess: float | None = None,
 ) -> SearchResult:
     """Find the stage graph with the smallest bottleneck, then the fewest in-flight micro-batches.
 
@@ -182,6 +193,10 @@ def search(
         held_floor: Micro-batches each replica of every stage holds at least (capped by
             M / replicas), for a schedule whose order holds more than graph 1F1B's count
             (zb, zb2, gpipe); 0 costs graph 1F1B's count alone.
+        guess: Where the least feasible tau is likely (e.g. another tree's `least` on the
+            same units): the search gallops out from it instead of bisecting every
+            candidate value. The result is the same either way (feasibility is monotone in
+            tau); only the number of feasibility checks changes.
 
     Returns:
         The optimal `SearchResult` for this tree and cost model.
@@ -190,7 +205,7 @@ def search(
         PlanError: no stage graph fits the memory budget, even with every device in use.
     """
     found = _Search(g, tree, cost, devices, max_replicas or devices, chain, held_floor)
-    return found.run(objective)
+    return found.run(objective, guess=guess)
 
 
 class _Search:
@@ -211,20 +226,47 @@ class _Search:
         self.max_replicas = min(max_replicas, devices)
         self.depth_bound = devices
         self.top_k = max(0, cost.micro_batches - 1)  # the largest k a budgeted table is made for
-        self.budgeted = cost.memory.budget is not None and not _budget_never_binds(g, cost)
+        binds = cost.memory.budget is not None and not _budget_never_binds(g, cost)
+        self.budgeted = binds  # at the tau being solved (`feasible`)
         self.pieces = Pieces(g, self.tree, cost, self.max_replicas)
+        self.binding = self._binding_tau() if binds else INF
         self.tau = INF
         self.memo: dict[Key, Any] = {}
         self.r_cache: dict[Key, float] = {}
         self.facts: dict[Key, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # `_facts_by_end`
         self.held: dict[int, np.ndarray] = {}  # r -> `_held(r)`
         # the last feasible tau, with its d and tables: the binary search ends on it
-        self.solved: tuple[float, int, dict[Key, Any], dict[Key, float]] | None = None
+        self.solved: tuple[float, int, dict[Key, Any], dict[Key, float], bool] | None = None
 
     def candidates(self) -> list[float]:
         """Every value the optimal bottleneck can take, from the perfect-balance bound up."""
         total = sum(d["forward"] + d["backward"] for _, d in self.g.nodes(data=True))
         return self.pieces.candidates(total / self.n * (1 - 1e-9))  # rounding margin
+
+    def _binding_tau(self) -> float:
+        """The least stage time, over every piece and replica count r, of a piece one of
+        whose r replicas is over the budget holding the most it can (ceil(M / r)
+        micro-batches: `_replicas` caps what it holds at M). Below it the budget binds no
+        piece that meets tau, so r does not depend on the in-flight count there and the
+        unbudgeted tables hold the same values (`feasible` solves such a tau without it)."""
+        cost, m = self.cost, self.cost.micro_batches
+        budget = cost.memory.budget
+        assert budget is not None  # only made with a budget that binds somewhere
+        least = INF
+        for r in range(1, self.max_replicas + 1):
+            held = math.ceil(m / r)
+            for node_id, ranges in self.pieces.stats.ranges().items():
+                weights = cost.weights(cast(float, ranges.pbytes))  # elementwise, as a float
+                over = weights + ranges.act * held > budget  # [a, b]
+                over &= np.triu(np.ones_like(over))  # b >= a: ranges that exist
+                stage = self.pieces.series[node_id].stage[:, 1:, r - 1]  # [a, b]: range a..b
+                least = min(least, float(stage[over].min(initial=INF)))
+        for stats in self.pieces.stats.made().values():
+            times = self.pieces.stage_times(stats)
+            for r in range(1, self.max_replicas + 1):
+                if cost.weights(stats.pbytes) + stats.act * math.ceil(m / r) > budget:
+                    least = min(least, float(times[r - 1]))
+        return least
 
     # -- the DP for one tau ---------------------------------------------------------------
 
@@ -574,13 +616,14 @@ class _Search:
 
         The tables of the last tau found feasible are kept, to build its solution from."""
         if self.solved is not None and self.solved[0] == tau:
-            self.tau, found, self.memo, self.r_cache = self.solved
+            self.tau, found, self.memo, self.r_cache, self.budgeted = self.solved
             return found
         self.tau, self.memo, self.r_cache = tau, {}, {}
+        self.budgeted = tau * (1 + 1e-12) >= self.binding  # some piece within tau is over
         self.iterations += 1
         for d in range(1, self.depth_bound + 1):
             if self.f(self.tree, 0, d) <= self.n:
-                self.solved = (tau, d, self.memo, self.r_cache)
+                self.solved = (tau, d, self.memo, self.r_cache, self.budgeted)
                 return d
         return None
 
@@ -589,25 +632,38 @@ class _Search:
         of the stage graph the pieces really form (merged ranges may run side by side)."""
         return (self.cost.micro_batches + self._depth(pieces) - 1) * tau
 
-    def _least_pipeline_time(self, tau: float, path: float) -> float:
+    def _least_pipeline_time(self, tau: float, path: list[float]) -> float:
         """A floor on `_pipeline_time` at `tau`: a stage's compute is within R tau (its
-        stage time, within tau, is at least its compute over its replicas), so the longest
-        path of unit times (`path`) crosses at least path / (R tau) stages, each a stage
-        of the depth (stages are convex: a path enters each once)."""
+        stage time, within tau, is at least its compute over its replicas), and the units
+        of a path (`path`, their times in order: `_path_times`) that share a stage are
+        consecutive on it (stages are convex), each stage a step of the depth; so the depth
+        is at least the fewest runs of the path within R tau each (greedy, first to last,
+        is the fewest; a unit over R tau counts one run)."""
         reach = tau * self.max_replicas * (1 + 1e-9)
-        depth = max(1, math.ceil(path / reach)) if reach > 0 else 1
+        depth, run = 1, 0.0
+        for t in path:
+            if run > 0.0 and run + t > reach:
+                depth, run = depth + 1, 0.0
+            run += t
         return (self.cost.micro_batches + depth - 1) * tau
 
-    def _longest_path(self) -> float:
-        """The longest forward + backward path of the unit graph (the sum, on a chain)."""
+    def _path_times(self) -> list[float]:
+        """The unit times along the path `_least_pipeline_time` packs: on a chain every
+        unit, in the order its stages are ranges of; else the longest forward + backward
+        path of the unit graph."""
         times = {u: d["forward"] + d["backward"] for u, d in self.g.nodes(data=True)}
         if self.chain:
-            return sum(times.values())
-        longest: dict[Unit, float] = {}
+            return [times[u] for u in self.pieces.series[id(self.tree)].positions]
+        longest: dict[Unit, tuple[float, Unit | None]] = {}
         for u in nx.topological_sort(self.g):
-            before = (longest[p] for p in self.g.predecessors(u))
-            longest[u] = times[u] + max(before, default=0.0)
-        return max(longest.values(), default=0.0)
+            before = max(((longest[p][0], p) for p in self.g.predecessors(u)), default=None)
+            longest[u] = (times[u] + before[0], before[1]) if before else (times[u], None)
+        end = max(longest, key=lambda u: longest[u][0], default=None)
+        path: list[float] = []
+        while end is not None:
+            path.append(times[end])
+            end = longest[end][1]
+        return path[::-1]
 
     def _depth(self, pieces: list[Piece]) -> int:
         if self.chain:
@@ -620,23 +676,54 @@ class _Search:
         )
         return nx.dag_longest_path_length(g) + 1
 
-    def run(self, objective: str = "pipeline", probes: int = 16) -> SearchResult:
-        """Search; "bottleneck" minimises tau (then depth), "pipeline" the step estimate."""
+    def run(
+        self, objective: str = "pipeline", probes: int = 16, guess: float | None = None
+    ) -> SearchResult:
+        """Search; "bottleneck" minimises tau (then depth), "pipeline" the step estimate.
+        `guess`: where to start looking for the least feasible tau (`search`)."""
         self.iterations = 0
         values = self.candidates()
-        if not values or self.feasible(values[-1]) is None:
+        lo = self._least_feasible(values, guess) if values else 0
+        if not values or self.feasible(values[lo]) is None:  # lo is last: none is feasible
             raise PlanError(_infeasible_message(self))
+        tau, d, pieces = self._solution(values[lo])
+        if objective == "pipeline":
+            tau, d, pieces = self._trade_bottleneck_for_depth(values, lo, (tau, d, pieces), probes)
+        return SearchResult(tuple(pieces), tau, d, len(values), self.iterations, values[lo])
+
+    def _least_feasible(self, values: list[float], guess: float | None) -> int:
+        """The index of the least feasible value, the last if none below it is (the last is
+        not probed here: `run` checks it): a bisection of [lo, hi], which a guess first
+        narrows by galloping (steps 1, 2, 4, ... down from it while feasible, or up while
+        not). Every feasible probe lowers hi, so the last feasible one probed is values[hi]
+        (its tables are kept: `feasible`)."""
         lo, hi = 0, len(values) - 1
+        if guess is not None:
+            at = min(bisect.bisect_left(values, guess), hi)
+            lo, hi = self._gallop(values, at, hi)
         while lo < hi:
             mid = (lo + hi) // 2
             if self.feasible(values[mid]) is not None:
                 hi = mid
             else:
                 lo = mid + 1
-        tau, d, pieces = self._solution(values[lo])
-        if objective == "pipeline":
-            tau, d, pieces = self._trade_bottleneck_for_depth(values, lo, (tau, d, pieces), probes)
-        return SearchResult(tuple(pieces), tau, d, len(values), self.iterations)
+        return lo
+
+    def _gallop(self, values: list[float], at: int, hi: int) -> tuple[int, int]:
+        """(lo, hi) bracketing the least feasible index, probing out from `at`: values[hi]
+        feasible (or the last value, not probed), every index below lo infeasible."""
+        step = 1
+        if self.feasible(values[at]) is not None:
+            hi, probe = at, at - 1
+            while probe >= 0 and self.feasible(values[probe]) is not None:
+                hi, step = probe, step * 2
+                probe = hi - step
+            return max(probe + 1, 0), hi
+        lo = probe = min(at + 1, hi)
+        while probe < hi and self.feasible(values[probe]) is None:
+            lo, step = probe + 1, step * 2
+            probe = min(lo - 1 + step, hi)
+        return lo, probe
 
     def _solution(self, tau: float) -> tuple[float, int, list[Piece]]:
         d = self.feasible(tau)
@@ -654,7 +741,7 @@ class _Search:
         ceiling = score / self.cost.micro_batches
         top = next((i for i in range(first, len(values)) if values[i] > ceiling), len(values))
         step = max(1, (top - 1 - first) // probes)
-        path = self._longest_path()
+        path = self._path_times()
         for i in range(first + step, top, step):
             if self._least_pipeline_time(values[i], path) >= score:
                 continue  # no plan at this tau can score less: not solved
