@@ -3,7 +3,10 @@ node, bad values are named, and print(plan) lists the runners-up."""
 
 from __future__ import annotations
 
+import faulthandler
+import json
 import math
+import multiprocessing
 from functools import cache
 
 import pytest
@@ -31,6 +34,7 @@ from graphpipe.scheduling.simulate import simulate
 from graphpipe.tracing.tracer import trace
 
 BATCH, WIDTH, BLOCKS = 16, 256, 4
+TIMEOUT = 120  # seconds a forked search may take before the test's process exits
 FLOPS = ProfileConfig(mode="flops")
 MLP_PLAN = {"*.fc1": "colwise", "*.fc2": "rowwise"}
 # a small node so that tp = 2 stays inside and dp and pp cross: 2 GPUs, a fast and a slow link
@@ -72,6 +76,30 @@ def test_the_choice_is_the_best_of_the_whole_grid(devices: int) -> None:
     assert chosen.mesh.devices == devices and chosen.mesh.chosen_by == "auto"
 
 
+def test_forked_workers_choose_the_serial_search_s_plan() -> None:
+    """Candidates planned by two forked processes, a family of meshes each at a time, each
+    against the best step known when its family started: the same plan as planned here."""
+    gm, prof = _traced()
+    faulthandler.dump_traceback_later(TIMEOUT, exit=True)  # a hung worker cannot hang CI
+    try:
+        serial = choose(gm, prof, _config(8), MeshSearch(node=NODE))
+        forked = choose(gm, prof, _config(8), MeshSearch(node=NODE, workers=2))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert forked.mesh == serial.mesh
+    assert _bare(forked) == _bare(serial)
+    assert forked.info["mesh"]["candidates"] == serial.info["mesh"]["candidates"]
+    assert multiprocessing.active_children() == []  # the workers were joined
+
+
+def _bare(plan: Plan) -> dict[str, object]:
+    """The plan as JSON without what the search's course may change: its time and notes
+    (the runners-up: a worker may plan one that the serial search pruned)."""
+    data = json.loads(plan.to_json())
+    data.pop("info"), data.pop("search_time")
+    return data
+
+
 def test_a_candidate_plans_the_same_alone_and_after_the_others() -> None:
     """A candidate's plan is a function of the candidate alone (its own cut), so the order
     the search plans candidates in cannot change it: what makes the choice the grid's best."""
@@ -106,6 +134,8 @@ def test_the_links_are_the_node_s_by_where_each_group_lies() -> None:
         (MeshSearch(node="h200x9"), "'h200x9'"),
         (MeshSearch(node=NODES["h100x8"]), "devices=12"),
         (MeshSearch(reshard=()), "reshard"),
+        (MeshSearch(workers=0), "workers must be an int >= 1, got 0"),
+        (MeshSearch(workers=True), "workers must be an int >= 1, got True"),
     ],
 )
 def test_a_bad_search_value_is_a_config_error_naming_it(search: MeshSearch, named: str) -> None:

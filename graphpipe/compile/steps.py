@@ -318,6 +318,7 @@ def _plan_mesh(model: nn.Module, example_inputs: Any, spec: RunSpec) -> Plan:
         dist.get_world_size(),
         node=spec.parallelism.node,
         micro_batches="auto" if m is None else m,
+        workers=spec.planning.search_workers,
         tp_plan=tp_plan,
         **{**spec.plan_options, "profile": _profile_config(model, spec.planning.profile)},
     )

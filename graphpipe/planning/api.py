@@ -102,4 +102,8 @@ def _auto(
     }
     if problems:
         raise ConfigError(joined(problems))
-    return plan_mesh(model, example_inputs, n, node=par.node, micro_batches=m or "auto", **kwargs)
+    workers = got["planning"].search_workers  # type: ignore[attr-defined]
+    return plan_mesh(
+        model, example_inputs, n, node=par.node, micro_batches=m or "auto", workers=workers,
+        **kwargs,
+    )  # fmt: skip

@@ -76,6 +76,14 @@ candidate is planned again, nothing skipped, only where zb brings that plan with
 step. So the choice is still the grid's; a runner-up's step can be that of its plans
 simulated, not of all.
 
+Workers (`MeshSearch.workers`, the `search_workers` option): the candidates are planned
+on forked processes, a family at a time each (the same p, k, t at every M: its cuts are
+shared by its siblings, so no two workers make the same cut), each family against the best
+step known when it starts; the first families by estimate, then the deepest pipelines (the
+dearest to cut). A best step learnt later only prunes less, so the choice is the serial
+search's; the runners-up recorded can differ. The garbage collector is paused while the
+search runs (`_collector_paused`).
+
 What bound each runner-up (`info["mesh"]["runners_up"]`, `print(plan)`):
 
     memory       it needed recompute or reshard_after_forward=True to fit, or fits no plan
@@ -89,11 +97,16 @@ What bound each runner-up (`info["mesh"]["runners_up"]`, `print(plan)`):
 
 from __future__ import annotations
 
+import gc
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import cache, partial
+from multiprocessing import get_all_start_methods, get_context
 from typing import Any
 
 import networkx as nx
@@ -140,11 +153,15 @@ class MeshSearch:
         micro_batches: "auto" (every power of two dividing the rows) or one M.
         reshard: The reshard_after_forward values tried, in order: the next only where the
             previous fits no plan (False first: one gather per step).
+        workers: Processes that plan candidates at once (forked from this one, which
+            needs the fork start method: Linux); 1 plans them here. The choice is the same
+            either way.
     """
 
     node: Node | str | None = None
     micro_batches: int | str = "auto"
     reshard: tuple[bool, ...] = (False, True)
+    workers: int = 1
 
     def problems(self, devices: int, batch: int | None = None) -> list[str]:
         """Every problem with the fields, naming the values (empty when they are fine)."""
@@ -167,6 +184,11 @@ class MeshSearch:
                     )
         if not self.reshard or any(not isinstance(r, bool) for r in self.reshard):
             found.append(f"reshard must be a non-empty tuple of bools, got {self.reshard!r}")
+        w = self.workers
+        if not (isinstance(w, int) and not isinstance(w, bool) and w >= 1):
+            found.append(f"workers must be an int >= 1, got {w!r}")
+        elif w > 1 and "fork" not in get_all_start_methods():
+            found.append(f"workers={w} needs the fork start method, which this OS lacks; use 1")
         return found
 
     def check(self, devices: int, batch: int | None = None) -> None:
@@ -592,8 +614,9 @@ def choose(gm: fx.GraphModule, prof: Profile, config: PlanConfig, search: MeshSe
     batch = b * config.micro_batches
     search.check(config.devices, batch)
     start = time.perf_counter()
-    state = _state(gm, prof, config, search, batch)
-    found = _branch_and_bound(state, _space(state, search), search.reshard)
+    with _collector_paused():
+        state = _state(gm, prof, config, search, batch)
+        found = _branch_and_bound(state, _space(state, search), search.reshard, search.workers)
     chosen = _chosen(found, state, time.perf_counter() - start)
     shapes = {k: (batch // chosen.micro_batches, *v[1:]) for k, v in input_shapes(gm).items()}
     return noted(replace(chosen, input_shapes=shapes), prof)
@@ -603,8 +626,24 @@ def grid(gm: fx.GraphModule, prof: Profile, config: PlanConfig, search: MeshSear
     """Every candidate of the space planned, none pruned: the brute force `choose` is
     checked against (the same costs, the same planning of each candidate)."""
     batch = prof.micro_batch_size * config.micro_batches
-    state = _state(gm, prof, config, search, batch)
-    return [state.evaluate(c, search.reshard) for c in _space(state, search)]
+    with _collector_paused():
+        state = _state(gm, prof, config, search, batch)
+        return [state.evaluate(c, search.reshard) for c in _space(state, search)]
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the search, as it was after: the search
+    makes some 350,000 short-lived objects in cycles (the 0.9 B Llama at 512 devices), and
+    each full collection they set off walks the whole heap, the traced model's included (a
+    sixth of that search's time). What they hold is freed at the next collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _state(
@@ -652,9 +691,23 @@ def _space(state: _Search, search: MeshSearch) -> list[Candidate]:
 
 
 def _branch_and_bound(
-    state: _Search, space: list[Candidate], reshards: tuple[bool, ...]
+    state: _Search, space: list[Candidate], reshards: tuple[bool, ...], workers: int = 1
 ) -> list[Scored]:
-    """Every candidate, planned in the estimate's order unless its bound cannot win."""
+    """Every candidate, planned in the estimate's order unless its bound cannot win; on
+    `workers` forked processes, a family (the same p, k, t: one cut per M, shared by
+    its siblings) at a time each (`_forked`)."""
+    bounded = _bounded(state, space, reshards)
+    if workers > 1:
+        return _forked(state, bounded, reshards, workers)
+    return _family(bounded, reshards, math.inf, state)
+
+
+_Bounded = tuple[float, float, Candidate, str]  # (estimate, lower bound, c, the bound's name)
+_MEMORY = "memory: over the budget at any plan"
+
+
+def _bounded(state: _Search, space: list[Candidate], reshards: tuple[bool, ...]) -> list[_Bounded]:
+    """The candidates with their bounds, in the order they are planned: the estimate's."""
     bounded = []
     for c in space:
         rg = state.ranks(state.rows(c), c.tp)
@@ -667,21 +720,84 @@ def _branch_and_bound(
         estimate = _estimate(c, rg, cost, lower)
         bounded.append((estimate, lower, c, which))
     bounded.sort(key=lambda x: (x[0], x[2].pp, x[2].tp, x[2]))
-    best, out = math.inf, []
+    return bounded
+
+
+def _family(
+    bounded: list[_Bounded], reshards: tuple[bool, ...], best: float, state: _Search | None = None
+) -> list[Scored]:
+    """`bounded` in order, each planned unless its bound is at least the best step found
+    (from `best` on); in a worker, on the state it was forked with (`_FORKED`)."""
+    state = state if state is not None else _FORKED
+    assert state is not None  # set before the workers fork
+    out = []
     for _, lower, c, which in bounded:
         if which == "memory":
-            out.append(
-                Scored(c, lower=lower, which=which, bound="memory: over the budget at any plan")
+            scored = Scored(
+                c, lower=lower, which=which, bound="memory: over the budget at any plan"
             )
         elif lower >= best:
-            out.append(Scored(c, lower=lower, which=which))
+            scored = Scored(c, lower=lower, which=which)
         else:
             scored = state.evaluate(c, reshards, best)
             if scored.which != "floor":
                 scored = replace(scored, lower=lower, which=which)
-            best = min(best, scored.step)
-            out.append(scored)
+        best = min(best, scored.step)
+        out.append(scored)
     return out
+
+
+_FORKED: _Search | None = None  # the search the workers of `_forked` inherit
+
+
+def _dealt(families: list[list[_Bounded]], workers: int) -> list[list[_Bounded]]:
+    """The order families are handed out: the first `workers` by estimate (one of them
+    most likely holds the best step, which prunes the rest), then the deepest pipelines
+    first (the dearest to cut: the DP's tables grow with p), so that no long family is
+    left to run alone at the end."""
+    first, rest = families[:workers], families[workers:]
+    return first + sorted(rest, key=lambda items: -items[0][2].pp)  # stable: estimate order
+
+
+def _forked(
+    state: _Search, bounded: list[_Bounded], reshards: tuple[bool, ...], workers: int
+) -> list[Scored]:
+    """The branch and bound on forked worker processes: the families in the order of their
+    first candidate's estimate, each planned whole by one worker against the best step
+    known when it starts (`_family`). A family's cuts are its own (`_Search.siblings`), so
+    no two workers cut the same; a best step learnt late only prunes less, never the best,
+    so the choice is the serial search's (the runners-up can differ: more are planned)."""
+    global _FORKED
+    families: dict[tuple[int, int, int], list[_Bounded]] = {}
+    for item in bounded:
+        families.setdefault((item[2].pp, item[2].dp, item[2].tp), []).append(item)
+    queue, best = _dealt(list(families.values()), workers), math.inf
+    found: dict[Candidate, Scored] = {}
+    _FORKED = state
+    try:
+        with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
+            running: set[Future[list[Scored]]] = set()
+            while queue or running:
+                while queue and len(running) < workers:
+                    items = queue.pop(0)
+                    if all(x[3] == "memory" or x[1] >= best for x in items):  # none can win
+                        found.update(
+                            (s.candidate, s) for s in _family(items, reshards, best, state)
+                        )
+                        continue
+                    running.add(pool.submit(_family, items, reshards, best))
+                done, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    for scored in future.result():
+                        found[scored.candidate] = scored
+                        best = min(best, scored.step)
+    except BrokenProcessPool as exc:
+        raise PlanError(
+            f"a worker of the mesh search (workers={workers}) died: {exc}; plan with workers=1"
+        ) from exc
+    finally:
+        _FORKED = None
+    return [found[item[2]] for item in bounded]
 
 
 def _estimate(c: Candidate, rg: RankGraph, cost: CostModel, lower: float) -> float:
@@ -816,6 +932,7 @@ def plan_mesh(
     *,
     node: Node | str | None = None,
     micro_batches: int | str = "auto",
+    workers: int = 1,
     **options: Any,
 ) -> Plan:
     """Trace, profile and plan a model over the mesh the planner chooses (module docstring).
@@ -826,6 +943,7 @@ def plan_mesh(
         devices: N.
         node: The node preset or `Node` (see `MeshSearch.node`).
         micro_batches: "auto" or one M.
+        workers: Processes planning candidates at once (`MeshSearch.workers`).
         **options: Any other `PlanConfig` field (memory_budget, profile, tp_plan, ...);
             `tp_plan` lets the search use tp (e.g. `graphpipe.runtime.tp.model_tp_plan`).
 
@@ -845,7 +963,7 @@ def plan_mesh(
     """
     args, kwargs = normalise(example_inputs)
     batch = batch_of(args, kwargs)
-    search = MeshSearch(node=node, micro_batches=micro_batches)
+    search = MeshSearch(node=node, micro_batches=micro_batches, workers=workers)
     search.check(devices, batch)
     config = PlanConfig(devices=devices, micro_batches=1, **options)
     gm = trace(model, example_inputs, leaf_modules=config.leaf_modules, micro_batch_size=batch)

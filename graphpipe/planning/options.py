@@ -126,6 +126,12 @@ class Planning(OptionGroup):
     split_backward: bool = option(True, "zero-bubble schedules may be chosen")
     objective: str = option("pipeline", "pipeline: least step time; bottleneck: least stage")
     max_units: int = option(128, "the most units the search considers (at least 4N)")
+    search_workers: int = option(
+        1,
+        "mesh='auto': processes that plan candidate meshes at once (forked from this one: "
+        "Linux); the choice is the same for any count",
+        "--search-workers",
+    )
     profile: ProfileConfig = option(
         ProfileConfig, "how op times are obtained (measured, FLOPs, roofline)", factory=True
     )
