@@ -4,6 +4,7 @@
     python -m benchmarks.autoplan --devices 8 32 --no-grid  # the choice only, at 8 and 32
     python -m benchmarks.autoplan --torchtitan 8b           # beside torchtitan's 8B mesh
     python -m benchmarks.autoplan --models mmt --devices 64 128 256 512 --no-grid
+    python -m benchmarks.autoplan --models llama-0.9b --devices 512 --no-grid --workers 2
 
 Everything is simulated, on the same costs: op times from the H100 roofline
 (`ProfileConfig(mode="roofline", preset="h100")`), bf16 values between ops and stages
@@ -16,12 +17,12 @@ GB/s per GPU across nodes). Models, on the meta device:
     mmt         models.mmt's paper preset (4 towers x 8 layers, hidden 1024), batch 64; no
                 tp plan, so tp = 1
 
-Per device count N: the auto choice (`automesh.choose`: branch and bound) and its plan
-time, the grid's best (`automesh.grid`: every mesh of the same space planned, none pruned)
-and its time, their ratio, and the step against the compute-bound ideal (one device's best
-step / N). The grid plans each mesh as the search does (each its own cut: a candidate's plan
-depends on nothing else), so the ratio measures what pruning loses: nothing, where the bounds
-hold.
+Per device count N: the auto choice (`automesh.choose`: branch and bound, on `--workers`
+forked processes, every core by default) and its plan time, the grid's best (`automesh.grid`:
+every mesh of the same space planned, none pruned, on one process) and its time, their
+ratio, and the step against the compute-bound ideal (one device's best step / N). The grid
+plans each mesh as the search does (each its own cut: a candidate's plan depends on nothing
+else), so the ratio measures what pruning loses: nothing, where the bounds hold.
 
 `--torchtitan`: Llama 3.1 8B, 70B and 405B (Hugging Face configs on the meta device, 8192
 tokens per sequence) at torchtitan's published meshes (docs/performance.md, "Grand Teton"
@@ -33,6 +34,7 @@ M, beside graphpipe's choice on the same simulated cluster.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,10 +126,11 @@ def _config(t: Traced, devices: int) -> PlanConfig:
     )
 
 
-def _auto(t: Traced, devices: int) -> tuple[Any, float, float]:
-    """(plan, simulated step, plan seconds) of the auto choice."""
+def _auto(t: Traced, devices: int, workers: int = 1) -> tuple[Any, float, float]:
+    """(plan, simulated step, plan seconds) of the auto choice, planned on `workers`
+    processes (`MeshSearch.workers`)."""
     start = time.perf_counter()
-    plan = choose(t.gm, t.prof, _config(t, devices), MeshSearch(node=NODE))
+    plan = choose(t.gm, t.prof, _config(t, devices), MeshSearch(node=NODE, workers=workers))
     return plan, simulate(plan).iteration_time, time.perf_counter() - start
 
 
@@ -137,13 +140,13 @@ def _grid_best(t: Traced, devices: int) -> tuple[Scored, float]:
     return min(every, key=lambda s: s.step), time.perf_counter() - start
 
 
-def rows(t: Traced, devices: tuple[int, ...], with_grid: bool) -> list[list[Any]]:
+def rows(t: Traced, devices: tuple[int, ...], with_grid: bool, workers: int) -> list[list[Any]]:
     """One row per device count."""
     _, one, _ = _auto(t, 1)
     log(f"{t.name}: one device {one * 1e3:.1f} ms")
     table = []
     for n in devices:
-        plan, step, seconds = _auto(t, n)
+        plan, step, seconds = _auto(t, n, workers)
         said = f"{plan.mesh.shape} {plan.schedule} {step * 1e3:.1f} ms in {seconds:.1f} s"
         log(f"{t.name} N={n}: {said}")
         row = [t.name, n, f"{plan.mesh.shape}, {plan.layout}/{plan.schedule}"]
@@ -166,7 +169,7 @@ HEADERS = [
 ]  # fmt: skip
 
 
-def torchtitan_rows(names: list[str]) -> list[list[Any]]:
+def torchtitan_rows(names: list[str], workers: int) -> list[list[Any]]:
     """graphpipe's choice beside torchtitan's published mesh, both simulated."""
     table = []
     for name in names:
@@ -178,7 +181,7 @@ def torchtitan_rows(names: list[str]) -> list[list[Any]]:
         )
         log(f"{t.name}: traced in {time.perf_counter() - start:.0f} s")
         config = _config(t, n)
-        plan, step, seconds = _auto(t, n)
+        plan, step, seconds = _auto(t, n, workers)
         theirs = _best_at(t, config, Candidate(pp, dp, tp, 1), batch)
         table.append(
             [t.name, n, batch, f"pp {pp} x dp {dp} x tp {tp}", _ms(theirs), plan.mesh.shape,
@@ -209,22 +212,29 @@ MODELS: dict[str, Callable[[], Traced]] = {"llama-0.9b": llama_09b, "mmt": mmt}
 
 
 def report(
-    devices: tuple[int, ...], with_grid: bool, titan: list[str], models: list[str] | None = None
+    devices: tuple[int, ...],
+    with_grid: bool,
+    titan: list[str],
+    models: list[str] | None = None,
+    workers: int = 1,
 ) -> str:
-    """The markdown section (`models`: names of `MODELS`, all by default)."""
+    """The markdown section (`models`: names of `MODELS`, all by default; the auto choice
+    planned on `workers` processes, the grid on one)."""
     chosen = [MODELS[name] for name in models or MODELS]
-    table = [r for build in chosen for r in rows(build(), devices, with_grid)]
+    table = [r for build in chosen for r in rows(build(), devices, with_grid, workers)]
     text = (
         "## Issue 38: the whole mesh planned\n\n"
-        f"`python -m benchmarks.autoplan` on {machine()}; simulated: H100 roofline op times, "
-        f"bf16 values, 80 GiB per device, {NODE} nodes.\n\n"
+        f"`python -m benchmarks.autoplan --workers {workers}` on {machine()}; simulated: H100 "
+        f"roofline op times, bf16 values, 80 GiB per device, {NODE} nodes. The auto choice "
+        f"planned on {workers} worker process(es), the grid on one.\n\n"
         + tabulate(table, headers=HEADERS, tablefmt="github")
         + "\n"
     )
     if titan:
         headers = ["model", "N", "batch", "torchtitan", "its step ms", "graphpipe", "schedule",
                    "step ms", "plan s"]  # fmt: skip
-        text += "\n" + tabulate(torchtitan_rows(titan), headers=headers, tablefmt="github") + "\n"
+        made = torchtitan_rows(titan, workers)
+        text += "\n" + tabulate(made, headers=headers, tablefmt="github") + "\n"
     return text
 
 
@@ -234,9 +244,15 @@ def main() -> None:
     parser.add_argument("--no-grid", action="store_true", help="the auto choice only")
     parser.add_argument("--torchtitan", nargs="*", default=None, choices=sorted(TORCHTITAN))
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="processes the auto choice plans on (default: every core)",
+    )
     args = parser.parse_args()
     titan = sorted(TORCHTITAN) if args.torchtitan == [] else (args.torchtitan or [])
-    print(report(tuple(args.devices), not args.no_grid, titan, args.models))
+    print(report(tuple(args.devices), not args.no_grid, titan, args.models, args.workers))
 
 
 if __name__ == "__main__":
