@@ -293,24 +293,8 @@ def test_budgeted_tables_made_up_to_m_in_flight_plan_as_tables_for_every_count(
                 self.top_k = self.depth_bound
 
         monkeypatch.setattr(search_module._Search, "__init__", made_up_to)
-        for seed in range(24):
-            rng = random.Random(500 + seed)
-            g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(8, 14))
-            devices = min(rng.randint(4, 8), g.number_of_nodes())
-            m = 1 + seed % 3  # fewer micro-batches than devices: counts past M in the tables
-            config = PlanConfig(
-                devices=devices,
-                replication=seed % 4 < 2,
-                objective=("pipeline", "bottleneck")[seed % 2],
-            )
-            loose = partition_op_graph(g, cost(micro_batches=m), config, "x")
-            budget = 0.8 * max(st.memory_bytes for st in loose.stages)  # it binds
-            try:
-                p = partition_op_graph(g, cost(micro_batches=m, budget=budget), config, "x")
-            except PlanError as exc:
-                made.append(str(exc))
-                continue
-            made.append(([(st.nodes, st.devices) for st in p.stages], p.bottleneck))
+        for seed in range(24):  # fewer micro-batches than devices: counts past M in the tables
+            made.append(_budgeted_plan(random.Random(500 + seed), seed, 1 + seed % 3, 0.8, 4))
         monkeypatch.undo()
         return made
 
@@ -346,23 +330,8 @@ def test_a_budget_is_searched_only_at_the_taus_where_it_binds_a_piece(
         monkeypatch.setattr(search_module._Search, "__init__", budget_at_every_tau)
         monkeypatch.setattr(search_module._Search, "feasible", counted)
         for seed in range(24):
-            rng = random.Random(700 + seed)
-            g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(8, 14))
-            devices = min(rng.randint(3, 8), g.number_of_nodes())
-            m = 2 + seed % 4
-            config = PlanConfig(
-                devices=devices,
-                replication=seed % 4 < 2,
-                objective=("pipeline", "bottleneck")[seed % 2],
-            )
-            loose = partition_op_graph(g, cost(micro_batches=m), config, "x")
-            budget = (0.7 + 0.15 * (seed % 3)) * max(st.memory_bytes for st in loose.stages)
-            try:
-                p = partition_op_graph(g, cost(micro_batches=m, budget=budget), config, "x")
-            except PlanError as exc:
-                made.append(str(exc))
-                continue
-            made.append(([(st.nodes, st.devices) for st in p.stages], p.bottleneck))
+            share = 0.7 + 0.15 * (seed % 3)
+            made.append(_budgeted_plan(random.Random(700 + seed), seed, 2 + seed % 4, share, 3))
         monkeypatch.undo()
         return made
 
@@ -370,6 +339,25 @@ def test_a_budget_is_searched_only_at_the_taus_where_it_binds_a_piece(
     assert shortcut == everywhere
     assert sum(not isinstance(x, str) for x in shortcut) >= 12  # most are planned
     assert unbudgeted_taus >= 50  # the shortcut was taken
+
+
+def _budgeted_plan(rng: random.Random, seed: int, m: int, share: float, fewest: int) -> Any:
+    """A random graph (branchy for odd seeds) on `fewest` to 8 devices, planned at M = `m`
+    under a budget of `share` of its unbudgeted plan's largest stage: its stages and
+    bottleneck, or the PlanError's message."""
+    g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(8, 14))
+    config = PlanConfig(
+        devices=min(rng.randint(fewest, 8), g.number_of_nodes()),
+        replication=seed % 4 < 2,
+        objective=("pipeline", "bottleneck")[seed % 2],
+    )
+    loose = partition_op_graph(g, cost(micro_batches=m), config, "x")
+    budget = share * max(st.memory_bytes for st in loose.stages)
+    try:
+        p = partition_op_graph(g, cost(micro_batches=m, budget=budget), config, "x")
+    except PlanError as exc:
+        return str(exc)
+    return [(st.nodes, st.devices) for st in p.stages], p.bottleneck
 
 
 def test_stage_times_array_equals_stage_time_per_replica_count() -> None:
