@@ -261,11 +261,15 @@ class _Search:
                 over &= np.triu(np.ones_like(over))  # b >= a: ranges that exist
                 stage = self.pieces.series[node_id].stage[:, 1:, r - 1]  # [a, b]: range a..b
                 least = min(least, float(stage[over].min(initial=INF)))
-        for stats in self.pieces.stats.made().values():
-            times = self.pieces.stage_times(stats)
-            for r in range(1, self.max_replicas + 1):
-                if cost.weights(stats.pbytes) + stats.act * math.ceil(m / r) > budget:
-                    least = min(least, float(times[r - 1]))
+        for stats in self.pieces.stats.made().values():  # `_replicas`' memory, M held
+            unfit = [
+                r
+                for r in range(1, self.max_replicas + 1)
+                if not cost.memory.fits(cost.stage_memory(stats.pbytes, stats.act, m, r))
+            ]
+            if unfit:
+                times = self.pieces.stage_times(stats)
+                least = min(least, *(float(times[r - 1]) for r in unfit))
         return least
 
     # -- the DP for one tau ---------------------------------------------------------------
