@@ -156,6 +156,30 @@ def test_a_failure_board_post_is_kept_and_causes_come_before_echoes() -> None:
     )
 
 
+def test_a_wait_state_read_while_it_ends_is_either_the_state_or_none() -> None:
+    """A reader checks a rank's key, then gets it; the rank's wait may end in between. Its
+    end empties the key (a deleted one read back empty, which no reader could parse: seen
+    as a survivor's `ValueError` in the fault matrix), so every read is whole."""
+    store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    waiter, reader = FailureBoard(0, 2, store.clone()), FailureBoard(1, 2, store.clone())
+    done = threading.Event()
+
+    def flip() -> None:
+        while not done.is_set():
+            waiter.set_waiting([1], "action 0RF0<1")
+            waiter.clear_waiting()
+
+    flipper = threading.Thread(target=flip, daemon=True)
+    flipper.start()
+    try:
+        seen = [reader.waiting(0) for _ in range(5000)]
+    finally:
+        done.set()
+        flipper.join(timeout=10)
+    assert {None if s is None else repr(s) for s in seen} == {None, repr(([1], "action 0RF0<1"))}
+    assert not reader.lost
+
+
 def test_a_board_whose_store_is_gone_records_and_reads_nothing() -> None:
     """The launcher ended: posting is best effort, and no read raises."""
     server = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)

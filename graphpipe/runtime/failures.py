@@ -6,7 +6,8 @@ A rank that fails posts why on a *failure board*, a key-value store every rank r
                                                       when it stopped because another rank
                                                       failed, else a cause (its own error, a
                                                       death, a timeout's diagnosis)
-    graphpipe/waiting/<rank>   "<time>|<ranks>|<what>"  set while a wait lasts over WAITING_AFTER s
+    graphpipe/waiting/<rank>   "<time>|<ranks>|<what>"  set while a wait lasts over WAITING_AFTER s,
+                                                      emptied (not deleted) when it ends
 
 The board is the store torch.distributed rendezvoused with. Under `graphpipe.runtime.launch` and
 torchrun that store is served by the launcher or the elastic agent, not by rank 0, so the record
@@ -208,10 +209,12 @@ class FailureBoard:
                 self.store.set(f"{PREFIX}/waiting/{self.rank}", f"{time.time():.6f}|{peers}|{what}")
 
     def clear_waiting(self) -> None:
-        """This rank waits for nobody any more."""
+        """This rank waits for nobody any more: its state is emptied, never deleted (a
+        reader that saw the key between its `check` and its `get` would read an empty
+        value, or block on a key that is gone)."""
         if self.store is not None:
             with self._reaching():
-                self.store.delete_key(f"{PREFIX}/waiting/{self.rank}")
+                self.store.set(f"{PREFIX}/waiting/{self.rank}", "")
 
     def waiting(self, rank: int) -> tuple[list[int], str] | None:
         """The ranks `rank` waits for and why, or None when it waits for nobody."""
@@ -219,9 +222,11 @@ class FailureBoard:
             return None
         key = f"{PREFIX}/waiting/{rank}"
         with self._reaching():
-            if self.store.check([key]):
-                _, peers, what = self.store.get(key).decode().split("|", 2)
-                return [int(p) for p in peers.split(",") if p], what
+            if self.store.check([key]):  # once set, the key stays: `get` cannot block
+                state = self.store.get(key).decode()
+                if state:
+                    _, peers, what = state.split("|", 2)
+                    return [int(p) for p in peers.split(",") if p], what
         return None
 
     def idle(self) -> set[int]:
