@@ -703,7 +703,6 @@ def _branch_and_bound(
 
 
 _Bounded = tuple[float, float, Candidate, str]  # (estimate, lower bound, c, the bound's name)
-_MEMORY = "memory: over the budget at any plan"
 
 
 def _bounded(state: _Search, space: list[Candidate], reshards: tuple[bool, ...]) -> list[_Bounded]:
