@@ -210,8 +210,7 @@ class FailureBoard:
 
     def clear_waiting(self) -> None:
         """This rank waits for nobody any more: its state is emptied, never deleted (a
-        reader that saw the key between its `check` and its `get` would read an empty
-        value, or block on a key that is gone)."""
+        reader between its `check` and its `get` reads a deleted key back empty)."""
         if self.store is not None:
             with self._reaching():
                 self.store.set(f"{PREFIX}/waiting/{self.rank}", "")
