@@ -274,17 +274,24 @@ def _profiled_worker() -> dict[str, Any]:
     after = time.time()
     program = [str(op) for op in pm.program.ranks[pm.rank] if isinstance(op, Action)]
     spans = [s for s in pm.timeline().spans if s.rank == pm.rank]
-    return {"program": program, "spans": spans, "before": before, "after": after}
+    pm.recording = False
+    with torch.profiler.profile() as prof:  # the user's own profiler sees the actions too
+        pm.step(*inputs, target=target)
+    labels = sorted(e.name for e in prof.events() if e.name.startswith("graphpipe::"))
+    return {"program": program, "spans": spans, "before": before, "after": after, "labels": labels}
 
 
 def test_the_profiler_timer_records_every_action_of_the_program() -> None:
     """With timer="profiler" (CUDA's default) the timeline comes from torch.profiler ranges:
-    one span per compute and update action, in program order, on the Unix-epoch clock."""
+    one span per compute and update action, in program order, on the Unix-epoch clock. A
+    user's own profiler around step() sees one `graphpipe::` range per action as well (the
+    executor labels actions only while a profiler records)."""
     for result in launch(_profiled_worker, 3, timeout=TIMEOUT):
         spans = result["spans"]
         assert [s.action for s in spans] == result["program"]
         assert all(result["before"] <= s.start <= s.end <= result["after"] for s in spans)
         assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(spans))
+        assert result["labels"] == sorted(f"graphpipe::{a}" for a in result["program"])
 
 
 def _replicated_plan() -> Any:

@@ -1,7 +1,8 @@
 """Measured timelines from torch.profiler: the executor's `graphpipe::` ranges as Spans.
 
-The executor wraps every compute and update action in
-`torch.profiler.record_function(f"graphpipe::{action}")`. Under a profiler those ranges, and
+While a profiler records, the executor wraps every compute and update action in
+`torch.profiler.record_function(f"graphpipe::{action}")` (outside one it does not: the ranges
+cost host time per action). Under a profiler those ranges, and
 the GPU work launched inside them, become a Timeline of what each rank's device did:
 
     with profile_actions(pm.device) as prof:
