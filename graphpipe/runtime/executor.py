@@ -250,7 +250,11 @@ class Executor:
     # -- helpers ------------------------------------------------------------------------------
 
     def _mb(self, stage: int, j: int) -> _MicroBatch:
-        return self.state.setdefault((stage, j), _MicroBatch())
+        """Micro-batch j's state on `stage`, made at its first use."""
+        mb = self.state.get((stage, j))
+        if mb is None:  # not setdefault: that would build a state on every call
+            mb = self.state[(stage, j)] = _MicroBatch()
+        return mb
 
     def _specs(self, stage: int, names: Sequence[str], j: int) -> list[Spec]:
         lowered = self._lowered(j)
