@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -235,6 +236,23 @@ def test_emulated_stages_under_a_mesh_shard_their_weight_and_step_in_the_simulat
     for seconds, local, whole in launch(_mesh_step, 4, args=(the_plan, host), timeout=240):
         assert whole == 4e5 / 4 / 4 and local == whole // 2  # bytes / byte_scale, over dp
         assert sim * 0.99 <= seconds < _serial(the_plan, MESH_SCALE), (seconds, sim)
+
+
+def _mse_warnings(the_plan: Plan) -> list[str]:
+    """The warnings of compiling and stepping an emulated model whose loss is torch's
+    mse_loss (it warns when the output and target shapes differ and broadcast)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _timed(the_plan, Emulate(time_scale=1.0), steps=1, loss_fn=torch.nn.functional.mse_loss)
+    return [str(w.message) for w in seen]
+
+
+def test_the_loss_check_of_an_emulated_run_reads_the_output_at_its_real_shape() -> None:
+    """Values that cross stages are flat under emulation; the model output is not (the loss
+    reads it), so compile's loss check on meta gives mse_loss the output's real shape, the
+    target's, and nothing warns of a broadcast."""
+    for seen in launch(_mse_warnings, 3, args=(_timed_plan(),), timeout=240):
+        assert not [w for w in seen if "target size" in w], seen
 
 
 def _stash_steps(the_plan: Plan) -> float:

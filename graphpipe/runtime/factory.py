@@ -158,8 +158,10 @@ class EmulatedStages:
         cast_back: bool,
     ) -> tuple[Modules, Specs]:
         """Every stage's stand-in, other ranks' on meta (an emulated rank with no stage
-        still builds them all), and the specs as they cross: flat, scaled by byte_scale.
-        Stand-ins read no received value, so `cast_back` changes nothing."""
+        still builds them all), and the specs: those of values that cross stages as they
+        cross (flat, scaled by byte_scale), the others (the model output's, which the loss
+        reads) as they are. Stand-ins read no received value, so `cast_back` changes
+        nothing."""
         specs = shapes()
         meta = torch.device("meta")
         stand_ins: Modules = {
@@ -177,7 +179,9 @@ class EmulatedStages:
             )
             for i, (_, io) in carved.items()
         }
-        return stand_ins, emulated_specs(specs, self.emulate)
+        crossing = {name for _, io in carved.values() for name in io.sent}
+        flat = emulated_specs({n: s for n, s in specs.items() if n in crossing}, self.emulate)
+        return stand_ins, {**specs, **flat}
 
     def materialize(
         self,
