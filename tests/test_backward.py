@@ -151,18 +151,22 @@ class Shared(nn.Module):
         return [torch.tanh(x) + self.a + self.b, self.w.t()]
 
 
-def _shared(split: bool, micro_batches: int) -> tuple[Shared, list[torch.Tensor]]:
-    """Micro-batches' backwards through `Shared`, whole or split; returns the last seeds."""
+def _shared(
+    split: bool, micro_batches: int, received: bool = True
+) -> tuple[Shared, list[torch.Tensor]]:
+    """Micro-batches' backwards through `Shared`, whole or split (its input needing a
+    gradient if `received`); returns the last seeds."""
     torch.manual_seed(0)
     model = Shared()
     gen = torch.Generator().manual_seed(1)
     for _ in range(micro_batches):
-        x = torch.randn(4, D, requires_grad=True)
+        x = torch.randn(4, D, requires_grad=received)
         roots = model(x)
         seeds: list[torch.Tensor | None] = [torch.randn(r.shape, generator=gen) for r in roots]
         kept = [s.clone() for s in seeds if s is not None]
         if split:
-            _, half = backward.input_half(roots, seeds, [x], list(model.parameters()))
+            inputs = [x] if received else []
+            _, half = backward.input_half(roots, seeds, inputs, list(model.parameters()))
             backward.weight_half(half)
         else:
             backward.full(roots, seeds)
@@ -171,12 +175,16 @@ def _shared(split: bool, micro_batches: int) -> tuple[Shared, list[torch.Tensor]
     return model, [s for s in seeds if s is not None]
 
 
+@pytest.mark.parametrize("received", [True, False], ids=["middle_stage", "first_stage"])
 @pytest.mark.parametrize("micro_batches", [1, 2])
-def test_weight_half_gives_each_gradient_its_own_storage(micro_batches: int) -> None:
+def test_weight_half_gives_each_gradient_its_own_storage(
+    micro_batches: int, received: bool
+) -> None:
     """After the split, no `.grad` shares memory with another or with a seed, so adding the
-    next micro-batch in place, or clipping one gradient, changes that gradient only."""
-    whole, _ = _shared(split=False, micro_batches=micro_batches)
-    split, seeds = _shared(split=True, micro_batches=micro_batches)
+    next micro-batch in place, or clipping one gradient, changes that gradient only (on a
+    first stage the engine accumulates, as in the whole backward)."""
+    whole, _ = _shared(split=False, micro_batches=micro_batches, received=received)
+    split, seeds = _shared(split=True, micro_batches=micro_batches, received=received)
     grads = {n: p.grad for n, p in split.named_parameters()}
     assert all(g is not None for g in grads.values())
     ptrs = [t.untyped_storage().data_ptr() for t in [*grads.values(), *seeds] if t is not None]
@@ -205,19 +213,23 @@ class _WeightGrads(TorchDispatchMode):
         return out
 
 
-def test_weight_half_adds_each_layers_gradient_before_computing_the_next() -> None:
+@pytest.mark.parametrize("received", [True, False], ids=["middle_stage", "first_stage"])
+def test_weight_half_adds_each_layers_gradient_before_computing_the_next(received: bool) -> None:
     """A chain of Linears: each layer's weight gradient is added into `.grad` (`on_grad`)
     before the next layer's is computed, as the whole backward does; the weight half does not
-    hold every layer's at once (tens of MB a micro-batch on a real stage)."""
+    hold every layer's at once (tens of MB a micro-batch on a real stage). On a first stage
+    (no input needs a gradient: no boundary) as on a middle one."""
     torch.manual_seed(0)
     widths = [3, 4, 5, 6]
     chain = nn.Sequential(*[nn.Linear(a, b) for a, b in itertools.pairwise(widths)])
-    x = torch.randn(2, widths[0], requires_grad=True)
+    x = torch.randn(2, widths[0], requires_grad=received)
     y = chain(x)
     shapes = {tuple(m.weight.shape): name for name, m in chain.named_children()}
     names = {id(m.weight): name for name, m in chain.named_children()}
     events: list[str] = []
-    _, half = backward.input_half([y], [torch.ones_like(y)], [x], list(chain.parameters()))
+    inputs = [x] if received else []
+    _, half = backward.input_half([y], [torch.ones_like(y)], inputs, list(chain.parameters()))
+    assert bool(half.boundaries) == received
     assert all(b.own for b in half.boundaries)  # each Linear owns its weight and bias
     with _WeightGrads(shapes, events):
         backward.weight_half(
