@@ -341,14 +341,15 @@ def weight_half(half: WeightHalf, on_grad: Callable[[torch.Tensor], None] | None
 
 
 def _through_engine(half: WeightHalf, on_grad: Callable[[torch.Tensor], None] | None) -> bool:
-    """A weight half with no boundary (the input half ran nothing: no input of the stage
-    needs a gradient, as on a first stage, so every node is in D) is the whole backward:
-    run it as the engine runs one, accumulating into `.grad` as each gradient is made, with
+    """A weight half with no boundary (its parameters are reached from the D-roots alone: all
+    of a stage none of whose inputs needs a gradient, a first stage) is a plain backward from
+    those roots: run it as the engine runs one, accumulating into `.grad` as each gradient is
+    made, with
     `on_grad` as the parameters' post-accumulate-grad hooks for the call. One
     `torch.autograd.grad` for all would hold every parameter's gradient at once before the
-    adds (issue 37: 8-11% slower than the whole backward for 8 x Linear(1024), 60% without
-    the kept freed blocks). Returns False, running nothing, when a parameter is not a leaf
-    (no hook can be put on it)."""
+    adds (issue 37: 9-12% slower than the whole backward for 8 x Linear(1024) and 32 rows,
+    64% without glibc keeping freed blocks). Returns False, running nothing, when a
+    parameter is not a leaf (no hook can be put on it)."""
     if not all(p.is_leaf for p in half.params):
         return False
     hooks = (
