@@ -238,3 +238,23 @@ def test_weight_half_adds_each_layers_gradient_before_computing_the_next(receive
     layers = [e.removeprefix("computed ") for e in events[::2]]
     assert sorted(layers) == ["0", "1", "2"]
     assert events == [f"{what} {n}" for n in layers for what in ("computed", "added")]
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_first_stage_weight_half_over_a_parameter_that_is_no_leaf_adds_it_by_hand() -> None:
+    """No hook can be put on a tensor made in the graph (a weight version computed from
+    another), so such a weight half adds its gradient by hand, as a middle stage's does."""
+    torch.manual_seed(0)
+    base = torch.randn(D, D, requires_grad=True)
+    x = torch.randn(4, D)  # needs no gradient: no input half, no boundary
+    seed = torch.randn(4, D)
+    w = base * 1  # not a leaf
+    y = torch.tanh(x @ w)
+    added: list[torch.Tensor] = []
+    _, half = backward.input_half([y], [seed], [], [w])
+    backward.weight_half(half, added.append)
+    w2 = base * 1
+    (expected,) = torch.autograd.grad([torch.tanh(x @ w2)], [w2], [seed])
+    assert len(added) == 1 and added[0] is w
+    torch.testing.assert_close(w.grad, expected)
+    assert base.grad is None  # the call stopped at the weight it was given
