@@ -343,8 +343,8 @@ def weight_half(half: WeightHalf, on_grad: Callable[[torch.Tensor], None] | None
 def _through_engine(half: WeightHalf, on_grad: Callable[[torch.Tensor], None] | None) -> bool:
     """A weight half with no boundary (its parameters are reached from the D-roots alone: all
     of a stage none of whose inputs needs a gradient, a first stage) is a plain backward from
-    those roots: run it as the engine runs one, accumulating into `.grad` as each gradient is
-    made, with
+    those roots: run it as the engine runs the whole backward, accumulating into `.grad` as
+    each gradient is made (AccumulateGrad's own rules on taking a gradient's memory), with
     `on_grad` as the parameters' post-accumulate-grad hooks for the call. One
     `torch.autograd.grad` for all would hold every parameter's gradient at once before the
     adds (issue 37: 9-12% slower than the whole backward for 8 x Linear(1024) and 32 rows,
