@@ -127,7 +127,7 @@ def _by_kind(spans: Sequence[Span]) -> dict[str, list[float]]:
     return seconds
 
 
-def rows(result: dict[str, dict[str, Any]], steps: int) -> tuple[list[list[str]], list[str]]:
+def table_of(result: dict[str, dict[str, Any]], steps: int) -> tuple[list[list[str]], list[str]]:
     """The table's rows, and a line per schedule on its step and the device's busy share."""
     table, lines = [], []
     for schedule, run in result.items():
@@ -156,20 +156,20 @@ def rows(result: dict[str, dict[str, Any]], steps: int) -> tuple[list[list[str]]
 
 
 def report(
-    device: str, width: int = 1024, layers: int = 8, rows_: int = 256, m: int = 8, steps: int = 10
+    device: str, width: int = 1024, layers: int = 8, batch: int = 256, m: int = 8, steps: int = 10
 ) -> str:
     """The section: the command, the table and the steps."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    args = (device, width, layers, rows_, m, steps)
+    args = (device, width, layers, batch, m, steps)
     result = launch(_worker, 1, args=args, backend=backend, timeout=600)[0]
-    table, lines = rows(result, steps)
+    table, lines = table_of(result, steps)
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "the CPU"
     return (
         "## One stage's actions: host time against device time\n\n"
         f"{machine()}; device: {name}\n\n"
         f"Command: `python -m benchmarks.actions --device {device} --width {width} --layers "
-        f"{layers} --batch {rows_} --m {m} --steps {steps}`. One stage of {layers} x "
-        f"(Linear({width}) + ReLU) on one device, M = {m} micro-batches of {rows_ // m} rows, "
+        f"{layers} --batch {batch} --m {m} --steps {steps}`. One stage of {layers} x "
+        f"(Linear({width}) + ReLU) on one device, M = {m} micro-batches of {batch // m} rows, "
         f"SGD; {steps} steps after {WARMUP} warm-up steps. Host: each action's host span, no "
         "profiler running; device: its kernels' span under torch.profiler (on the CPU its "
         "host range under the profiler); medians.\n\n"

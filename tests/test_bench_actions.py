@@ -15,7 +15,7 @@ def test_an_action_kind_is_read_from_its_text_and_other_text_is_refused() -> Non
 
 
 def test_the_section_has_every_action_kind_of_each_schedule_with_its_count_per_step() -> None:
-    text = report("cpu", width=16, layers=2, rows_=8, m=4, steps=2)
+    text = report("cpu", width=16, layers=2, batch=8, m=4, steps=2)
     rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ")]
     table = {(r[0].strip(), r[1].strip()): [c.strip() for c in r[2:]] for r in rows[1:]}
     counts = {key: int(cells[0]) for key, cells in table.items()}
