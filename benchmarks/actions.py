@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from benchmarks._common import log, machine
+from benchmarks.runtime import mlp
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.ir import Span
@@ -53,15 +54,6 @@ SCHEDULES = ("1f1b", "zb")
 KINDS = ("F", "B", "I", "W", "U")
 HEADERS = ["schedule", "action", "per step", "host us", "device us", "host / device"]
 WARMUP = 2
-
-
-def chain(width: int, layers: int) -> torch.nn.Sequential:
-    """The benchmarked stage: `layers` x (Linear(width) + ReLU), seeded."""
-    torch.manual_seed(0)
-    blocks = [
-        torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(layers)
-    ]
-    return torch.nn.Sequential(*blocks)
 
 
 def kind(action: str) -> str:
@@ -76,7 +68,7 @@ def _one_schedule(
     schedule: str, device: str, width: int, layers: int, rows: int, m: int, steps: int
 ) -> dict[str, Any]:
     """This rank's host and device spans of `steps` steps of one schedule, and their walls."""
-    model = chain(width, layers)
+    model = mlp(width, layers)
     x, y = torch.randn(rows, width), torch.randn(rows, width)
     pm = gp_compile(
         model,
