@@ -22,6 +22,7 @@ seconds spent waiting for messages and posting them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -184,10 +185,7 @@ class Executor:
                     self._await(op)  # waiting for peers is not part of the action's time
                     self._tick("wait", start)
                 start = time.perf_counter()
-                if _profiling():  # a labelled range: two dispatched ops, made only to be read
-                    with torch.profiler.record_function(step.label):
-                        self._handlers[op.kind](op, batch)
-                else:
+                with _labelled(step.label):
                     self._handlers[op.kind](op, batch)
                 self.action_end(start)
             except PipelineError:
@@ -465,11 +463,16 @@ class _LiveWeights:
 LIVE_WEIGHTS: Any = _LiveWeights()
 
 
-def _profiling() -> bool:
-    """Whether a torch profiler is recording (the executor's `graphpipe::` ranges are read).
-    Outside one they are not entered: each is two dispatched ops per action, host time on
-    the critical path (issue 37: a millisecond of a 2-rank CPU step of 8 micro-batches)."""
-    return torch._C._autograd._profiler_enabled()
+_UNLABELLED = contextlib.nullcontext()
+
+
+def _labelled(label: str) -> contextlib.AbstractContextManager[Any]:
+    """An action's `graphpipe::` profiler range while a torch profiler records, else
+    nothing: a range is two dispatched ops per action, host time on the critical path when
+    no one reads it (issue 37: a millisecond of a 2-rank CPU step of 8 micro-batches)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(label)
+    return _UNLABELLED
 
 
 def scalar(loss: Any, j: int) -> torch.Tensor:
