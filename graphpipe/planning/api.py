@@ -88,7 +88,8 @@ def _auto(
         groups, options, partition.PLAN_GROUPS, elsewhere=partition.PLAN_ELSEWHERE
     )
     par: Any = got["parallelism"]
-    m = got["planning"].micro_batches  # type: ignore[attr-defined]
+    planning: Any = got["planning"]
+    m = planning.micro_batches
     n = devices if devices is not None else par.devices
     if n is None:
         problems.append("devices= is needed: the number of devices to plan for")
@@ -102,8 +103,7 @@ def _auto(
     }
     if problems:
         raise ConfigError(joined(problems))
-    workers = got["planning"].search_workers  # type: ignore[attr-defined]
     return plan_mesh(
-        model, example_inputs, n, node=par.node, micro_batches=m or "auto", workers=workers,
-        **kwargs,
+        model, example_inputs, n, node=par.node, micro_batches=m or "auto",
+        workers=planning.search_workers, **kwargs,
     )  # fmt: skip
