@@ -88,6 +88,7 @@ from graphpipe.tracing.annotate import (
     trace_info,
 )
 from graphpipe.tracing.bind import flat_inputs, model_output
+from graphpipe.tracing.checks import drop_value_checks
 
 __all__ = [
     "TensorSpec",
@@ -425,6 +426,7 @@ def _export_trace(
             gm.graph.erase_node(node)
         else:
             node.meta["gp_module"] = _export_module_path(node)
+    gm.meta["gp_value_checks"] = drop_value_checks(gm)
     sources = _drop_exported_constants(gm, args, kwargs)
     gm.delete_all_unused_submodules()
     gm.recompile()
