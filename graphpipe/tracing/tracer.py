@@ -89,6 +89,7 @@ from graphpipe.tracing.annotate import (
 )
 from graphpipe.tracing.bind import flat_inputs, model_output
 from graphpipe.tracing.checks import drop_value_checks
+from graphpipe.tracing.verify import verify_trace
 
 __all__ = [
     "TensorSpec",
@@ -130,7 +131,9 @@ def trace(
         ConfigError: bad inputs, a micro-batch size that does not divide the batch, or a leaf
             module path that does not exist.
         TraceError: both torch.fx and torch.export failed (the message quotes both), the
-            graph does not run at the micro-batch size, or tracing changed a buffer.
+            graph does not run at the micro-batch size, tracing changed a buffer, or the
+            graph's output on the example differs from the model's own forward
+            (`graphpipe.tracing.verify`).
 
     Example:
         >>> m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -172,6 +175,7 @@ def trace(
         out_spec=_torch.out_spec(gm),
     )
     gm.meta["gp_constants"] = {k: v for k, v in concrete.items() if k in kwargs}
+    verify_trace(model, gm, (args, kwargs))
     return gm
 
 
