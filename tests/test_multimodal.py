@@ -1,0 +1,120 @@
+"""Multi-modal Hugging Face models train pipelined exactly as in one process.
+
+The families of tests/multimodal.py: LLaVA (image tokens merged into the text, its check
+that they agree with the image features kept as a device-side assert), PaliGemma (an image
+prefix under prefix-LM attention), a ViT encoder with a cross-attending GPT-2 decoder,
+SigLIP (two towers, a contrastive loss) and Whisper (a speech encoder-decoder). Each is
+compiled as a user would (keyword inputs, the default planner, torch.export's trace checked
+against the model's forward) and trained 3 steps: at 2 ranks under 1f1b and zb, at 4 ranks
+as a pipeline of 4 under 1f1b and as pp 2 x dp 2 under zb. Losses, every parameter and
+every buffer equal single-process gradient accumulation over the same micro-batches (rtol
+1e-5), and the pipeline's state dict loads into the plain model with strict=True.
+
+SigLIP's contrastive loss pairs every row of a micro-batch with every other, so a dp slice
+of it is not the micro-batch's loss: it runs on the pipelines alone.
+
+PaliGemma called without `token_type_ids` is refused at trace: Hugging Face's SDPA path
+then skips the causal mask of an all-ones attention mask while its text attention is not
+causal (`use_bidirectional_attention`), so the eager forward attends both ways and the
+exported graph causally (docs/failures.md#traces).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from multimodal import CASES, paligemma_inputs
+from real_models import M, optimizer, reference, step_data
+
+from graphpipe.compile import RuntimeConfig
+from graphpipe.compile import compile as gp_compile
+from graphpipe.errors import TraceError
+from graphpipe.runtime.launch import launch
+from graphpipe.tracing.tracer import trace
+
+STEPS = 3
+TIMEOUT = 420  # seconds for one launch
+TWO = tuple((n, s, "pp") for n in CASES for s in ("1f1b", "zb"))
+FOUR = tuple((n, "1f1b", "pp") for n in CASES) + tuple(
+    (n, "zb", "dp") for n in CASES if n != "siglip"
+)
+
+
+def _run(name: str, schedule: str, dims: str) -> dict[str, Any]:
+    case = CASES[name]
+    example, _ = step_data(case, 0)
+    pm = gp_compile(
+        case.build(),
+        {**example, **case.constants},
+        loss_fn=case.loss,
+        optimizer=optimizer,
+        micro_batches=M,
+        schedule=schedule,
+        replication=False,
+        runtime=RuntimeConfig(timeout=120),
+        **({"dp": 2} if dims == "dp" else {}),
+    )
+    losses = []
+    for step in range(STEPS):
+        inputs, target = step_data(case, step)
+        losses.append(pm.step(**inputs, target=target))
+    state = pm.state_dict()  # a collective: every rank calls it
+    return {
+        "losses": losses,
+        "state": state if pm.rank == 0 else None,
+        "stages": len(pm.plan.stages),
+        "held": [] if pm.module is None else sorted(pm.module.state_dict()),
+    }
+
+
+def _worker(runs: tuple[tuple[str, str, str], ...]) -> dict[tuple[str, str, str], Any]:
+    return {run: _run(*run) for run in runs}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2_ranks", "4_ranks"])
+def runs(request: pytest.FixtureRequest) -> list[dict[tuple[str, str, str], Any]]:
+    world = request.param
+    return launch(_worker, world, args=(TWO if world == 2 else FOUR,), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[list[float], torch.nn.Module]]:
+    return {name: reference(case, STEPS) for name, case in CASES.items()}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_multimodal_models_train_pipelined_as_one_process(
+    runs: list[dict[tuple[str, str, str], Any]],
+    references: dict[str, tuple[list[float], torch.nn.Module]],
+    name: str,
+) -> None:
+    ref_losses, ref_model = references[name]
+    ran = {k: r for k, r in runs[0].items() if k[0] == name}
+    assert ran, sorted(runs[0])
+    expected = ref_model.state_dict()
+    for (_, schedule, dims), result in ran.items():
+        where = f"{name} {schedule} {dims} at {len(runs)} ranks"
+        torch.testing.assert_close(result["losses"], ref_losses, rtol=1e-5, atol=1e-7, msg=where)
+        state = result["state"]
+        assert list(state) == list(expected), where
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=where + key)
+        CASES[name].build().load_state_dict(state, strict=True)
+        held = [r[(name, schedule, dims)]["held"] for r in runs]
+        assert all(held), f"{where}: a rank holds nothing"  # every rank trains a part
+        pp = len(runs) // (2 if dims == "dp" else 1)
+        assert result["stages"] >= pp, where
+
+
+def test_an_image_prefix_whose_eager_forward_is_not_its_graph_is_refused() -> None:
+    """PaliGemma without token_type_ids: eager SDPA attends both ways (no mask is built for
+    an all-ones attention mask and the text attention is not causal), the exported graph
+    causally. The trace is refused, naming the output and how far it is off."""
+    case = CASES["paligemma"]
+    inputs = paligemma_inputs(torch.Generator().manual_seed(0), prefix=False)
+    with pytest.raises(
+        TraceError, match=r"the worst output is out\['logits'\], float32\[2, 12, 64\], differs by "
+    ):
+        trace(case.build(), {**inputs, "use_cache": False}, micro_batch_size=2)
