@@ -233,6 +233,7 @@ def _trace(
         example_inputs,
         leaf_modules=spec.planning.leaf_modules,
         micro_batch_size=spec.micro_batch_size,
+        input_split=spec.input_split,
     )
     check_output(gm)
     args, kwargs = normalise(example_inputs)

@@ -28,7 +28,8 @@ def describe(plan: Plan, schedule: Schedule, spec: RunSpec) -> str:
     parts = [
         _stages(plan, spec),
         f"{_layout(plan)}, schedule {schedule.name} ({_why_schedule(plan, schedule, spec)})",
-        f"M={spec.micro_batches} x {spec.micro_batch_size} rows",
+        f"M={spec.micro_batches} x {spec.micro_batch_size} rows"
+        + (f" ({spec.input_split.describe()})" if spec.input_split else ""),
         f"weights {spec.numerics.weights}",
         spec.numerics.precision or "fp32",
         _replicas(plan, spec),

@@ -131,7 +131,8 @@ from graphpipe.planning.validate import validate_plan
 from graphpipe.scheduling.floor import step_floor
 from graphpipe.scheduling.rules import check
 from graphpipe.scheduling.simulate import simulate
-from graphpipe.tracing.bind import batch_of, normalise
+from graphpipe.tracing.bind import batch_of, named, normalise
+from graphpipe.tracing.split import InputSplit
 from graphpipe.tracing.tracer import flat_inputs, trace
 
 __all__ = ["Candidate", "MeshSearch", "Scored", "candidates", "choose", "grid", "plan_mesh"]
@@ -961,11 +962,14 @@ def plan_mesh(
         2
     """
     args, kwargs = normalise(example_inputs)
-    batch = batch_of(args, kwargs)
+    config = PlanConfig(devices=devices, micro_batches=1, **options)
+    split = InputSplit(config.input_split).resolved(named(args, kwargs))
+    batch = batch_of(args, kwargs, split)
     search = MeshSearch(node=node, micro_batches=micro_batches, workers=workers)
     search.check(devices, batch)
-    config = PlanConfig(devices=devices, micro_batches=1, **options)
-    gm = trace(model, example_inputs, leaf_modules=config.leaf_modules, micro_batch_size=batch)
+    gm = trace(
+        model, example_inputs, config.leaf_modules, micro_batch_size=batch, input_split=split
+    )
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     prof = profile(gm, flat_inputs(gm, *args, **tensors), batch, config.profile)
     return choose(gm, prof, config, search)

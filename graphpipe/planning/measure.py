@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from graphpipe._torch import copy_graph, tensor_version
 from graphpipe.tracing.annotate import has_float_output
+from graphpipe.tracing.bind import micro_example, resize_batch
 
 __all__ = [
     "Measured",
@@ -111,12 +112,6 @@ def on_grad_path(node: fx.Node) -> bool:
     return bool(node.meta.get("gp_params")) or has_float_output(node)
 
 
-def resize_batch(x: torch.Tensor, size: int) -> torch.Tensor:
-    """Take `size` rows of `x` along dim 0, cycling when `size` exceeds the batch."""
-    index = torch.arange(size, device=x.device) % x.shape[0]
-    return x.index_select(0, index)
-
-
 def measure(
     gm: fx.GraphModule,
     example_inputs: Sequence[torch.Tensor],
@@ -138,7 +133,7 @@ def measure(
     """
     device = torch.device(str(config.device))
     local = copy_graph(gm).to(device)
-    inputs = [_randomise(resize_batch(x.to(device), b)) for x in example_inputs]
+    inputs = [_randomise(x.to(device)) for x in micro_example(gm, example_inputs, b)]
     recorder = _Recorder(local)
     with torch.no_grad():
         recorder.run(*inputs)

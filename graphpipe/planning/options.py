@@ -136,6 +136,12 @@ class Planning(OptionGroup):
         ProfileConfig, "how op times are obtained (measured, FLOPs, roofline)", factory=True
     )
     leaf_modules: tuple[LeafSpec, ...] = option((), "module types or paths traced as one node")
+    input_split: Mapping[Any, Any] | None = option(
+        None,
+        "input -> how it splits into micro-batches where dim 0 is not the batch: a dim, "
+        "'replicate' or fn(x, inputs, n) (graphpipe.tracing.split); None: dim 0, or inferred",
+        "--input-split",
+    )
     link: LinkModel = option(LinkModel, "the link between devices", factory=True)
 
 
@@ -318,7 +324,7 @@ def _str(value: Any) -> bool:
     return isinstance(value, str)
 
 
-@_rule("pins", "tp_plan", "max_shapes", must="a mapping (dict) or None")
+@_rule("pins", "tp_plan", "max_shapes", "input_split", must="a mapping (dict) or None")
 def _mapping(value: Any) -> bool:
     return value is None or isinstance(value, Mapping)
 

@@ -87,7 +87,8 @@ from graphpipe.planning.search import search
 from graphpipe.planning.sptree import condense, decompose, linearise
 from graphpipe.planning.validate import validate_plan
 from graphpipe.scheduling.simulate import simulate
-from graphpipe.tracing.bind import batch_of, normalise
+from graphpipe.tracing.bind import batch_of, named, normalise
+from graphpipe.tracing.split import InputSplit
 from graphpipe.tracing.tracer import LeafSpec, flat_inputs, trace
 
 __all__ = [
@@ -124,6 +125,8 @@ class PlanConfig:
     pins: Mapping[str, int] | None = default("pins")  # manual: op or module path -> stage
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # how op times are obtained
     leaf_modules: Sequence[LeafSpec] = default("leaf_modules")  # types/paths traced as one node
+    # input -> its split rule where dim 0 is not the batch (graphpipe.tracing.split)
+    input_split: Mapping[Any, Any] | None = default("input_split")
     max_units: int = default("max_units")  # the most units the DP searches (at least 4N)
     virtual_stages: int = default("virtual_stages")  # stages per device (a chain, folded)
     placement: str = default("placement")  # with virtual_stages > 1: "loop" or "v" (ZB-V)
@@ -333,8 +336,9 @@ def plan(
         options,
     )  # fmt: skip
     args, kwargs = normalise(example_inputs)
-    b = micro_batch_size(batch_of(args, kwargs), config.micro_batches)
-    gm = trace(model, example_inputs, leaf_modules=config.leaf_modules, micro_batch_size=b)
+    split = InputSplit(config.input_split).resolved(named(args, kwargs))
+    b = micro_batch_size(batch_of(args, kwargs, split), config.micro_batches)
+    gm = trace(model, example_inputs, config.leaf_modules, micro_batch_size=b, input_split=split)
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     prof = profile(gm, flat_inputs(gm, *args, **tensors), b, config.profile)
     return partition(gm, prof, config)

@@ -26,11 +26,11 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
 from graphpipe.errors import ConfigError
 from graphpipe.runtime.executor import Batch, scalar
-from graphpipe.runtime.shapes import Lowered, Shapes, describe, signature_of
+from graphpipe.runtime.shapes import Lowered, Shapes, describe
 from graphpipe.runtime.spec import LossFn
-from graphpipe.tracing import bind
 from graphpipe.tracing.annotate import trace_info
 from graphpipe.tracing.bind import example_output, flat_inputs
+from graphpipe.tracing.split import InputSplit
 
 __all__ = ["Inputs", "cpu", "to_device"]
 
@@ -52,6 +52,8 @@ class Inputs:
         shapes: The stages at each micro-batch's shapes; None: only the compiled shapes.
         max_shapes: Input name -> the largest whole-batch shape a step may bring (compile's
             `max_shapes`); an input not named: the example's.
+        split: How each input splits into micro-batches (compile's resolved input_split;
+            None: dim 0). The target splits on dim 0.
     """
 
     def __init__(
@@ -67,11 +69,14 @@ class Inputs:
         dp_index: int = 0,
         shapes: Shapes | None = None,
         max_shapes: Mapping[str, tuple[int, ...]] | None = None,
+        split: InputSplit | None = None,
     ) -> None:
         self.gm, self.loss_fn, self.m, self.device = gm, loss_fn, micro_batches, device
         self.dp, self.dp_index, self.stages = dp, dp_index, shapes
         self.shapes = [(tuple(x.shape), x.dtype) for x in example_inputs]
         self.names = list(trace_info(gm).input_names)
+        self.sources = list(trace_info(gm).sources)
+        self.split = split or InputSplit()
         self.max_shapes = dict(max_shapes or {})
         self.model_inputs = frozenset(model_inputs)
         self.has_output = has_output
@@ -89,12 +94,16 @@ class Inputs:
         """
         flat = flat_inputs(self.gm, *args, **kwargs)
         rows = self._rows(flat)
+        named = dict(zip(self.sources, flat, strict=True))
+        pieces = [  # views (a rule's function may copy): each input's M micro-batches
+            self.split.micro_batches(s, named, self.m, self.dp, self.dp_index) for s in self.sources
+        ]
         chunks = {  # only the inputs this rank's stages read are copied to its device
-            name: self._micro_batches(x)
-            for name, x in zip(self.names, flat, strict=True)
+            name: [to_device(c, self.device) for c in cut]
+            for name, cut in zip(self.names, pieces, strict=True)
             if name in self.model_inputs
         }
-        shaped, shares = self._lowered(flat, rows)
+        shaped, shares = self._lowered(flat, pieces, rows)
         if target is None:
             return Batch(first, chunks, None, shaped, shares)
         _check_target(target, sum(rows))
@@ -123,7 +132,7 @@ class Inputs:
                     f"{list(bound)}, the largest shape the plan's memory was planned for; "
                     "compile with max_shapes (or an example) as large as the largest batch"
                 )
-        batch = bind.batch_of(tuple(flat), {}) if flat else 0
+        batch = self.split.batch(dict(zip(self.sources, flat, strict=True))) if flat else 0
         if batch < self.m:
             raise ConfigError(f"the batch has {batch} rows, fewer than the {self.m} micro-batches")
         q, r = divmod(batch, self.m)  # as torch.tensor_split: the first r hold one row more
@@ -136,12 +145,19 @@ class Inputs:
         return rows
 
     def _lowered(
-        self, flat: Sequence[torch.Tensor], rows: Sequence[int]
+        self,
+        flat: Sequence[torch.Tensor],
+        pieces: Sequence[Sequence[torch.Tensor]],
+        rows: Sequence[int],
     ) -> tuple[list[Lowered] | None, list[float] | None]:
-        """Each micro-batch's stages and specs, and its share of the rows when they differ
-        (None: all equal, each micro-batch's loss weighs 1 / M as before)."""
+        """Each micro-batch's stages and specs (its signature: the shapes of its pieces of
+        every input), and its share of the rows when they differ (None: all equal, each
+        micro-batch's loss weighs 1 / M as before)."""
         shares = None if len(set(rows)) == 1 else [n / sum(rows) for n in rows]
-        signatures = [signature_of(flat, n // self.dp) for n in rows]
+        signatures = [
+            tuple((tuple(cut[j].shape), x.dtype) for x, cut in zip(flat, pieces, strict=True))
+            for j in range(self.m)
+        ]
         if self.stages is None:  # only the compiled shapes
             compiled = tuple((tuple(x), d) for x, d in self.shapes)
             given = tuple((tuple(x.shape), x.dtype) for x in flat)

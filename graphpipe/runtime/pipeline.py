@@ -28,7 +28,7 @@ from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Executor
 from graphpipe.runtime.inference import Inference
 from graphpipe.runtime.pieces import Holdings, Place, Run
-from graphpipe.runtime.shapes import Shapes, signature_of
+from graphpipe.runtime.shapes import Shapes
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.state import ModelState
 from graphpipe.runtime.stepping import Programs, Stepper
@@ -37,6 +37,7 @@ from graphpipe.runtime.tp import for_dtensor
 from graphpipe.runtime.weights import WeightPolicy
 from graphpipe.runtime.wiring import wire
 from graphpipe.tracing.annotate import is_meta, trace_info
+from graphpipe.tracing.bind import micro_example
 
 __all__ = ["PipelinedModel", "RuntimeConfig"]
 
@@ -287,7 +288,7 @@ def _inputs(
     has_output = any(r.io.has_output for r in stages.values())
     return Inputs(
         gm, example_inputs, held.model_inputs, spec.loss_fn, run.micro_batches, place.device,
-        has_output, place.dp, place.layout.dp_index, shapes, spec.max_shapes,
+        has_output, place.dp, place.layout.dp_index, shapes, spec.max_shapes, spec.input_split,
     )  # fmt: skip
 
 
@@ -323,7 +324,7 @@ def _shapes(
         gm,
         run.plan,
         {i: r.module for i, r in stages.items()},
-        signature_of(example_inputs, rows),
+        tuple((tuple(x.shape), x.dtype) for x in micro_example(gm, example_inputs, rows)),
         specs,
         traced_on,
         place.device,

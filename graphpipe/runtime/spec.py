@@ -52,7 +52,8 @@ from graphpipe.runtime.nancheck import check_nan_check
 from graphpipe.runtime.precision import check_precision
 from graphpipe.runtime.refusals import refusal
 from graphpipe.runtime.weights import CLASSES
-from graphpipe.tracing.bind import batch_of, normalise
+from graphpipe.tracing.bind import batch_of, named, normalise
+from graphpipe.tracing.split import InputSplit
 
 __all__ = [
     "RUN_GROUPS",
@@ -157,6 +158,9 @@ class RunSpec:
     tp_plan: Mapping[str, str] | None = None  # module path -> style; None: the model's own
     # input name -> the largest whole-batch shape a step brings; None: the example's
     max_shapes: Mapping[str, tuple[int, ...]] | None = None
+    # how each input splits into micro-batches, resolved against the example (its inferred
+    # rules included): compile's trace, the planner and every step split by it
+    input_split: InputSplit = field(default_factory=InputSplit)
     layout: Any = None  # this rank's ParallelLayout (`runtime.mesh`), set once joined
 
     @property
@@ -227,10 +231,17 @@ class RunSpec:
         given = None if plan is None else _load_plan(plan)
         asked_m = g.planning.micro_batches if g.planning.micro_batches != "auto" else None
         m = _check(problems, _micro_batches, asked_m, given)
+        input_split = _check(problems, _input_split, example_inputs, g.planning.input_split)
+        if input_split and bounds is not None:
+            problems.append(
+                f"input_split ({input_split.describe()}) with max_shapes: the largest batch "
+                "is planned by tiling every input along dim 0; give batches of the example's "
+                "shapes, or no rule"
+            )
         b = (
             None
-            if m is None or dp is None
-            else _check(problems, _micro_batch_size, example_inputs, m, dp)
+            if m is None or dp is None or input_split is None
+            else _check(problems, _micro_batch_size, example_inputs, m, dp, input_split)
         )
         if problems:
             raise ConfigError(joined(problems))
@@ -252,6 +263,7 @@ class RunSpec:
             reshard_after_forward=reshard,
             tp_plan=None if tp_plan is None else MappingProxyType(dict(tp_plan)),
             max_shapes=bounds,
+            input_split=input_split,
         )
 
 
@@ -444,14 +456,25 @@ def _micro_batches(micro_batches: int | None, plan: Plan | None) -> int:
     return plan.micro_batches
 
 
-def _micro_batch_size(example_inputs: Any, m: int, dp: int = 1) -> int:
+def _input_split(example_inputs: Any, rules: Mapping[Any, Any] | None) -> InputSplit:
+    """The input_split rules, resolved against the example (`InputSplit.resolved`).
+
+    Raises:
+        ConfigError: a rule of another kind, or an input whose batch dimension cannot be
+            told, naming it.
+    """
+    args, kwargs = normalise(example_inputs)
+    return InputSplit(rules).resolved(named(args, kwargs))
+
+
+def _micro_batch_size(example_inputs: Any, m: int, dp: int, split: InputSplit) -> int:
     """The example batch / (M * dp): the rows each process runs per micro-batch.
 
     Raises:
         ConfigError: inputs that are not a batch, or a batch M * dp does not divide.
     """
     args, kwargs = normalise(example_inputs)
-    batch = batch_of(args, kwargs)
+    batch = batch_of(args, kwargs, split)
     if dp > 1 and batch % (m * dp):
         raise ConfigError(
             f"a batch of {batch} does not split into {m} micro-batches of {dp} equal "

@@ -28,9 +28,8 @@ from torch import fx, nn
 import graphpipe._torch as _torch
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan
-from graphpipe.planning.profile import resize_batch
 from graphpipe.tracing.annotate import is_meta
-from graphpipe.tracing.bind import model_output
+from graphpipe.tracing.bind import micro_example, model_output
 
 __all__ = [
     "OUTPUT",
@@ -272,8 +271,8 @@ def micro_shapes(
     on_meta = is_meta(gm)
     with _torch.fake_mode() as mode, torch.no_grad():
         fakes = [
-            mode.from_tensor(resize_batch(x.to("meta") if on_meta else x, micro_batch_size))
-            for x in example_inputs
+            mode.from_tensor(x.to("meta") if on_meta else x)
+            for x in micro_example(gm, example_inputs, micro_batch_size)
         ]
         state = _fake_state(gm, mode)
         specs = _recorded(gm, state, fakes)

@@ -52,6 +52,7 @@ from graphpipe.tools.report import (
 from graphpipe.tools.timeline import chrome_trace, timeline_svg
 from graphpipe.tools.train import TrainConfig, train
 from graphpipe.tools.workload import Workload, find_workload, load_workload
+from graphpipe.tracing.split import InputSplit
 from graphpipe.tracing.tracer import trace
 
 __all__ = ["main"]
@@ -84,12 +85,12 @@ def _parser() -> argparse.ArgumentParser:
 # compile's options each subcommand takes as flags (`graphpipe.tools.flags`: one definition)
 PLAN_OPTIONS = (
     "micro_batches", "memory_budget", "replication", "dp", "tp", "tp_plan", "interleave",
-    "precision", "weights",
+    "precision", "weights", "input_split",
 )  # fmt: skip
 RUN_OPTIONS = (
     "micro_batches", "schedule", "weights", "dp", "tp", "tp_plan", "replication",
     "max_grad_norm", "recompute", "compile_stages", "precision", "memory_budget", "timeout",
-    "host_cache",
+    "host_cache", "input_split",
 )  # fmt: skip
 
 
@@ -316,10 +317,16 @@ def load(args: argparse.Namespace) -> Workload:
 
 def _plan_command(args: argparse.Namespace) -> int:
     w = load(args)
-    gm = _timed("traced", lambda: trace(w.model, w.example_inputs, w.leaf_modules))
     options = given(args, PLAN_OPTIONS)
     m = options.pop("micro_batches", None) or w.micro_batches
     b = micro_batch_size(w.batch_size, m)
+    split = InputSplit(options.get("input_split"))
+    gm = _timed(  # at the micro-batch size it is profiled at (an exported graph runs at one)
+        "traced",
+        lambda: trace(
+            w.model, w.example_inputs, w.leaf_modules, micro_batch_size=b, input_split=split
+        ),
+    )
     prof_cfg = ProfileConfig(mode=args.profile, device=args.device)
     prof = _timed(
         f"profiled ({args.profile})", lambda: profile(gm, w.example_inputs, b, prof_cfg, log=_log)

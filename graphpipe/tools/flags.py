@@ -14,6 +14,7 @@ positive int or None`); a flag not given leaves the option at its one default.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -71,6 +72,32 @@ def _tp_plan(text: str) -> dict[str, str]:
     return value
 
 
+def _input_split(text: str) -> dict[str, Any]:
+    """--input-split's JSON: input -> a dim, "replicate", or "module:function" (imported)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--input-split is not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f'--input-split takes {{"input": dim | "replicate" | "module:function"}}, got {text!r}'
+        )
+    return {name: _split_rule(name, rule) for name, rule in value.items()}
+
+
+def _split_rule(name: str, rule: Any) -> Any:
+    if isinstance(rule, int) or rule == "replicate":
+        return rule
+    module, _, attr = str(rule).partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"--input-split {name!r}: {rule!r} is not a dim, 'replicate' or an importable "
+            f"module:function ({exc})"
+        ) from None
+
+
 def _recompute(text: str) -> bool | str:
     if text not in RECOMPUTE:
         raise argparse.ArgumentTypeError(
@@ -86,6 +113,7 @@ PARSE: dict[str, tuple[Callable[[str], Any], str | Sequence[str]]] = {
     "dp": (_dp, "K|auto"),
     "tp": (int, "T"),
     "tp_plan": (_tp_plan, "JSON"),
+    "input_split": (_input_split, "JSON"),
     "memory_budget": (nbytes, "BYTES"),
     "max_grad_norm": (float, "NORM"),
     "timeout": (float, "SECONDS"),

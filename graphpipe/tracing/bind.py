@@ -24,7 +24,8 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphpipe.errors import ConfigError
-from graphpipe.tracing.annotate import TensorSpec, trace_info
+from graphpipe.tracing.annotate import Source, TensorSpec, trace_info
+from graphpipe.tracing.split import InputSplit
 
 __all__ = [
     "batch_of",
@@ -32,7 +33,9 @@ __all__ = [
     "concrete_args",
     "example_output",
     "flat_inputs",
+    "micro_example",
     "model_output",
+    "named",
     "normalise",
     "rows",
 ]
@@ -90,40 +93,90 @@ def _tensors(args: Args, kwargs: Kwargs) -> list[tuple[str, torch.Tensor]]:
     return named + [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
 
 
-def batch_of(args: Args, kwargs: Kwargs) -> int:
-    """The batch size: dim 0, which every tensor input must share.
+def named(args: Args, kwargs: Kwargs) -> dict[Source, torch.Tensor]:
+    """Every tensor input by its source: a positional index or a keyword name."""
+    out: dict[Source, torch.Tensor] = dict(enumerate(args))
+    out.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def batch_of(args: Args, kwargs: Kwargs, split: InputSplit | None = None) -> int:
+    """The batch size: dim 0, which every tensor input must share (or, with `split`, the
+    dimension each input's rule names: `graphpipe.tracing.split`).
 
     Raises:
-        ConfigError: a scalar tensor input, or inputs that disagree on dim 0 (naming them).
+        ConfigError: a scalar tensor input, or inputs that disagree on the batch (naming
+            them).
     """
-    named = _tensors(args, kwargs)
-    scalars = [name for name, x in named if x.dim() == 0]
+    if split is not None:
+        return split.batch(named(args, kwargs))
+    named_ = _tensors(args, kwargs)
+    scalars = [name for name, x in named_ if x.dim() == 0]
     if scalars:
         raise ConfigError(
             f"inputs {scalars} are scalars; dim 0 of every tensor input must be the batch"
         )
-    sizes = {name: x.shape[0] for name, x in named}
+    sizes = {name: x.shape[0] for name, x in named_}
     batch = next(iter(sizes.values()))
     if any(size != batch for size in sizes.values()):
         raise ConfigError(
-            f"every tensor input must have the batch on dim 0, but their dim 0 differ: {sizes}"
+            f"every tensor input must have the batch on dim 0, but their dim 0 differ: {sizes}; "
+            "an input whose dim 0 is not the batch needs a rule in input_split (a dim, "
+            "'replicate' or a function: graphpipe.tracing.split)"
         )
     return int(batch)
 
 
 def rows(
-    args: Args, kwargs: Kwargs, count: int, device: torch.device | str | None = None
+    args: Args,
+    kwargs: Kwargs,
+    pieces: int,
+    split: InputSplit | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[Args, Kwargs]:
-    """The first `count` rows of every tensor input (moved to `device` when given, e.g. the
-    meta device for a model built there); constants as they are."""
+    """The first of `pieces` micro-batches of every tensor input (by `split`'s rules, else
+    its first rows along dim 0), moved to `device` when given (e.g. the meta device for a
+    model built there); constants as they are."""
+    first = (split or InputSplit()).first(named(args, kwargs), pieces)
 
-    def cut(x: torch.Tensor) -> torch.Tensor:
-        return x[:count] if device is None else x[:count].to(device)
+    def cut(source: Source) -> torch.Tensor:
+        x = first[source]
+        return x if device is None else x.to(device)
 
     return (
-        tuple(cut(x) for x in args),
-        {k: cut(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+        tuple(cut(i) for i in range(len(args))),
+        {k: cut(k) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
     )
+
+
+def micro_example(
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], rows: int
+) -> list[torch.Tensor]:
+    """One tensor per placeholder of `gm` for a micro-batch of `rows` rows: the micro-batch
+    the trace ran at where `gm` was traced at `rows` (its input_split rules applied), else
+    each example input's first `rows` rows along dim 0, cycling where it has fewer.
+
+    Raises:
+        ConfigError: an input that does not split on dim 0, at a size the graph was not
+            traced at (trace it at that micro-batch size).
+    """
+    traced = gm.meta.get("gp_example")
+    info = trace_info(gm)
+    if traced is not None and info.micro_batch_size == rows:
+        return list(traced)
+    split = gm.meta.get("gp_split")
+    if split:
+        raise ConfigError(
+            f"the graph was traced at micro-batches of {info.micro_batch_size} rows, with "
+            f"input_split ({split.describe()}); it runs at that size only, not at {rows}"
+        )
+    return [resize_batch(x, rows) for x in example_inputs]
+
+
+def resize_batch(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Take `size` rows of `x` along dim 0, cycling when `size` exceeds the batch."""
+    index = torch.arange(size, device=x.device) % x.shape[0]
+    return x.index_select(0, index)
 
 
 def concrete_args(model: nn.Module, args: Args, kwargs: Kwargs) -> dict[str, Any]:

@@ -89,6 +89,7 @@ from graphpipe.tracing.annotate import (
 )
 from graphpipe.tracing.bind import flat_inputs, model_output
 from graphpipe.tracing.checks import drop_value_checks
+from graphpipe.tracing.split import InputSplit
 from graphpipe.tracing.verify import verify_trace
 
 __all__ = [
@@ -111,6 +112,7 @@ def trace(
     leaf_modules: Iterable[LeafSpec] = (),
     *,
     micro_batch_size: int | None = None,
+    input_split: InputSplit | None = None,
 ) -> fx.GraphModule:
     """Trace `model` into an fx graph and annotate every node with shapes, bytes and FLOPs.
 
@@ -121,6 +123,8 @@ def trace(
         leaf_modules: Module types or module paths to keep as single nodes.
         micro_batch_size: Trace and annotate at this many rows (the size the pipeline runs
             at); default the whole example batch.
+        input_split: How each input splits into micro-batches where its dim 0 is not the
+            batch (`graphpipe.tracing.split`); None: dim 0, or the dim inferred.
 
     Returns:
         The traced `GraphModule`, computing exactly what `model` computes, with the
@@ -142,10 +146,11 @@ def trace(
         ['input_1', '_0', '_1', '_2', 'output']
     """
     args, kwargs = bind.normalise(example_inputs)
-    batch = bind.batch_of(args, kwargs)
+    split = (input_split or InputSplit()).resolved(bind.named(args, kwargs))
+    batch = bind.batch_of(args, kwargs, split)
     b = batch if micro_batch_size is None else _checked_micro(batch, micro_batch_size)
     full = (args, kwargs)
-    args, kwargs = bind.rows(args, kwargs, b, "meta" if is_meta(model) else None)
+    args, kwargs = bind.rows(args, kwargs, batch // b, split, "meta" if is_meta(model) else None)
     leaf_types, leaf_paths = _split_leaves(model, leaf_modules)
     concrete = bind.concrete_args(model, args, kwargs)
     fx_error = None
@@ -158,7 +163,7 @@ def trace(
     except Exception as fx_exc:  # any other failure here means "try torch.export"
         fx_error = f"{type(fx_exc).__name__}: {fx_exc}"
         with _unchanged(model, "torch.export"):
-            gm, sources = _export_trace(model, (args, kwargs), full, fx_error)
+            gm, sources = _export_trace(model, (args, kwargs), full, fx_error, (b, batch))
         method = "export"
     _drop_dead_getitems(gm)
     flat = [args[s] if isinstance(s, int) else kwargs[s] for s in sources]
@@ -175,6 +180,8 @@ def trace(
         out_spec=_torch.out_spec(gm),
     )
     gm.meta["gp_constants"] = {k: v for k, v in concrete.items() if k in kwargs}
+    gm.meta["gp_split"] = split  # the rules, those inferred included
+    gm.meta["gp_example"] = [x.detach() for x in flat]  # the micro-batch it ran at
     verify_trace(model, gm, (args, kwargs))
     return gm
 
@@ -206,7 +213,7 @@ def retrace(model: nn.Module, gm: fx.GraphModule, flat: Sequence[torch.Tensor]) 
     args = tuple(positional[i] for i in sorted(positional))
     kwargs: dict[str, Any] = {s: x for s, x in by_source if isinstance(s, str)}
     kwargs.update(gm.meta.get("gp_constants", {}))
-    new, _ = _export_trace(model, (args, kwargs), (args, kwargs), info.fx_error or "")
+    new, _ = _export_trace(model, (args, kwargs), (args, kwargs), info.fx_error or "", (1, 1))
     _drop_dead_getitems(new)
     new.meta["graphpipe"] = info
     return new
@@ -235,10 +242,12 @@ def _batch_diagnosis(
     model: nn.Module,
     inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
     full: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
+    sizes: tuple[int, int],
 ) -> str:
     """Why an export at the micro-batch size failed, if the whole batch exports: the model's
-    code fixes the batch size. Empty when the whole batch fails too (another cause)."""
-    b, batch = bind.batch_of(*inputs), bind.batch_of(*full)
+    code fixes the batch size. Empty when the whole batch fails too (another cause).
+    `sizes`: the micro-batch's rows and the whole batch's."""
+    b, batch = sizes
     if b == batch:
         return ""
     try:
@@ -411,8 +420,10 @@ def _export_trace(
     inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
     full: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
     fx_error: str,
+    sizes: tuple[int, int],
 ) -> tuple[fx.GraphModule, list[Source]]:
-    """torch.export at the micro-batch size (`inputs`; `full` is the whole example batch)."""
+    """torch.export at the micro-batch size (`inputs`; `full` is the whole example batch;
+    `sizes` their rows, for the diagnosis of a failure)."""
     args, kwargs = inputs
     try:
         with _quiet_torch():
@@ -422,7 +433,7 @@ def _export_trace(
             f"could not trace {type(model).__name__}. torch.fx.symbolic_trace failed "
             f"({_first_line(fx_error)}) and torch.export (non-strict) failed "
             f"({type(exc).__name__}: {_first_line(str(exc))}). "
-            + (_batch_diagnosis(model, inputs, full) or _export_advice(str(exc)))
+            + (_batch_diagnosis(model, inputs, full, sizes) or _export_advice(str(exc)))
         ) from exc
     gm = exported.module()
     for node in list(gm.graph.nodes):
