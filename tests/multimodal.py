@@ -3,6 +3,7 @@ the families graph pipelining exists for.
 
 - llava: image tokens merged into the text embeddings (`masked_scatter`), with HF's check
   that the image tokens and the image features agree (a value check, not a shape);
+  llava_frozen: its vision tower frozen, alone on the first stage (forward only);
 - paligemma: an image prefix with prefix-LM attention (`token_type_ids`);
 - vision_gpt2: cross-attention from a GPT-2 decoder to a ViT encoder
   (`VisionEncoderDecoderModel`);
@@ -73,6 +74,22 @@ def _llava() -> nn.Module:
         vision_feature_select_strategy="default",  # the 4 patches, not the CLS token
     )
     return LlavaForConditionalGeneration(cfg)
+
+
+def _llava_frozen() -> nn.Module:
+    """LLaVA with its vision tower frozen, as LLaVA's training recipe has it."""
+    model = _llava()
+    model.model.vision_tower.requires_grad_(False)
+    return model
+
+
+# the frozen tower alone on stage 0 (ops not named follow their inputs)
+FROZEN_PINS = {
+    "model.vision_tower": 0,
+    "model.multi_modal_projector": 1,
+    "model.language_model": 1,
+    "lm_head": 1,
+}
 
 
 def _llava_inputs(gen: torch.Generator) -> dict[str, Any]:
@@ -251,6 +268,14 @@ _WITHOUT_CACHE = {"use_cache": False}
 CASES: dict[str, Case] = {
     "llava": Case(
         _seeded(_llava), _llava_inputs, lambda gen: _text(gen, L + 4), _lm_loss, _WITHOUT_CACHE
+    ),
+    "llava_frozen": Case(
+        _seeded(_llava_frozen),
+        _llava_inputs,
+        lambda gen: _text(gen, L + 4),
+        _lm_loss,
+        _WITHOUT_CACHE,
+        pins={2: FROZEN_PINS},
     ),
     "paligemma": Case(
         _seeded(_paligemma),

@@ -137,10 +137,14 @@ class MemoryModel:
                 f"{self.weight_versions} and {self.optimizer_slots}"
             )
 
-    def weights(self, param_bytes: float, versions: int | None = None) -> float:
-        """Bytes for parameters: the kept versions, one gradient and the optimizer state."""
+    def weights(
+        self, param_bytes: float, versions: int | None = None, frozen: float = 0.0
+    ) -> float:
+        """Bytes for parameters: the kept versions, one gradient and the optimizer state;
+        of them, the `frozen` bytes one copy only (they never change, and take neither a
+        gradient nor optimizer state)."""
         kept = self.weight_versions if versions is None else versions
-        return param_bytes * (kept + 1 + self.optimizer_slots)
+        return (param_bytes - frozen) * (kept + 1 + self.optimizer_slots) + frozen
 
     def fits(self, nbytes: float) -> bool:
         """Whether `nbytes` fits in the budget."""
@@ -240,11 +244,17 @@ class CostModel:
         return compute * share + allreduce / m
 
     def stage_memory(
-        self, param_bytes: float, activation_bytes: float, in_flight: int, replicas: int
+        self,
+        param_bytes: float,
+        activation_bytes: float,
+        in_flight: int,
+        replicas: int,
+        frozen: float = 0.0,
     ) -> float:
-        """Peak bytes on one replica of a stage with `in_flight` micro-batches in flight."""
+        """Peak bytes on one replica of a stage with `in_flight` micro-batches in flight
+        (`frozen`: the parameter bytes that take no gradient, `weights`)."""
         held = math.ceil(min(in_flight, self.micro_batches) / replicas)
-        return self.weights(param_bytes) + activation_bytes * held
+        return self.weights(param_bytes, frozen=frozen) + activation_bytes * held
 
     # -- the dp dimension (module docstring) ------------------------------------------------
 
@@ -263,16 +273,20 @@ class CostModel:
         """The link of the dp dimension: its own, or the pp link."""
         return self.dp.link or self.link
 
-    def weights(self, param_bytes: float, versions: int | None = None) -> float:
+    def weights(
+        self, param_bytes: float, versions: int | None = None, frozen: float = 0.0
+    ) -> float:
         """Bytes for a stage's parameters on one rank: `MemoryModel.weights`, or with sharded
-        dp, the sharded state + the unsharded copy held + the unsharded gradient."""
+        dp, the sharded state + the unsharded copy held + the unsharded gradient (`frozen`
+        bytes: one sharded copy and the unsharded one, no gradient or optimizer state)."""
         k, dp = self.dp.degree, self.dp
         if k == 1 or not dp.shard:
-            return self.memory.weights(param_bytes, versions)
+            return self.memory.weights(param_bytes, versions, frozen)
         kept = self.memory.weight_versions if versions is None else versions
         share = dp.gather_share if dp.reshard_after_forward else 1.0
-        sharded = param_bytes * (kept + self.memory.optimizer_slots) / k
-        return sharded + param_bytes * share + param_bytes
+        trained = param_bytes - frozen
+        sharded = (trained * (kept + self.memory.optimizer_slots) + frozen) / k
+        return sharded + param_bytes * share + trained
 
     def gather_time(self, param_bytes: float) -> float:
         """Seconds of all-gathers of a stage's parameters per micro-batch on the dp link: two

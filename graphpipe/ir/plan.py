@@ -102,6 +102,10 @@ class Stage:
     # it receives values whose gradients it sends back; without any (a chain's first stage,
     # whose input is data) its backward has no input half: W is the whole backward
     input_half: bool = True
+    # a backward runs through it; False: forward only (a frozen encoder: no trainable
+    # parameter, no input that takes a gradient), so no B, I or W and no gradient messages
+    backward: bool = True
+    frozen_bytes: int = 0  # of param_bytes, the parameters that take no gradient
 
     @property
     def replicas(self) -> int:
@@ -123,12 +127,14 @@ class StageEdge:
     bytes: int  # bytes for one micro-batch
     grads: tuple[str, ...] = ()  # the tensors whose gradients flow back (floating point)
     grad_bytes: int = 0  # bytes of those gradients for one micro-batch
+    # a dependency-only edge's backward token; False where either end runs forward only
+    token_back: bool = True
 
     @property
     def backward_message(self) -> bool:
         """Whether backward sends a message back along this edge: gradients, or, for a
         dependency-only edge (no tensors; sequential chains), an empty token."""
-        return bool(self.grads) or not self.tensors
+        return bool(self.grads) or (not self.tensors and self.token_back)
 
 
 @dataclass(frozen=True)

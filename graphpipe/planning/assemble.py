@@ -79,6 +79,7 @@ def assemble(
         next_device += replicas
         stage = _stage(g, i, nodes, devices, heights[i], cost)
         stages.append(replace(stage, input_half=i in halves))
+    edges = _forward_only_ends(edges, stages)
     return Plan(
         stages=tuple(stages),
         edges=tuple(edges),
@@ -109,6 +110,18 @@ def _stage_order(g: nx.DiGraph, groups: Sequence[Group]) -> list[int]:
         raise PlanError(f"the stage graph has a cycle: {names}") from None
 
 
+def _forward_only_ends(edges: list[StageEdge], stages: Sequence[Stage]) -> list[StageEdge]:
+    """No gradient or backward token along an edge into or out of a stage that runs forward
+    only (`Stage.backward`): its values' gradients are nobody's."""
+    out = []
+    for e in edges:
+        if stages[e.src].backward and stages[e.dst].backward:
+            out.append(e)
+        else:
+            out.append(replace(e, grads=(), grad_bytes=0, token_back=False))
+    return out
+
+
 def _stage_edges(
     g: nx.DiGraph, stage_of: dict[str, int], chain: bool, count: int
 ) -> list[StageEdge]:
@@ -123,7 +136,7 @@ def _stage_edges(
     edges = []
     for (s, t), names in sorted(crossing.items()):
         tensors = tuple(sorted(names, key=lambda n: g.nodes[n]["order"]))
-        grads = tuple(n for n in tensors if g.nodes[n].get("float", True))
+        grads = tuple(n for n in tensors if g.nodes[n].get("grad", g.nodes[n].get("float", True)))
         edges.append(
             StageEdge(
                 src=s,
@@ -150,20 +163,26 @@ def _stage(
     backward = sum(g.nodes[n]["backward"] for n in ordered)
     params = frozenset().union(*(g.nodes[n]["params"] for n in ordered))
     pbytes = int(sum(g.graph["param_bytes"].get(p, 0) for p in params))
+    frozen = int(
+        sum(g.graph["param_bytes"].get(p, 0) for p in params & g.graph.get("frozen", set()))
+    )
     act = int(sum(g.nodes[n]["act"] for n in ordered))
     in_flight = min(height, cost.micro_batches)
     forward, backward = cost.exposed_gather(forward, backward, pbytes)  # dp all-gathers
+    grad = any(g.nodes[n].get("grad", True) for n in ordered)
     return Stage(
         index=index,
         nodes=ordered,
         devices=devices,
         forward_time=forward,
         backward_time=backward,
-        time=cost.stage_time(forward + backward, pbytes, len(devices)),
+        time=cost.stage_time(forward + backward, pbytes - frozen, len(devices)),  # grads reduced
         param_bytes=pbytes,
         activation_bytes=act,
         in_flight=in_flight,
-        memory_bytes=int(cost.stage_memory(pbytes, act, in_flight, len(devices))),
+        memory_bytes=int(cost.stage_memory(pbytes, act, in_flight, len(devices), frozen)),
+        backward=grad,
+        frozen_bytes=frozen,
     )
 
 

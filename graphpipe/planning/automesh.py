@@ -895,7 +895,8 @@ def _fits_any_schedule(plan: Plan, g: nx.DiGraph) -> bool:
     cost, m = plan.cost_model, plan.micro_batches
     for rank in range(plan.num_devices):
         held = sum(
-            cost.weights(s.param_bytes) + s.activation_bytes * m for s in plan.stages_on(rank)
+            cost.weights(s.param_bytes, frozen=s.frozen_bytes) + s.activation_bytes * m
+            for s in plan.stages_on(rank)
         )
         if not cost.memory.fits(held):
             return False

@@ -41,6 +41,7 @@ __all__ = [
     "NodeTime",
     "Op",
     "Settings",
+    "backward_factor",
     "is_compute",
     "measure",
     "on_grad_path",
@@ -108,8 +109,21 @@ def is_compute(node: fx.Node) -> bool:
 
 
 def on_grad_path(node: fx.Node) -> bool:
-    """Whether a backward runs through the node: it has parameters or float outputs."""
-    return bool(node.meta.get("gp_params")) or has_float_output(node)
+    """Whether a backward runs through the node (`backward_factor` > 0)."""
+    return backward_factor(node) > 0
+
+
+def backward_factor(node: fx.Node) -> float:
+    """The node's backward work over its forward's: 2 on the gradient path (its input's and
+    its weights' gradients), 1 where its parameters are frozen and its input takes a
+    gradient (LoRA's frozen base layers), 0 where its output takes none (a frozen encoder:
+    the trace's `gp_grad`). A graph annotated before `gp_grad`: 2 for a node with
+    parameters or a float output."""
+    if "gp_grad" not in node.meta:
+        return 2.0 if node.meta.get("gp_params") or has_float_output(node) else 0.0
+    if not node.meta["gp_grad"]:
+        return 0.0
+    return 1.0 if node.meta.get("gp_params") and not node.meta.get("gp_trains") else 2.0
 
 
 def measure(

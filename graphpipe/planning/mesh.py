@@ -72,6 +72,7 @@ import networkx as nx
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import DEFAULT_SCHEDULE, Plan
 from graphpipe.ir.cost import LinkModel
+from graphpipe.planning.opgraph import wire_bytes
 from graphpipe.scheduling.simulate import simulate
 
 __all__ = [
@@ -315,7 +316,7 @@ def tp_rank_graph(g: nx.DiGraph, t: int, plan: Mapping[str, str], link: LinkMode
     layers = _layers(g, layouts)
     region = _sharded_region(g, layers)
     for n, data in out.nodes(data=True):
-        data["wire"] = g.nodes[n]["act"]
+        data["wire"] = wire_bytes(g, n)  # the whole value still crosses a cut
         if n in layers or n in region:
             data["forward"] /= t
             data["backward"] /= t
@@ -385,12 +386,12 @@ def _add_collectives(
             continue
         data = out.nodes[n]
         if layers[n] == "rowwise":
-            data["forward"] += link.allreduce(g.nodes[n]["act"], t)
+            data["forward"] += link.allreduce(wire_bytes(g, n), t)
             continue
         if not _feeds(g, n, region, layers):
-            data["forward"] += link.all_gather(g.nodes[n]["act"], t)
+            data["forward"] += link.all_gather(wire_bytes(g, n), t)
         for u in g.predecessors(n):
             if g.nodes[u]["float"] and not g.nodes[u]["constant"]:
                 inputs.setdefault(u, n)
     for u, n in inputs.items():
-        out.nodes[n]["backward"] += link.allreduce(g.nodes[u]["act"], t)
+        out.nodes[n]["backward"] += link.allreduce(wire_bytes(g, u), t)

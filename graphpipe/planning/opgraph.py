@@ -71,7 +71,7 @@ def op_graph(gm: fx.GraphModule, prof: Profile, precision: str | None = None) ->
     """
     info = trace_info(gm)
     b = prof.micro_batch_size
-    g = nx.DiGraph(param_bytes=dict(info.param_bytes))
+    g = nx.DiGraph(param_bytes=dict(info.param_bytes), frozen=info.frozen)
     constant: set[fx.Node] = set()
     for order, node in enumerate(gm.graph.nodes):
         if node.op == "get_attr" or (
@@ -84,6 +84,10 @@ def op_graph(gm: fx.GraphModule, prof: Profile, precision: str | None = None) ->
         act = 0 if node.op == "output" else node.meta.get("gp_out_bytes", 0) * b
         if precision is not None and has_float_output(node):
             act //= 2
+        values = _value_attributes(node)
+        if not _kept_for_backward(node):  # a frozen encoder's values: nothing saved
+            values.setdefault("wire", act)
+            act = 0
         g.add_node(
             node.name,
             forward=t.forward,
@@ -95,12 +99,21 @@ def op_graph(gm: fx.GraphModule, prof: Profile, precision: str | None = None) ->
             float=has_float_output(node),
             stateful=bool(node.meta.get("gp_mutates")),
             constant=node in constant and node.op != "output",
-            **_value_attributes(node),
+            grad=bool(node.meta.get("gp_grad", has_float_output(node))),
+            **values,
         )
         for src in node.all_input_nodes:
             if src.name in g:
-                g.add_edge(src.name, node.name, bytes=g.nodes[src.name]["act"])
+                g.add_edge(src.name, node.name, bytes=wire_bytes(g, src.name))
     return g
+
+
+def _kept_for_backward(node: fx.Node) -> bool:
+    """Whether autograd keeps the node's output: it, or a node that reads it, takes a
+    gradient (graphs annotated before `gp_grad`: always)."""
+    if "gp_grad" not in node.meta:
+        return True
+    return bool(node.meta["gp_grad"]) or any(u.meta.get("gp_grad") for u in node.users)
 
 
 def wire_bytes(g: nx.DiGraph, n: str) -> float:

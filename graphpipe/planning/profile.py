@@ -52,7 +52,13 @@ from torch import fx
 from graphpipe.errors import ConfigError
 from graphpipe.ir.plan import Plan
 from graphpipe.planning.devices import DEVICES, device_preset, roofline
-from graphpipe.planning.measure import NodeTime, is_compute, measure, on_grad_path, resize_batch
+from graphpipe.planning.measure import (
+    NodeTime,
+    backward_factor,
+    is_compute,
+    measure,
+    resize_batch,
+)
 from graphpipe.tracing.annotate import TensorSpec, is_meta, trace_info
 
 __all__ = [
@@ -304,11 +310,13 @@ def _estimate(gm: fx.GraphModule, b: int, config: ProfileConfig) -> Profile:
 
 def _flop_time(node: fx.Node, b: int, flops: float, overhead: float) -> NodeTime:
     """The node's time at `flops` FLOP/s plus `overhead` per pass; its backward twice the
-    forward's FLOPs on the gradient path. Nothing for a node that runs no code."""
+    forward's FLOPs on the gradient path (once where its parameters are frozen, none off
+    it: `backward_factor`). Nothing for a node that runs no code."""
     if not is_compute(node):
         return NodeTime(0.0, 0.0)
     work = node.meta.get("gp_flops", 0) * b / flops
-    return NodeTime(work + overhead, 2 * work + overhead if on_grad_path(node) else 0.0)
+    factor = backward_factor(node)
+    return NodeTime(work + overhead, factor * work + overhead if factor else 0.0)
 
 
 def _roofline(gm: fx.GraphModule, b: int, config: ProfileConfig) -> Profile:
@@ -321,8 +329,9 @@ def _roofline(gm: fx.GraphModule, b: int, config: ProfileConfig) -> Profile:
         flops = node.meta.get("gp_flops", 0) * b
         nbytes = _weights_read(gm, node, b) + b * _activation_bytes(node)
         fwd = roofline(flops, nbytes, device)
-        kernels = 2 if node.meta.get("gp_params") else 1
-        bwd = roofline(2 * flops, 2 * nbytes, device, kernels) if on_grad_path(node) else 0.0
+        factor = backward_factor(node)
+        kernels = 2 if node.meta.get("gp_params") and factor == 2 else 1
+        bwd = roofline(factor * flops, factor * nbytes, device, kernels) if factor else 0.0
         times[node.name] = NodeTime(fwd, bwd)
     return Profile(b, "roofline", config.preset, times)
 

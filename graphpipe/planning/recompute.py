@@ -40,7 +40,9 @@ def _recomputed(plan: Plan, s: Stage) -> Stage:
         backward_time=backward,
         activation_bytes=kept,
         time=cost.stage_time(s.forward_time + backward, s.param_bytes, s.replicas),
-        memory_bytes=int(cost.stage_memory(s.param_bytes, kept, s.in_flight, s.replicas)),
+        memory_bytes=int(
+            cost.stage_memory(s.param_bytes, kept, s.in_flight, s.replicas, s.frozen_bytes)
+        ),
     )
 
 

@@ -43,7 +43,7 @@ def for_schedule(plan: Plan, schedule: Schedule) -> Plan:
             stages.append(s)
             continue
         k = min(held[s.index] * s.replicas, cost.micro_batches)  # ceil(k / r) = held
-        memory = cost.stage_memory(s.param_bytes, s.activation_bytes, k, s.replicas)
+        memory = cost.stage_memory(s.param_bytes, s.activation_bytes, k, s.replicas, s.frozen_bytes)
         stages.append(replace(s, in_flight=k, memory_bytes=int(memory)))
     return replace(plan, stages=tuple(stages))
 

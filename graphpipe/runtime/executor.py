@@ -101,6 +101,7 @@ class _MicroBatch:
     weight_half: backward.WeightHalf | None = None
     backward_done: bool = False
     sent_back: int = 0
+    sent_forward: int = 0  # counted on a forward-only stage, whose outputs go when sent
 
 
 class Executor:
@@ -295,9 +296,12 @@ class Executor:
                 mb = self._mb(r.action.stage, r.message.mb)
                 mb.arrived.append((r.edge, self._mailbox.pop(r.message)))
         for r in routes:
+            stage, j = r.action.stage, r.message.mb
             if r.action.kind == ActionKind.SB:
-                stage, j = r.action.stage, r.message.mb
                 self.state[(stage, j)].sent_back += 1
+                self._forget_when_done(stage, j)
+            elif r.action.kind == ActionKind.SF and not self.plan.stages[stage].backward:
+                self.state[(stage, j)].sent_forward += 1
                 self._forget_when_done(stage, j)
 
     def _incoming(self, r: Route) -> Incoming:
@@ -318,9 +322,10 @@ class Executor:
         assert a.mb is not None
         j, s = a.mb, self.stages[a.stage]
         mb = self._mb(a.stage, j)
+        grad = self.training and self.plan.stages[a.stage].backward  # else forward only
         for i, values in mb.arrived:
             for name, value in zip(self.edges[i].tensors, values, strict=False):
-                if value.is_floating_point() and self.training:
+                if value.is_floating_point() and grad:
                     value.requires_grad_()
                 mb.inputs[name] = value
         mb.arrived.clear()
@@ -331,7 +336,7 @@ class Executor:
         call = _call
         if self.training and self.plan.stages[a.stage].recompute:
             call = functools.partial(checkpoint, _call, use_reentrant=False)  # keeps the inputs
-        with torch.set_grad_enabled(self.training), self.precision.autocast(s.device):
+        with torch.set_grad_enabled(grad), self.precision.autocast(s.device):
             mb.outputs = self._crossing(s, self.policy.forward(j, lambda w: call(module, w, args)))
             if s.io.has_output:
                 out = model_output(s.gm, mb.outputs[OUTPUT])
@@ -343,6 +348,10 @@ class Executor:
                 self.losses[j] = mb.loss.detach()
                 if self.nancheck is not None and self.training:
                     self.nancheck.saw_loss(a.stage, j, mb.loss)
+        if self.training and not self.plan.stages[a.stage].backward:
+            mb.inputs.clear()  # nothing runs backward: only the outputs wait to be sent
+            mb.backward_done = True
+            self._forget_when_done(a.stage, j)
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -438,12 +447,15 @@ class Executor:
         self._forget_when_done(stage, j)
 
     def _forget_when_done(self, stage: int, j: int) -> None:
-        """Drop micro-batch j once its backward ran and its gradients were sent back."""
+        """Drop micro-batch j once its backward ran and its gradients were sent back (on a
+        stage that runs forward only: once its outputs were sent)."""
         mb = self.state[(stage, j)]
+        kind = ActionKind.B if self.plan.stages[stage].backward else ActionKind.F
         owed = self._owed.get((stage, j))
         if owed is None:
-            owed = self._owed[(stage, j)] = len(sends(self.plan, Action(stage, ActionKind.B, j)))
-        if mb.backward_done and mb.sent_back >= owed:
+            owed = self._owed[(stage, j)] = len(sends(self.plan, Action(stage, kind, j)))
+        sent = mb.sent_back if kind == ActionKind.B else mb.sent_forward
+        if mb.backward_done and sent >= owed:
             del self.state[(stage, j)]
 
     def _update(self, a: Action, batch: Batch) -> None:

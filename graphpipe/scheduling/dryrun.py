@@ -129,12 +129,14 @@ def _completeness(plan: Plan, schedule: Schedule, problems: list[str], marks: li
     repeats = 1 if spec is not None and spec.asynchronous else schedule.calls
     mbs = sorted({mb for _, mb in seen})
     for s in plan.stages:
+        wanted = ("FB" * repeats, "FIW" * repeats) if s.backward else ("F" * repeats,)
         for j in mbs:
             kinds = seen.get((s.index, j), "")
-            if kinds not in ("FB" * repeats, "FIW" * repeats):
+            if kinds not in wanted:
+                expected = "F then B (or F, I, W)" if s.backward else "F alone (forward only)"
                 problems.append(
                     f"stage {s.index} micro-batch {j} runs {' '.join(kinds) or 'nothing'}; "
-                    f"expected F then B (or F, I, W){' per call' if repeats > 1 else ''}"
+                    f"expected {expected}{' per call' if repeats > 1 else ''}"
                 )
                 if (s.index, j) in where:
                     marks.append(where[(s.index, j)])

@@ -276,7 +276,21 @@ def make_schedule(
     for call in range(first_call, first_call + calls):
         for rank, actions in enumerate(_BUILDERS[spec.name](plan, call, m)):
             per_rank[rank] += actions
-    return Schedule(spec.name, m, tuple(tuple(a) for a in per_rank), calls)
+    return Schedule(spec.name, m, _without_backward(plan, per_rank), calls)
+
+
+BACKWARD_KINDS = frozenset({ActionKind.B, ActionKind.I, ActionKind.W})
+
+
+def _without_backward(plan: Plan, per_rank: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
+    """The lists without the B, I and W of stages that run forward only (`Stage.backward`:
+    a frozen encoder). Their edges carry no gradient (`StageEdge.backward_message`), so no
+    message goes with those actions; each builder's order is kept otherwise."""
+    skip = {s.index for s in plan.stages if not s.backward}
+    return tuple(
+        tuple(a for a in actions if not (a.stage in skip and a.kind in BACKWARD_KINDS))
+        for actions in per_rank
+    )
 
 
 def drain_schedule(
@@ -303,7 +317,7 @@ def drain_schedule(
         for s in plan.stages
     }
     lists = _rank_lists(plan, orders)
-    return Schedule(spec.name, m, tuple(tuple(a) for a in lists), 0)
+    return Schedule(spec.name, m, _without_backward(plan, lists), 0)
 
 
 def in_flight(schedule: Schedule) -> dict[int, int]:

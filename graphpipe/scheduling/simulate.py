@@ -181,7 +181,7 @@ def _peak_memory(plan: Plan, rank: int, held_bytes: float, policy: str | None) -
         copies = None
         if policy is not None:
             copies = weight_copies(policy, warmups(plan)[stage.index])
-        total += plan.cost_model.weights(stage.param_bytes, copies)
+        total += plan.cost_model.weights(stage.param_bytes, copies, stage.frozen_bytes)
     return int(total)
 
 

@@ -67,6 +67,7 @@ def annotate(
         _Annotator(gm, _canonical_names(model), rows, hint).run(*inputs)
     _attribute_get_attrs(gm)
     _flag_shared(gm)
+    _flag_grads(gm, trainable(model))
 
 
 @contextlib.contextmanager
@@ -205,6 +206,31 @@ def _attribute_get_attrs(gm: fx.GraphModule) -> None:
                 user.meta.setdefault("gp_params", {}).update(node.meta["gp_params"])
 
 
+def trainable(model: nn.Module) -> frozenset[str]:
+    """The canonical names of the parameters that take a gradient (`requires_grad`)."""
+    return frozenset(name for name, p in model.named_parameters() if p.requires_grad)
+
+
+def frozen(model: nn.Module) -> frozenset[str]:
+    """The canonical names of the parameters that take no gradient (a frozen encoder)."""
+    return frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
+
+
+def _flag_grads(gm: fx.GraphModule, trains: frozenset[str]) -> None:
+    """Which nodes a backward runs through, from the trainable parameters forward (graph
+    order is topological): `gp_trains` (uses a trainable parameter), `gp_grad_in` (an input
+    requires a gradient), `gp_grad` (its float output requires one: either of those)."""
+    for node in gm.graph.nodes:
+        uses = node.meta.get("gp_params", {})
+        node.meta["gp_trains"] = any(p in trains for p in uses)
+        node.meta["gp_grad_in"] = any(a.meta.get("gp_grad") for a in node.all_input_nodes)
+        node.meta["gp_grad"] = (
+            node.op not in ("placeholder", "output")
+            and has_float_output(node)
+            and (node.meta["gp_trains"] or node.meta["gp_grad_in"])
+        )
+
+
 def _flag_shared(gm: fx.GraphModule) -> None:
     users: dict[str, int] = {}
     compute = [n for n in gm.graph.nodes if n.op not in ("get_attr", "placeholder", "output")]
@@ -234,6 +260,8 @@ class TraceInfo:
         sources: per placeholder, its positional index or keyword name in the call.
         constants: keyword inputs traced as constants, with their values' repr.
         out_spec: how the output's leaves nest (graphs from torch.export return them flat).
+        frozen: the parameters that take no gradient (`requires_grad=False`), by canonical
+            name: no gradient and no optimizer state for them.
     """
 
     method: str
@@ -245,6 +273,7 @@ class TraceInfo:
     sources: tuple[Source, ...] = ()
     constants: dict[str, str] = field(default_factory=dict)
     out_spec: TreeSpec | None = None
+    frozen: frozenset[str] = frozenset()
 
 
 def trace_info(gm: fx.GraphModule) -> TraceInfo:

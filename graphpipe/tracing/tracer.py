@@ -47,6 +47,9 @@ Keys written on `node.meta` (every node):
     gp_flops      int: forward FLOPs per sample, from `torch.utils.flop_counter`.
     gp_mutates    frozenset[str]: buffers the node updates in place (BatchNorm statistics),
                   by canonical name. A stage holding such a node is not replicated.
+    gp_grad       bool: its float output requires a gradient (it uses a trainable parameter,
+                  `gp_trains`, or an input that requires one, `gp_grad_in`). A frozen
+                  encoder's nodes have none: no backward runs through them.
 
 "Per sample" is per row of the traced batch (the micro-batch with `micro_batch_size`).
 
@@ -80,6 +83,7 @@ from graphpipe.tracing.annotate import (
     TensorSpec,
     TraceInfo,
     annotate,
+    frozen,
     has_float_output,
     is_meta,
     param_bytes,
@@ -178,6 +182,7 @@ def trace(
         sources=tuple(sources),
         constants={k: repr(v) for k, v in concrete.items() if k in kwargs},
         out_spec=_torch.out_spec(gm),
+        frozen=frozen(model),
     )
     gm.meta["gp_constants"] = {k: v for k, v in concrete.items() if k in kwargs}
     gm.meta["gp_split"] = split  # the rules, those inferred included
