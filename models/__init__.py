@@ -5,6 +5,8 @@
     candle_uno  CANDLE-Uno: feature towers of Dense layers, concatenated, MSE regression
     nbranch     N parallel transformer encoders over the same input, summed
     inception   Inception-style CNN: four parallel conv branches in every block
+    vlm         vision-language model (LLaVA): a ViT encoder, a projector, a causal decoder
+                reading the image tokens then the text; the encoder optionally frozen
 
 Every module follows the factory protocol of `graphpipe.tools.workload`: it exposes
 `PRESETS` ("tiny", "cpu", "paper") and

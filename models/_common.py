@@ -49,7 +49,8 @@ def preset_options(
 
     Raises:
         ConfigError: the preset or an option is unknown, an integer option is not positive,
-            or `batch` does not split into `micro_batches`.
+            a flag (a preset's bool) is not a bool, or `batch` does not split into
+            `micro_batches`.
     """
     if preset not in presets:
         raise ConfigError(f"{name}: unknown preset {preset!r}; known presets: {', '.join(presets)}")
@@ -63,8 +64,10 @@ def preset_options(
     merged.update([(key, tuple(v)) for key, v in merged.items() if isinstance(v, list)])
     problems = [
         f"{key}={value!r} must be a positive integer or a tuple of them"
+        if not isinstance(known[key], bool)
+        else f"{key}={value!r} must be True or False"
         for key, value in merged.items()
-        if not _positive_ints(value)
+        if not (_positive_ints(value) if not isinstance(known[key], bool) else _bool(value))
     ]
     if not problems and merged["batch"] % merged["micro_batches"]:
         problems.append(
@@ -73,6 +76,10 @@ def preset_options(
     if problems:
         raise ConfigError(f"{name}: invalid options", problems)
     return merged
+
+
+def _bool(value: Any) -> bool:
+    return isinstance(value, bool)
 
 
 def _positive_ints(value: Any) -> bool:

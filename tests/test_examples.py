@@ -14,7 +14,7 @@ from graphpipe.tools.cli import main
 from graphpipe.tools.train import TrainConfig, progress_bar, train
 from viz.gallery import KINDS, MODELS, render_gallery
 
-EXAMPLES = ("mmt", "dlrm", "candle_uno", "nbranch", "inception")
+EXAMPLES = ("mmt", "dlrm", "candle_uno", "nbranch", "inception", "vlm")
 FILES = ("plan.svg", "ops.svg", "timeline.svg", "timeline.json", "simulated.svg", "plan.json")
 
 

@@ -14,7 +14,7 @@ from graphpipe.errors import ConfigError
 from graphpipe.tools.workload import Workload, load_workload
 from graphpipe.tracing.tracer import trace
 
-NAMES = ["mmt", "dlrm", "candle_uno", "nbranch", "inception"]
+NAMES = ["mmt", "dlrm", "candle_uno", "nbranch", "inception", "vlm"]
 
 # Parameter and buffer bytes of each paper preset: (at least, at most).
 PAPER_BYTES = {
@@ -23,6 +23,7 @@ PAPER_BYTES = {
     "candle_uno": (1e9, 4e9),
     "nbranch": (2e9, 5e9),
     "inception": (5e7, 5e8),
+    "vlm": (2.6e10, 3.0e10),  # LLaVA-1.5-7B's 7 B parameters, a 0.3 B ViT among them
 }
 
 # An option of each model that changes its graph, with a small value.
@@ -32,6 +33,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "candle_uno": {"towers": 2},
     "nbranch": {"branches": 3},
     "inception": {"blocks": 3},
+    "vlm": {"images": 2, "frozen": True},
 }
 
 
@@ -186,6 +188,8 @@ def test_unknown_preset_and_option_are_named(name: str) -> None:
         ("nbranch", {"heads": 3}, "heads=3"),
         ("inception", {"widths": (2, 8)}, r"widths=\(2, 8\)"),
         ("inception", {"blocks": 1}, "blocks=1"),
+        ("vlm", {"frozen": 1}, "frozen=1 must be True or False"),
+        ("vlm", {"merge": 3}, "merge=3 does not divide patches=4"),
     ],
 )
 def test_invalid_option_values_are_named(name: str, options: dict[str, Any], bad: str) -> None:

@@ -25,7 +25,7 @@ from graphpipe.tools.timeline import timeline_svg
 from graphpipe.tools.workload import load_workload
 from graphpipe.tracing.tracer import trace
 
-MODELS = ("mmt", "dlrm", "candle_uno", "nbranch", "inception")
+MODELS = ("mmt", "dlrm", "candle_uno", "nbranch", "inception", "vlm")
 KINDS = ("ops", "stages", "timeline")
 
 
