@@ -29,6 +29,7 @@ from benchmarks import (
     real_models,
     runtime,
     shapes,
+    vlm,
 )
 from benchmarks._common import log
 
@@ -91,6 +92,7 @@ def main() -> int:
         ("convergence", lambda: convergence.report(root / "benchmarks")),
         ("shape-changing batches", shapes.report),
         ("FSDP2 units of an exported stage", fsdp_units.report),
+        ("VLM at scale", vlm.report),
     ):
         log(f"running the {name} benchmark")
         sections.append(run())

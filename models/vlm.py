@@ -134,10 +134,12 @@ class VLM(nn.Module):
             self.vision.requires_grad_(False)
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        b, cfg = images.shape[0], self.cfg
-        patches = images.reshape(b * cfg.images, cfg.patches, cfg.patch_dim)
+        # sizes from the config, the batch as -1: a size read off an input (b =
+        # images.shape[0]) used before and after the encoder would bind it all to one stage
+        cfg = self.cfg
+        patches = images.reshape(-1, cfg.patches, cfg.patch_dim)
         seen = self.vision(patches)  # (b * images, patches, vision_hidden)
-        pooled = seen.reshape(b, cfg.image_tokens, cfg.merge * cfg.vision_hidden)
+        pooled = seen.reshape(-1, cfg.image_tokens, cfg.merge * cfg.vision_hidden)
         merged = torch.cat([self.projector(pooled), self.embed(tokens)], 1)
         x = merged  # (b, image tokens + text, hidden), the image first
         for layer in self.decoder:
