@@ -167,6 +167,20 @@ def out_spec(gm: fx.GraphModule) -> TreeSpec | None:
     return None if info is None else info.out_spec
 
 
+def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
+    """Every leaf of a pytree (a Hugging Face `ModelOutput`, a dict, a tuple) with its path
+    as text (`['logits']`, `[0]`).
+
+    torch API: `torch.utils._pytree.tree_flatten_with_path` and `keystr`, the registry that
+    knows every container torch and its users registered (transformers registers its
+    `ModelOutput`s there).
+    """
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    leaves, _ = tree_flatten_with_path(tree)
+    return [(keystr(path), leaf) for path, leaf in leaves]
+
+
 def in_spec(gm: fx.GraphModule) -> TreeSpec:
     """The pytree structure of an exported graph's inputs: `((args...), {kwargs...})`.
 

@@ -81,6 +81,15 @@ def test_out_spec_is_the_exported_output_structure_and_none_for_symbolic_trace()
     assert _torch.out_spec(fx.symbolic_trace(nn.Linear(2, 2))) is None
 
 
+def test_leaves_with_paths_names_each_leaf_of_a_model_output() -> None:
+    from transformers.modeling_outputs import CausalLMOutput
+
+    out = CausalLMOutput(logits=torch.ones(1), loss=torch.zeros(()))
+    assert [p for p, _ in _torch.leaves_with_paths(out)] == ["['loss']", "['logits']"]
+    nested = _torch.leaves_with_paths({"a": (1, torch.ones(2)), "b": None})
+    assert [p for p, _ in nested] == ["['a'][0]", "['a'][1]", "['b']"]
+
+
 def test_in_spec_and_keyword_names_read_an_exported_calling_convention() -> None:
     gm, x, mask = _exported()
     spec = _torch.in_spec(gm)

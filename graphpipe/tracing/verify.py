@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import keystr, tree_flatten_with_path
 
+from graphpipe._torch import leaves_with_paths
 from graphpipe.errors import TraceError
 from graphpipe.tracing.annotate import is_meta, restore, snapshot
 from graphpipe.tracing.bind import Args, Kwargs, flat_inputs, model_output
@@ -92,14 +92,13 @@ def _same_start(model: nn.Module) -> Iterator[Any]:
 
 
 def _compare(name: str, expected: Any, got: Any) -> None:
-    want, _ = tree_flatten_with_path(expected)
-    have, _ = tree_flatten_with_path(got)
-    paths = [f"out{keystr(p)}" for p, _ in want]
-    if paths != [f"out{keystr(p)}" for p, _ in have]:  # by path: fx's immutable_dict is a dict
+    want, have = leaves_with_paths(expected), leaves_with_paths(got)
+    paths = [f"out{p}" for p, _ in want]
+    if paths != [f"out{p}" for p, _ in have]:  # by path: fx's immutable_dict is a dict
         raise TraceError(
-            f"the traced graph of {name} returns the leaves "
-            f"{[f'out{keystr(p)}' for p, _ in have]} where the model returns {paths}; "
-            "graphpipe will not train a graph that is not the model"
+            f"the traced graph of {name} returns the leaves {[f'out{p}' for p, _ in have]} "
+            f"where the model returns {paths}; graphpipe will not train a graph that is not "
+            "the model"
         )
     worst: tuple[float, str, str] | None = None
     for path, (_, a), (_, b) in zip(paths, want, have, strict=True):
