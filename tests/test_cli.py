@@ -72,6 +72,36 @@ def test_a_model_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "graph plan:" in capsys.readouterr().out
 
 
+LLAMA_FILE = """
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+from graphpipe.tools.workload import Workload
+
+def make(preset, use_cache=True):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, use_cache=use_cache)
+    ids = torch.randint(0, 64, (8, 6))
+    loss = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    return Workload("llama", LlamaForCausalLM(config), (ids,), loss, lambda: ((ids,), ids),
+                    micro_batches=4)
+"""
+
+
+def test_plan_profiles_an_exported_model_at_the_size_it_traced_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Hugging Face model is exported: its graph runs at its traced shapes only, so the
+    measured profile runs it at the micro-batch it was traced at (it was traced at the
+    batch and profiled at the micro-batch: a raw reshape error from planning/measure.py)."""
+    source = tmp_path / "llama_wl.py"
+    source.write_text(LLAMA_FILE)
+    argv = ["plan", f"{source}:make", "--devices", "2", "-o", "use_cache=False"]
+    assert main(argv) == 0
+    assert "graph plan:" in capsys.readouterr().out
+
+
 MLP_FILE = """
 import torch
 from torch import nn

@@ -315,18 +315,21 @@ def load(args: argparse.Namespace) -> Workload:
     return load_workload(args.model, args.preset, **parse_options(args.option))
 
 
+def _traced(w: Workload, rows: int, rules: Any) -> Any:
+    """The workload traced at the micro-batch size it is profiled at (an exported graph
+    runs at its traced size only), its inputs split by `rules` (input_split)."""
+    split = InputSplit(rules)
+    return trace(
+        w.model, w.example_inputs, w.leaf_modules, micro_batch_size=rows, input_split=split
+    )
+
+
 def _plan_command(args: argparse.Namespace) -> int:
     w = load(args)
     options = given(args, PLAN_OPTIONS)
     m = options.pop("micro_batches", None) or w.micro_batches
     b = micro_batch_size(w.batch_size, m)
-    split = InputSplit(options.get("input_split"))
-    gm = _timed(  # at the micro-batch size it is profiled at (an exported graph runs at one)
-        "traced",
-        lambda: trace(
-            w.model, w.example_inputs, w.leaf_modules, micro_batch_size=b, input_split=split
-        ),
-    )
+    gm = _timed("traced", lambda: _traced(w, b, options.get("input_split")))
     prof_cfg = ProfileConfig(mode=args.profile, device=args.device)
     prof = _timed(
         f"profiled ({args.profile})", lambda: profile(gm, w.example_inputs, b, prof_cfg, log=_log)
