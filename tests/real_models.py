@@ -338,6 +338,32 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+def trained(case: Case, steps: int, **options: Any) -> tuple[list[float], Any, Any]:
+    """The case compiled as a user would (its keyword inputs and constants, M micro-batches,
+    a 120 s timeout; `options` as compile takes them) and trained `steps` steps: the losses,
+    the state dict on rank 0 (None elsewhere; a collective, so every rank asks) and the
+    pipelined model."""
+    from graphpipe.compile import RuntimeConfig
+    from graphpipe.compile import compile as gp_compile
+
+    example, _ = step_data(case, 0)
+    pm = gp_compile(
+        case.build(),
+        {**example, **case.constants},
+        loss_fn=case.loss,
+        optimizer=optimizer,
+        micro_batches=M,
+        runtime=RuntimeConfig(timeout=120),
+        **options,
+    )
+    losses = []
+    for step in range(steps):
+        inputs, target = step_data(case, step)
+        losses.append(pm.step(**inputs, target=target))
+    state = pm.state_dict()
+    return losses, state if pm.rank == 0 else None, pm
+
+
 def reference(case: Case, steps: int) -> tuple[list[float], nn.Module]:
     """Single-process gradient accumulation over the same M micro-batches."""
     model = case.build()

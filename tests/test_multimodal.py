@@ -29,10 +29,8 @@ from typing import Any
 import pytest
 import torch
 from multimodal import CASES, paligemma_inputs
-from real_models import M, optimizer, reference, step_data
+from real_models import reference, trained
 
-from graphpipe.compile import RuntimeConfig
-from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import TraceError
 from graphpipe.runtime.launch import launch
 from graphpipe.tracing.tracer import trace
@@ -47,28 +45,13 @@ FOUR = tuple((n, "1f1b", "pp") for n in CASES if not CASES[n].pins) + tuple(
 
 def _run(name: str, schedule: str, dims: str) -> dict[str, Any]:
     case = CASES[name]
-    example, _ = step_data(case, 0)
-    pins = {"pins": case.pins[2]} if case.pins else {}  # on the pp 2 of both launches
-    pm = gp_compile(
-        case.build(),
-        {**example, **case.constants},
-        loss_fn=case.loss,
-        optimizer=optimizer,
-        micro_batches=M,
-        schedule=schedule,
-        replication=False,
-        runtime=RuntimeConfig(timeout=120),
-        **({"dp": 2} if dims == "dp" else {}),
-        **pins,
-    )
-    losses = []
-    for step in range(STEPS):
-        inputs, target = step_data(case, step)
-        losses.append(pm.step(**inputs, target=target))
-    state = pm.state_dict()  # a collective: every rank calls it
+    options: dict[str, Any] = {"pins": case.pins[2]} if case.pins else {}  # pp 2 on both
+    if dims == "dp":
+        options["dp"] = 2
+    losses, state, pm = trained(case, STEPS, schedule=schedule, replication=False, **options)
     return {
         "losses": losses,
-        "state": state if pm.rank == 0 else None,
+        "state": state,
         "stages": len(pm.plan.stages),
         "held": [] if pm.module is None else sorted(pm.module.state_dict()),
         "backward": [s.backward for s in pm.plan.stages],

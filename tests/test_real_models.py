@@ -23,11 +23,9 @@ from typing import Any
 
 import pytest
 import torch
-from real_models import CASES, CNN_CASES, MOE_CASES, M, optimizer, reference, step_data
+from real_models import CASES, CNN_CASES, MOE_CASES, reference, trained
 from torch.distributed.tensor import DTensor
 
-from graphpipe.compile import RuntimeConfig
-from graphpipe.compile import compile as gp_compile
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.launch import launch
 
@@ -43,30 +41,15 @@ MOE_RUNS = (("mixtral", "zb"), ("qwen2_moe", "1f1b"))
 
 def _run(name: str, schedule: str, world: int, **extra: Any) -> dict[str, Any]:
     case = ALL[name]
-    example, _ = step_data(case, 0)
     # tiny models would otherwise be replicated whole (data parallelism, not a pipeline)
     options: dict[str, Any] = {"pins": case.pins[world]} if case.pins else {"replication": False}
     options.update(extra)
-    pm = gp_compile(
-        case.build(),
-        {**example, **case.constants},
-        loss_fn=case.loss,
-        optimizer=optimizer,
-        micro_batches=M,
-        schedule=schedule,
-        runtime=RuntimeConfig(timeout=120),
-        **options,
-    )
-    losses = []
-    for step in range(STEPS):
-        inputs, target = step_data(case, step)
-        losses.append(pm.step(**inputs, target=target))
-    state = pm.state_dict()
+    losses, state, pm = trained(case, STEPS, schedule=schedule, **options)
     held = [] if pm.module is None else sorted(pm.module.state_dict())
     params = [] if pm.module is None else list(pm.module.named_parameters())
     return {
         "losses": losses,
-        "state": state if pm.rank == 0 else None,
+        "state": state,
         "held": held,
         "placements": {n: str(p.placements) for n, p in params if isinstance(p, DTensor)},
         "edges": [list(e.tensors) for e in pm.plan.edges],
