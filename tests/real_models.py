@@ -338,6 +338,20 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+def rounded_to(dtype: torch.dtype) -> Any:
+    """A forward hook: the output rounded to `dtype` and back, as a value crossing stages
+    is sent (its gradient, coming back through the same casts, is rounded too)."""
+    from torch.utils._pytree import tree_map
+
+    def hook(module: nn.Module, args: Any, out: Any) -> Any:
+        return tree_map(
+            lambda x: x.to(dtype).float() if torch.is_tensor(x) and x.is_floating_point() else x,
+            out,
+        )
+
+    return hook
+
+
 def trained(case: Case, steps: int, **options: Any) -> tuple[list[float], Any, Any]:
     """The case compiled as a user would (its keyword inputs and constants, M micro-batches,
     a 120 s timeout; `options` as compile takes them) and trained `steps` steps: the losses,

@@ -33,9 +33,10 @@ from typing import Any
 
 import pytest
 import torch
+from real_models import rounded_to
 from test_mesh import Chain
 from test_mesh import _optimizer as chain_optimizer
-from test_mesh_models import BF16_ATOL, BF16_RTOL, PINS_FOLDED, V, lm_loss, rounded_to
+from test_mesh_models import BF16_ATOL, BF16_RTOL, PINS_FOLDED, V, lm_loss
 from test_mesh_models import PINS as LLAMA_PINS
 from test_mesh_models import llama as build_llama
 from torch.distributed.device_mesh import init_device_mesh

@@ -33,6 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from real_models import rounded_to
 from test_mesh import PINS as CHAIN_PINS
 from test_mesh import STEPS as CHAIN_STEPS
 from test_mesh import _optimizer as chain_optimizer
@@ -43,7 +44,6 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 from zoo import dict_loss
 
 from graphpipe.compile import RuntimeConfig
@@ -263,16 +263,6 @@ def _bf16_optimizer() -> functools.partial[torch.optim.Optimizer]:
     matmul rounds otherwise than the whole micro-batch's) can move a weight by lr either
     way; SGD's update is proportional to the gradient, so a rounding stays a rounding."""
     return functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9)
-
-
-def rounded_to(dtype: torch.dtype) -> Any:
-    """A forward hook: the output rounded to `dtype` and back, as a value crossing stages
-    is sent (its gradient, coming back through the same casts, is rounded too)."""
-
-    def hook(module: nn.Module, args: Any, out: Any) -> Any:
-        return tree_map(lambda x: x.to(dtype).float() if x.is_floating_point() else x, out)
-
-    return hook
 
 
 def _sgd_run(bf16: bool) -> dict[str, Any]:
