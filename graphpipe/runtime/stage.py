@@ -37,6 +37,7 @@ __all__ = [
     "StageIO",
     "arrive_as_traced",
     "build_stage",
+    "drop_metadata_asserts",
     "micro_shapes",
     "model_output",
     "retarget",
@@ -108,9 +109,10 @@ def build_stage(gm: fx.GraphModule, plan: Plan, index: int) -> tuple[fx.GraphMod
 def arrive_as_traced(module: fx.GraphModule, io: StageIO, traced: dict[str, torch.dtype]) -> None:
     """Cast each value the stage receives back to the dtype it was traced in, as it arrives
     (`x.to(dtype)` after its placeholder: differentiable, a no-op when it came in that
-    dtype), so a graph that fixed its dtypes (torch.export's, which asserts the traced dtype
-    of its values) runs on values that crossed in a half-width dtype; the message and its
-    gradient still cross in that dtype.
+    dtype), so a graph that fixed its dtypes (torch.export's) runs on values that crossed in
+    a half-width dtype; the message and its gradient still cross in that dtype. Its checks of
+    the traced dtypes go (`drop_metadata_asserts`): under autocast a layer's output is the
+    half dtype where the trace saw float32 (LLaVA's projector before its `.to()`).
 
     Args:
         module: The stage module (`build_stage`), changed in place.
@@ -124,6 +126,21 @@ def arrive_as_traced(module: fx.GraphModule, io: StageIO, traced: dict[str, torc
             with graph.inserting_after(node):
                 cast = graph.call_method("to", (node, dtype))
             node.replace_all_uses_with(cast, delete_user_cb=functools.partial(_not, cast))
+    drop_metadata_asserts(module)  # under autocast an op's output is the half dtype
+
+
+METADATA_ASSERT = torch.ops.aten._assert_tensor_metadata.default
+
+
+def drop_metadata_asserts(module: fx.GraphModule) -> None:
+    """Remove torch.export's checks of each value's traced dtype and device
+    (`aten._assert_tensor_metadata`, written before a `.to()`): a stage that computes in
+    another dtype than it was traced in (bf16 under autocast, DTensors under tp) fails them
+    where nothing is wrong. They compute nothing; the casts they guard stay."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is METADATA_ASSERT:
+            graph.erase_node(node)
     graph.lint()
     module.recompile()
 

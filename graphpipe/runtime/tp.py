@@ -61,6 +61,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from graphpipe.errors import ConfigError
 from graphpipe.planning.mesh import TP_LAYOUTS, path_matches
+from graphpipe.runtime.stage import drop_metadata_asserts
 
 __all__ = [
     "STYLES",
@@ -91,7 +92,6 @@ STYLES: dict[str, tuple[Placement, Placement]] = {
     style: _PLACED[layout] for style, layout in TP_LAYOUTS.items()
 }
 
-_ASSERT = "aten._assert_tensor_metadata"
 _CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # the op namespaces DTensor shards by its own rules (and the graph's higher-order ops); an op
@@ -256,13 +256,12 @@ def apply_tp(
 def for_dtensor(stage: fx.GraphModule) -> None:
     """Drop export's metadata asserts; replace scaled dot-product attention by plain ops;
     run a library's own ops on whole tensors (`on_whole`)."""
+    drop_metadata_asserts(stage)
     graph = stage.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if str(node.target).startswith(_ASSERT):
-            graph.erase_node(node)
-        elif node.target in (_SDPA, _CPU_ATTENTION):
+        if node.target in (_SDPA, _CPU_ATTENTION):
             _replace_attention(graph, node)
         elif getattr(node.target, "namespace", None) not in (None, *_DTENSOR_NAMESPACES):
             with graph.inserting_before(node):
