@@ -28,7 +28,7 @@ from graphpipe.errors import ConfigError
 from graphpipe.runtime.executor import Batch, scalar
 from graphpipe.runtime.shapes import Lowered, Shapes, describe
 from graphpipe.runtime.spec import LossFn
-from graphpipe.tracing.annotate import trace_info
+from graphpipe.tracing.annotate import Source, trace_info
 from graphpipe.tracing.bind import example_output, flat_inputs
 from graphpipe.tracing.split import InputSplit
 
@@ -93,8 +93,8 @@ class Inputs:
                 (`graphpipe.runtime.shapes.Shapes.lowered`).
         """
         flat = flat_inputs(self.gm, *args, **kwargs)
-        rows = self._rows(flat)
         named = dict(zip(self.sources, flat, strict=True))
+        rows = self._rows(flat, named)
         pieces = [  # views (a rule's function may copy): each input's M micro-batches
             self.split.micro_batches(s, named, self.m, self.dp, self.dp_index) for s in self.sources
         ]
@@ -111,8 +111,11 @@ class Inputs:
             return Batch(first, chunks, [None] * self.m, shaped, shares)
         return Batch(first, chunks, _split(target, self.m, self._micro_batches), shaped, shares)
 
-    def _rows(self, flat: Sequence[torch.Tensor]) -> list[int]:
-        """Each micro-batch's rows, once every input is checked against the compiled ones.
+    def _rows(
+        self, flat: Sequence[torch.Tensor], named: Mapping[Source, torch.Tensor]
+    ) -> list[int]:
+        """Each micro-batch's rows, once every input (`flat`, and by source `named`) is
+        checked against the compiled ones.
 
         Raises:
             ConfigError: see `batch`.
@@ -132,7 +135,7 @@ class Inputs:
                     f"{list(bound)}, the largest shape the plan's memory was planned for; "
                     "compile with max_shapes (or an example) as large as the largest batch"
                 )
-        batch = self.split.batch(dict(zip(self.sources, flat, strict=True))) if flat else 0
+        batch = self.split.batch(named) if flat else 0
         if batch < self.m:
             raise ConfigError(f"the batch has {batch} rows, fewer than the {self.m} micro-batches")
         q, r = divmod(batch, self.m)  # as torch.tensor_split: the first r hold one row more

@@ -88,11 +88,6 @@ def _tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def _tensors(args: Args, kwargs: Kwargs) -> list[tuple[str, torch.Tensor]]:
-    named = [(f"#{i}", x) for i, x in enumerate(args)]
-    return named + [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-
-
 def named(args: Args, kwargs: Kwargs) -> dict[Source, torch.Tensor]:
     """Every tensor input by its source: a positional index or a keyword name."""
     out: dict[Source, torch.Tensor] = dict(enumerate(args))
@@ -100,31 +95,15 @@ def named(args: Args, kwargs: Kwargs) -> dict[Source, torch.Tensor]:
     return out
 
 
-def batch_of(args: Args, kwargs: Kwargs, split: InputSplit | None = None) -> int:
-    """The batch size: dim 0, which every tensor input must share (or, with `split`, the
-    dimension each input's rule names: `graphpipe.tracing.split`).
+def batch_of(args: Args, kwargs: Kwargs, split: InputSplit) -> int:
+    """The batch size: the dimension each input's rule names (dim 0 unless `split` says
+    otherwise: `graphpipe.tracing.split`), which every input split by a dimension shares.
 
     Raises:
-        ConfigError: a scalar tensor input, or inputs that disagree on the batch (naming
+        ConfigError: no input carries the batch, or inputs that disagree on it (naming
             them).
     """
-    if split is not None:
-        return split.batch(named(args, kwargs))
-    named_ = _tensors(args, kwargs)
-    scalars = [name for name, x in named_ if x.dim() == 0]
-    if scalars:
-        raise ConfigError(
-            f"inputs {scalars} are scalars; dim 0 of every tensor input must be the batch"
-        )
-    sizes = {name: x.shape[0] for name, x in named_}
-    batch = next(iter(sizes.values()))
-    if any(size != batch for size in sizes.values()):
-        raise ConfigError(
-            f"every tensor input must have the batch on dim 0, but their dim 0 differ: {sizes}; "
-            "an input whose dim 0 is not the batch needs a rule in input_split (a dim, "
-            "'replicate' or a function: graphpipe.tracing.split)"
-        )
-    return int(batch)
+    return split.batch(named(args, kwargs))
 
 
 def rows(

@@ -157,7 +157,7 @@ class InputSplit:
         fits = [(b, n) for b, n in counts if given in (None, b) and _dims(free, b) is not None]
         if not fits or (len(fits) > 1 and fits[0][1] == fits[1][1]):
             batch = given or counts[0][0]
-            bad = _unplaced(free, batch) if not fits else ""
+            bad = _misplaced(free, batch) if not fits else ""
             raise ConfigError(
                 "the inputs' dim 0 differ "
                 + (bad or f"and several sizes could be the batch ({[b for b, _ in fits]})")
@@ -240,29 +240,29 @@ class InputSplit:
 
 def _dims(free: Mapping[Source, torch.Tensor], batch: int) -> dict[Source, int] | None:
     """The batch dim of each input whose dim 0 is not `batch`: its one dim of that size;
-    None where some input has none, or several."""
-    dims: dict[Source, int] = {}
-    for source, x in free.items():
-        if x.shape[0] == batch:
-            continue
-        found = [d for d, n in enumerate(x.shape) if n == batch]
-        if len(found) != 1:
-            return None
-        dims[source] = found[0]
-    return dims
+    None where some input has none, or several (`_misplaced`)."""
+    found = {s: _sized(x, batch) for s, x in free.items() if x.shape[0] != batch}
+    if any(len(dims) != 1 for dims in found.values()):
+        return None
+    return {s: dims[0] for s, dims in found.items()}
 
 
-def _unplaced(free: Mapping[Source, torch.Tensor], batch: int) -> str:
-    """Which input has no single dim of the batch's size, as the refusal says it."""
+def _misplaced(free: Mapping[Source, torch.Tensor], batch: int) -> str:
+    """The first input without a single dim of the batch's size, as the refusal says it."""
     for source, x in free.items():
-        found = [d for d, n in enumerate(x.shape) if n == batch]
-        if x.shape[0] != batch and len(found) != 1:
-            what = "no" if not found else "more than one"
+        dims = _sized(x, batch)
+        if x.shape[0] != batch and len(dims) != 1:
+            what = "no" if not dims else "more than one"
             return (
                 f"(input {_label(source)} is {list(x.shape)}: its dim 0 is not the batch of "
                 f"{batch} and {what} other dimension is)"
             )
     return ""
+
+
+def _sized(x: torch.Tensor, batch: int) -> list[int]:
+    """The dims of `x` that have the batch's size."""
+    return [d for d, n in enumerate(x.shape) if n == batch]
 
 
 def _is_dim(rule: Any) -> bool:
