@@ -54,6 +54,9 @@ TOKEN: list[Spec] = [((1,), torch.uint8)]
 PROGRAMS_KEPT = 8  # resolved programs an executor keeps (training, evaluation, async calls)
 
 
+_SENDS = frozenset({ActionKind.SF, ActionKind.SB})
+
+
 def host_only(start: float) -> None:
     """An action ends with its host work (`Executor`'s `action_end` by default)."""
 
@@ -100,8 +103,9 @@ class _MicroBatch:
     arrived: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
     weight_half: backward.WeightHalf | None = None
     backward_done: bool = False
-    sent_back: int = 0
-    sent_forward: int = 0  # counted on a forward-only stage, whose outputs go when sent
+    # sends of its last action done: its B's gradients (on a stage that runs forward only,
+    # its F's outputs), after which it is forgotten
+    sent: int = 0
 
 
 class Executor:
@@ -296,12 +300,10 @@ class Executor:
                 mb = self._mb(r.action.stage, r.message.mb)
                 mb.arrived.append((r.edge, self._mailbox.pop(r.message)))
         for r in routes:
-            stage, j = r.action.stage, r.message.mb
-            if r.action.kind == ActionKind.SB:
-                self.state[(stage, j)].sent_back += 1
-                self._forget_when_done(stage, j)
-            elif r.action.kind == ActionKind.SF and not self.plan.stages[stage].backward:
-                self.state[(stage, j)].sent_forward += 1
+            kind, stage, j = r.action.kind, r.action.stage, r.message.mb
+            # the last action's sends: B's, or F's on a stage that runs forward only
+            if kind in _SENDS and (kind == ActionKind.SB) == self.plan.stages[stage].backward:
+                self.state[(stage, j)].sent += 1
                 self._forget_when_done(stage, j)
 
     def _incoming(self, r: Route) -> Incoming:
@@ -454,8 +456,7 @@ class Executor:
         owed = self._owed.get((stage, j))
         if owed is None:
             owed = self._owed[(stage, j)] = len(sends(self.plan, Action(stage, kind, j)))
-        sent = mb.sent_back if kind == ActionKind.B else mb.sent_forward
-        if mb.backward_done and sent >= owed:
+        if mb.backward_done and mb.sent >= owed:
             del self.state[(stage, j)]
 
     def _update(self, a: Action, batch: Batch) -> None:
