@@ -131,8 +131,7 @@ from graphpipe.planning.validate import validate_plan
 from graphpipe.scheduling.floor import step_floor
 from graphpipe.scheduling.rules import check
 from graphpipe.scheduling.simulate import simulate
-from graphpipe.tracing.bind import batch_of, named, normalise
-from graphpipe.tracing.split import InputSplit
+from graphpipe.tracing.bind import batch_of, normalise, split_of
 from graphpipe.tracing.tracer import flat_inputs, trace
 
 __all__ = ["Candidate", "MeshSearch", "Scored", "candidates", "choose", "grid", "plan_mesh"]
@@ -964,7 +963,7 @@ def plan_mesh(
     """
     args, kwargs = normalise(example_inputs)
     config = PlanConfig(devices=devices, micro_batches=1, **options)
-    split = InputSplit(config.input_split).resolved(named(args, kwargs))
+    split = split_of(args, kwargs, config.input_split)
     batch = batch_of(args, kwargs, split)
     search = MeshSearch(node=node, micro_batches=micro_batches, workers=workers)
     search.check(devices, batch)

@@ -87,8 +87,7 @@ from graphpipe.planning.search import search
 from graphpipe.planning.sptree import condense, decompose, linearise
 from graphpipe.planning.validate import validate_plan
 from graphpipe.scheduling.simulate import simulate
-from graphpipe.tracing.bind import batch_of, named, normalise
-from graphpipe.tracing.split import InputSplit
+from graphpipe.tracing.bind import batch_of, normalise, split_of
 from graphpipe.tracing.tracer import LeafSpec, flat_inputs, trace
 
 __all__ = [
@@ -336,7 +335,7 @@ def plan(
         options,
     )  # fmt: skip
     args, kwargs = normalise(example_inputs)
-    split = InputSplit(config.input_split).resolved(named(args, kwargs))
+    split = split_of(args, kwargs, config.input_split)
     b = micro_batch_size(batch_of(args, kwargs, split), config.micro_batches)
     gm = trace(model, example_inputs, config.leaf_modules, micro_batch_size=b, input_split=split)
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}

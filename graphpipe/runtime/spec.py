@@ -52,7 +52,7 @@ from graphpipe.runtime.nancheck import check_nan_check
 from graphpipe.runtime.precision import check_precision
 from graphpipe.runtime.refusals import refusal
 from graphpipe.runtime.weights import CLASSES
-from graphpipe.tracing.bind import batch_of, named, normalise
+from graphpipe.tracing.bind import batch_of, normalise, split_of
 from graphpipe.tracing.split import InputSplit
 
 __all__ = [
@@ -463,8 +463,7 @@ def _input_split(example_inputs: Any, rules: Mapping[Any, Any] | None) -> InputS
         ConfigError: a rule of another kind, or an input whose batch dimension cannot be
             told, naming it.
     """
-    args, kwargs = normalise(example_inputs)
-    return InputSplit(rules).resolved(named(args, kwargs))
+    return split_of(*normalise(example_inputs), rules)
 
 
 def _micro_batch_size(example_inputs: Any, m: int, dp: int, split: InputSplit) -> int:

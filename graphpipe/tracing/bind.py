@@ -38,6 +38,7 @@ __all__ = [
     "named",
     "normalise",
     "rows",
+    "split_of",
 ]
 
 Args = tuple[torch.Tensor, ...]
@@ -93,6 +94,19 @@ def named(args: Args, kwargs: Kwargs) -> dict[Source, torch.Tensor]:
     out: dict[Source, torch.Tensor] = dict(enumerate(args))
     out.update({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
     return out
+
+
+def split_of(
+    args: Args, kwargs: Kwargs, rules: InputSplit | Mapping[Any, Any] | None
+) -> InputSplit:
+    """`rules` (input_split's mapping, an InputSplit, or None: dim 0) resolved against these
+    inputs, its inferred batch dims included (`InputSplit.resolved`).
+
+    Raises:
+        ConfigError: a rule of another kind, or an input whose batch dim cannot be told.
+    """
+    split = rules if isinstance(rules, InputSplit) else InputSplit(rules)
+    return split.resolved(named(args, kwargs))
 
 
 def batch_of(args: Args, kwargs: Kwargs, split: InputSplit) -> int:

@@ -150,7 +150,7 @@ def trace(
         ['input_1', '_0', '_1', '_2', 'output']
     """
     args, kwargs = bind.normalise(example_inputs)
-    split = (input_split or InputSplit()).resolved(bind.named(args, kwargs))
+    split = bind.split_of(args, kwargs, input_split)
     batch = bind.batch_of(args, kwargs, split)
     b = batch if micro_batch_size is None else _checked_micro(batch, micro_batch_size)
     full = (args, kwargs)
