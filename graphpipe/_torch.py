@@ -305,6 +305,49 @@ def is_export_guard(node: fx.Node) -> bool:
     return node.op == "call_module" and str(node.target).startswith(EXPORT_GUARD_PREFIX)
 
 
+class ValueDecision(NamedTuple):
+    """A decision torch.export's draft mode took from the example's values."""
+
+    kind: str  # "DATA_DEPENDENT_ERROR", "GUARD_ADDED", "MISMATCHED_FAKE_KERNEL", ...
+    expr: str  # the symbolic expression decided ("Ne(16*u0, 256)"), "" where none
+    where: str  # the user frame it was taken at ("modeling_qwen2_vl.py:403"), "" if unknown
+    detail: str  # for a kernel failure, the op and the reason
+
+
+def draft_export(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.export.ExportedProgram, list[ValueDecision]]:
+    """`torch.export.draft_export`, and every decision it took from real values.
+
+    torch API: `torch.export.draft_export` (public) and its program's `_report.failures`,
+    each a `FailureReport` with `failure_type` and a `data` dict holding `expr` and
+    `user_stack` (frames with `filename`, an index into the report's `str_to_filename`,
+    `line` and `loc`, the source line). graphpipe needs the decisions to
+    accept those about static inputs (`graphpipe.tracing.static`) and refuse any other.
+
+    Raises:
+        TorchAPIError: torch has no draft_export, or its report changed.
+    """
+    draft = getattr(torch.export, "draft_export", None)
+    if draft is None:
+        raise _missing("torch.export.draft_export", "trace a model with static inputs")
+    exported = draft(model, args, kwargs)
+    need = "read the decisions torch.export took from values"
+    report = _private(exported, "_report", "ExportedProgram._report", need)
+    files = getattr(report, "str_to_filename", {})
+    decisions = []
+    for failure in _private(report, "failures", "DraftExportReport.failures", need):
+        data = _private(failure, "data", "FailureReport.data", need)
+        stack = data.get("user_stack") or []
+        frame = stack[-1] if stack else {}
+        path = str(files.get(frame.get("filename"), frame.get("filename", "?")))
+        where = f"{path}:{frame.get('line', '?')} ({frame.get('loc', '').strip()})" if frame else ""
+        detail = f"{data.get('op', '')} {data.get('reason', '')}".strip()
+        kind = str(failure.failure_type)
+        decisions.append(ValueDecision(kind, str(data.get("expr", "")), where, detail))
+    return exported, decisions
+
+
 def stateful_norm() -> type[nn.Module]:
     """The base class of torch's normalisation modules that keep running statistics.
 

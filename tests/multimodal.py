@@ -8,7 +8,10 @@ the families graph pipelining exists for.
 - vision_gpt2: cross-attention from a GPT-2 decoder to a ViT encoder
   (`VisionEncoderDecoderModel`);
 - siglip: two towers and a contrastive loss;
-- whisper: a speech encoder-decoder on log-mel features.
+- whisper: a speech encoder-decoder on log-mel features;
+- qwen2_vl: patch rows with per-image grids (`pixel_values` rows are patches,
+  `image_grid_thw` says how many per image and sizes the vision attention's blocks through
+  `.tolist()`): the grid is static (`input_split`), mrope's `position_ids` are (3, B, L).
 
 Each builds a seeded model, a step's keyword inputs and target, and a loss, as
 `real_models.Case` does, so that one process and the pipeline see the same numbers. Every
@@ -264,6 +267,68 @@ def _whisper_inputs(gen: torch.Generator) -> dict[str, Any]:
     }
 
 
+QWEN_PATCHES = 16  # patch rows per image: a 4 x 4 grid, merged 2 x 2 into 4 image tokens
+QWEN_IMAGE = 60  # the image token
+
+
+def _qwen2_vl() -> nn.Module:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = _llama_text()
+    text.pop("model_type")
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2]}
+    cfg = Qwen2VLConfig(
+        text_config={
+            **text,
+            "rope_parameters": rope,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 2,
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 16,
+            "hidden_size": 16,
+            "num_heads": 2,
+            "patch_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        image_token_id=QWEN_IMAGE,
+        video_token_id=QWEN_IMAGE - 3,
+        vision_start_token_id=QWEN_IMAGE - 2,
+        vision_end_token_id=QWEN_IMAGE - 1,
+    )
+    return Qwen2VLForConditionalGeneration(cfg)
+
+
+_QWEN_ROPE: list[Any] = []  # one model's get_rope_index, built once
+
+
+def _qwen2_vl_inputs(gen: torch.Generator) -> dict[str, Any]:
+    """One image per sample, its 4 tokens after the first; mrope positions computed as the
+    data pipeline does (Hugging Face's `get_rope_index`, outside the model)."""
+    ids = torch.randint(3, QWEN_IMAGE - 3, (B, L + 4), generator=gen)
+    ids[:, 1:5] = QWEN_IMAGE
+    grid = torch.tensor([[1, 4, 4]]).repeat(B, 1)
+    if not _QWEN_ROPE:
+        _QWEN_ROPE.append(_qwen2_vl().model.get_rope_index)
+    kinds = (ids == QWEN_IMAGE).int()
+    positions, _ = _QWEN_ROPE[0](ids, mm_token_type_ids=kinds, image_grid_thw=grid)
+    return {
+        "input_ids": ids,
+        "pixel_values": torch.randn(B * QWEN_PATCHES, 3 * 2 * 2 * 2, generator=gen),
+        "image_grid_thw": grid,
+        "position_ids": positions,
+    }
+
+
+def by_grid(x: torch.Tensor, inputs: Any, n: int) -> list[torch.Tensor]:
+    """`pixel_values` into n pieces, each the patch rows of its images (input_split)."""
+    rows = inputs["image_grid_thw"].prod(-1)  # patch rows per image
+    return list(x.split([int(r.sum()) for r in rows.tensor_split(n)]))
+
+
 _WITHOUT_CACHE = {"use_cache": False}
 CASES: dict[str, Case] = {
     "llava": Case(
@@ -289,4 +354,12 @@ CASES: dict[str, Case] = {
     ),
     "siglip": Case(_seeded(_siglip), _siglip_inputs, lambda gen: torch.arange(B) % 2, _contrastive),
     "whisper": Case(_seeded(_whisper), _whisper_inputs, _text, _lm_loss, _WITHOUT_CACHE),
+    "qwen2_vl": Case(
+        _seeded(_qwen2_vl),
+        _qwen2_vl_inputs,
+        lambda gen: _text(gen, L + 4),
+        _lm_loss,
+        _WITHOUT_CACHE,
+        split={"image_grid_thw": "static", "pixel_values": by_grid, "position_ids": 1},
+    ),
 }

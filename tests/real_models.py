@@ -33,6 +33,17 @@ class Case:
     constants: dict[str, Any] = field(default_factory=dict)  # keyword constants of the trace
     pins: dict[int, dict[str, int]] = field(default_factory=dict)  # by world size: a manual
     # plan where the hard case needs one
+    split: dict[str, Any] = field(default_factory=dict)  # input_split's rules: the batch dim
+    # of an input whose dim 0 is not the batch ("static": dim 0, a constant of the trace)
+
+    def micro(self, inputs: dict[str, Any], j: int) -> dict[str, Any]:
+        """Micro-batch j of M of `inputs`, each cut along its batch dim (or by its rule's
+        function)."""
+        rules = {k: 0 if r == "static" else r for k, r in self.split.items()}
+        cut = {k: r(inputs[k], inputs, M) for k, r in rules.items() if callable(r)}
+        return {
+            k: cut[k][j] if k in cut else v.chunk(M, rules.get(k, 0))[j] for k, v in inputs.items()
+        }
 
 
 def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -361,6 +372,8 @@ def trained(case: Case, steps: int, **options: Any) -> tuple[list[float], Any, A
     from graphpipe.compile import compile as gp_compile
 
     example, _ = step_data(case, 0)
+    if case.split:
+        options.setdefault("input_split", case.split)
     pm = gp_compile(
         case.build(),
         {**example, **case.constants},
@@ -387,7 +400,7 @@ def reference(case: Case, steps: int) -> tuple[list[float], nn.Module]:
         inputs, target = step_data(case, step)
         total = 0.0
         for j in range(M):
-            part = {k: v.chunk(M)[j] for k, v in inputs.items()}
+            part = case.micro(inputs, j)
             loss = case.loss(model(**part, **case.constants), target.chunk(M)[j])
             (loss / M).backward()
             total += loss.item()

@@ -3,7 +3,9 @@
 The families of tests/multimodal.py: LLaVA (image tokens merged into the text, its check
 that they agree with the image features kept as a device-side assert), PaliGemma (an image
 prefix under prefix-LM attention), a ViT encoder with a cross-attending GPT-2 decoder,
-SigLIP (two towers, a contrastive loss) and Whisper (a speech encoder-decoder). Each is
+SigLIP (two towers, a contrastive loss), Whisper (a speech encoder-decoder) and Qwen2-VL
+with images (patch rows per image grid; the grid static, so the vision attention's blocks,
+sized by its `.tolist()`, are literals of the trace; mrope positions (3, B, L)). Each is
 compiled as a user would (keyword inputs, the default planner, torch.export's trace checked
 against the model's forward) and trained 3 steps: at 2 ranks under 1f1b and zb, at 4 ranks
 as a pipeline of 4 under 1f1b and as pp 2 x dp 2 under zb. Losses, every parameter and
@@ -116,7 +118,7 @@ def _bf16_recipe(bf16: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
         inputs, target = step_data(case, step)
         total = 0.0
         for j in range(M):
-            part = {k: v.chunk(M)[j] for k, v in inputs.items()}
+            part = case.micro(inputs, j)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss = case.loss(model(**part, **case.constants), target.chunk(M)[j])
             (loss / M).backward()

@@ -144,6 +144,22 @@ def test_is_export_guard_finds_the_checks_export_inserts() -> None:
     assert not any(_torch.is_export_guard(n) for n in fx.symbolic_trace(nn.ReLU()).graph.nodes)
 
 
+def test_draft_export_reports_each_decision_it_took_from_values() -> None:
+    class Split(nn.Module):
+        def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+            parts = torch.split(x, sizes.tolist())
+            return torch.cat([p * 2 if p.shape[0] > 1 else p for p in parts])
+
+    x, sizes = torch.randn(5, 2), torch.tensor([2, 3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported, decisions = _torch.draft_export(Split(), (x, sizes), {})
+    torch.testing.assert_close(exported.module()(x, sizes), x * 2)
+    assert decisions and all(d.kind == "DATA_DEPENDENT_ERROR" for d in decisions)
+    assert any(">" in d.expr and "p.shape[0] > 1" in d.where for d in decisions), decisions
+    assert all("test_torch_adapter.py:" in d.where for d in decisions)
+
+
 def test_stateful_norm_covers_every_norm_with_running_statistics() -> None:
     base = _torch.stateful_norm()
     stateful = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)

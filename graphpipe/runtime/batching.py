@@ -77,6 +77,7 @@ class Inputs:
         self.names = list(trace_info(gm).input_names)
         self.sources = list(trace_info(gm).sources)
         self.split = split or InputSplit()
+        self.static: dict[str, torch.Tensor] = dict(gm.meta.get("gp_static", {}))
         self.max_shapes = dict(max_shapes or {})
         self.model_inputs = frozenset(model_inputs)
         self.has_output = has_output
@@ -93,7 +94,9 @@ class Inputs:
                 (`graphpipe.runtime.shapes.Shapes.lowered`).
         """
         flat = flat_inputs(self.gm, *args, **kwargs)
-        named = dict(zip(self.sources, flat, strict=True))
+        named: dict[Source, torch.Tensor] = {k: kwargs[k] for k in self.static}
+        named.update(zip(self.sources, flat, strict=True))
+        self._check_static(named)
         rows = self._rows(flat, named)
         pieces = [  # views (a rule's function may copy): each input's M micro-batches
             self.split.micro_batches(s, named, self.m, self.dp, self.dp_index) for s in self.sources
@@ -110,6 +113,23 @@ class Inputs:
         if not self.has_output:  # only the loss's stage needs it
             return Batch(first, chunks, [None] * self.m, shaped, shares)
         return Batch(first, chunks, _split(target, self.m, self._micro_batches), shaped, shares)
+
+    def _check_static(self, named: Mapping[Source, torch.Tensor]) -> None:
+        """Every micro-batch's static inputs hold the values the graph was traced with.
+
+        Raises:
+            ConfigError: naming the input, the micro-batch and both values.
+        """
+        for source, traced in self.static.items():
+            cut = self.split.micro_batches(source, named, self.m, self.dp, self.dp_index)
+            for j, piece in enumerate(cut):
+                if piece.shape != traced.shape or not torch.equal(piece.cpu(), traced):
+                    raise ConfigError(
+                        f"static input {source!r} of micro-batch {j} is {piece.tolist()}; the "
+                        f"graph holds the values it was traced with, {traced.tolist()}, and "
+                        "runs with those only (fixed-size images): compile again at the new "
+                        "values, or give the input another rule in input_split"
+                    )
 
     def _rows(
         self, flat: Sequence[torch.Tensor], named: Mapping[Source, torch.Tensor]

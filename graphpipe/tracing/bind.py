@@ -199,7 +199,8 @@ def concrete_args(model: nn.Module, args: Args, kwargs: Kwargs) -> dict[str, Any
 
 
 def flat_inputs(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-    """One tensor per placeholder of `gm`, from a call as the model takes it.
+    """One tensor per placeholder of `gm`, from a call as the model takes it. Static inputs
+    (`gm.meta["gp_static"]`, constants of the graph) must be given and are left out.
 
     Raises:
         ConfigError: a wrong number of positional inputs, a keyword input missing or unknown,
@@ -220,7 +221,9 @@ def flat_inputs(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> list[torch.Ten
             f"({', '.join(f'{k}={info.constants[k]}' for k in constants)}); "
             "compile again to change them"
         )
-    missing, unknown = sorted(set(names) - set(kwargs)), sorted(set(kwargs) - set(names))
+    static = set(gm.meta.get("gp_static", {}))  # given, and checked by the runtime
+    expected = set(names) | static
+    missing, unknown = sorted(expected - set(kwargs)), sorted(set(kwargs) - expected)
     if missing or unknown:
         raise ConfigError(
             f"keyword inputs differ from the compiled ones {names}: "

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from graphpipe.errors import TraceError
+
 __all__ = ["ValueCheck", "drop_value_checks"]
 
 _ops = torch.ops.aten
@@ -64,17 +66,23 @@ class ValueCheck:
         return f"ValueCheck({self.read!r} on {self.condition!r}: {self.fate})"
 
 
-def drop_value_checks(gm: fx.GraphModule) -> list[ValueCheck]:
+def drop_value_checks(gm: fx.GraphModule, drop: bool = True) -> list[ValueCheck]:
     """Replace every value-check region of `gm` by a device-side assert, or drop it.
 
     Args:
         gm: An exported or fx graph; changed in place (linted and recompiled).
+        drop: Whether a region that is not a yes-or-no on one boolean may be dropped. Not
+            where the asserts may hold a decision torch.export took from the example's
+            values (draft_export, static inputs): a region it cannot keep is refused.
 
     Returns:
         The regions found, in graph order.
 
     Warns:
         UserWarning: for each region dropped, naming its node and messages.
+
+    Raises:
+        TraceError: with `drop` False, a region that cannot be kept, naming it.
 
     Example:
         >>> class M(torch.nn.Module):
@@ -90,11 +98,17 @@ def drop_value_checks(gm: fx.GraphModule) -> list[ValueCheck]:
         region = _region(read)
         if region is None:
             continue  # the value makes a shape, or reaches the output
-        found.append(_rewrite(gm.graph, read, region))
+        found.append(_rewrite(gm.graph, read, region, drop))
     if found:
         gm.graph.lint()
         gm.recompile()
     return found
+
+
+def is_check(read: fx.Node) -> bool:
+    """Whether every use of `read` (a read-back) is scalar arithmetic ending in asserts: a
+    check on values, which makes no shape."""
+    return _region(read) is not None
 
 
 def _is_read(node: fx.Node) -> bool:
@@ -133,12 +147,19 @@ def _is_scalar(node: fx.Node) -> bool:
     return module in _SCALAR_MODULES or (module == "torch" and name.startswith("sym_"))
 
 
-def _rewrite(graph: fx.Graph, read: fx.Node, region: list[fx.Node]) -> ValueCheck:
+def _rewrite(graph: fx.Graph, read: fx.Node, region: list[fx.Node], drop: bool) -> ValueCheck:
     condition = read.args[0]  # the tensor read back (call_function and call_method alike)
     assert isinstance(condition, fx.Node)
     messages = tuple(_message(n) for n in region if _is_assert(n))
     text = "; ".join(m for m in messages if m) or f"the value check after {read.name}"
     kept = _is_bool(condition) and _asserts_true(read, region)
+    if not kept and not drop:
+        raise TraceError(
+            f"node {read.name} reads {condition.name} back to the host and asserts {text}: "
+            "traced with static inputs, this may be a decision torch.export took from the "
+            "example's values, and it is not a yes-or-no on one boolean graphpipe can keep "
+            "as a check; make the input it reads static too, or move it out of forward()"
+        )
     if kept:
         failed = f"a check of the model's forward failed on {condition.name}: {text}"
         with graph.inserting_after(condition):

@@ -20,6 +20,14 @@ says how it splits, as torch.distributed.pipelining's chunk specs do:
           rows = inputs["image_grid_thw"].prod(-1)            # patch rows per image
           return x.split([int(r.sum()) for r in rows.tensor_split(n)])
 
+- `Static(rule)` (or "static", for `Static(0)`): split by `rule`, and its values are
+  constants of the trace. For small integer inputs the model reads back to the host to make
+  shapes (Qwen2-VL's `image_grid_thw`, whose `.tolist()` sizes its vision attention's
+  blocks): the trace folds what is computed from them into literals, so no stage holds a
+  shape that depends on values. Every micro-batch must then carry the values the trace saw
+  (fixed-size images), which the runtime checks on every step, refusing another by name.
+  Keyword inputs of a torch.export trace only.
+
 The inputs split by a dimension set the batch B, and must agree on it; at least one must.
 Where no rule is given and an input's dim 0 is not the batch, the rule is inferred when
 exactly one of its dimensions has the batch's size (the batch being the dim-0 size most
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,11 +48,28 @@ import torch
 from graphpipe.errors import ConfigError
 from graphpipe.tracing.annotate import Source  # a positional index or a keyword name
 
-__all__ = ["REPLICATE", "InputSplit", "Rule", "SplitFn"]
+__all__ = ["REPLICATE", "STATIC", "InputSplit", "Rule", "SplitFn", "Static"]
 
 SplitFn = Callable[[torch.Tensor, Mapping[Source, torch.Tensor], int], Sequence[torch.Tensor]]
-Rule = int | str | SplitFn
 REPLICATE = "replicate"
+STATIC = "static"  # Static(0), as the CLI's JSON writes it
+
+
+@dataclass(frozen=True)
+class Static:
+    """An input split by `rule` whose values are constants of the trace (module docstring).
+
+    Args:
+        rule: How it splits: a dim, "replicate" or a function, as any input's rule.
+    """
+
+    rule: int | str | SplitFn = 0
+
+    def __repr__(self) -> str:
+        return f"Static({_rule_text(self.rule)})"
+
+
+Rule = int | str | SplitFn | Static
 
 
 class InputSplit:
@@ -62,19 +88,23 @@ class InputSplit:
         rules: Mapping[Source, Rule] | None = None,
         inferred: Mapping[Source, int] | None = None,
     ) -> None:
-        self.rules: dict[Source, Rule] = dict(rules or {})
+        given = {s: Static() if r == STATIC else r for s, r in (rules or {}).items()}
+        self.rules: dict[Source, Rule] = given
         self.inferred: dict[Source, int] = dict(inferred or {})  # by `resolved`
         bad = [
-            f"{name!r}: {rule!r}"
-            for name, rule in self.rules.items()
-            if not (_is_dim(rule) or rule == REPLICATE or callable(rule))
+            f"{name!r}: {rule!r}" for name, rule in self.rules.items() if not _valid(_plain(rule))
         ]
         if bad:
             raise ConfigError(
-                "input_split takes, per input, a dim (int), 'replicate' or a function "
-                "fn(x, inputs, n) returning n tensors",
+                "input_split takes, per input, a dim (int), 'replicate', a function "
+                "fn(x, inputs, n) returning n tensors, or Static(one of these) ('static')",
                 bad,
             )
+
+    @property
+    def static(self) -> frozenset[Source]:
+        """The inputs whose values are constants of the trace (`Static`)."""
+        return frozenset(s for s, r in self.rules.items() if isinstance(r, Static))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, InputSplit):
@@ -97,8 +127,8 @@ class InputSplit:
 
     def dim(self, source: Source) -> int | None:
         """The batch dim of `source`, None where it is replicated or split by a function."""
-        rule = self.rules.get(source, self.inferred.get(source, 0))
-        return rule if _is_dim(rule) else None  # type: ignore[return-value]
+        rule = _plain(self.rules.get(source, self.inferred.get(source, 0)))
+        return rule if _is_dim(rule) else None
 
     def batch(self, named: Mapping[Source, torch.Tensor]) -> int:
         """B, which every input split by a dimension carries.
@@ -170,9 +200,10 @@ class InputSplit:
         return InputSplit(self.rules, {**self.inferred, **found})
 
     def _given_batch(self, named: Mapping[Source, torch.Tensor]) -> int | None:
-        for source, rule in self.rules.items():
-            if _is_dim(rule) and source in named and named[source].dim() > rule:  # type: ignore[operator]
-                return int(named[source].shape[rule])  # type: ignore[index]
+        for source, given in self.rules.items():
+            rule = _plain(given)
+            if _is_dim(rule) and source in named and named[source].dim() > rule:
+                return int(named[source].shape[rule])
         return None
 
     def pieces(self, named: Mapping[Source, torch.Tensor], n: int) -> dict[Source, list[Any]]:
@@ -187,9 +218,9 @@ class InputSplit:
     def _cut(
         self, source: Source, x: torch.Tensor, named: Mapping[Source, torch.Tensor], n: int
     ) -> list[torch.Tensor]:
-        rule = self.rules.get(source, self.inferred.get(source, 0))
+        rule = _plain(self.rules.get(source, self.inferred.get(source, 0)))
         if _is_dim(rule):
-            return list(x.tensor_split(n, dim=rule))  # type: ignore[arg-type]
+            return list(x.tensor_split(n, dim=rule))
         if rule == REPLICATE:
             return [x] * n
         assert callable(rule)
@@ -265,6 +296,15 @@ def _sized(x: torch.Tensor, batch: int) -> list[int]:
     return [d for d, n in enumerate(x.shape) if n == batch]
 
 
+def _plain(rule: Rule) -> Any:
+    """The split rule itself, a `Static`'s unwrapped."""
+    return rule.rule if isinstance(rule, Static) else rule
+
+
+def _valid(rule: Any) -> bool:
+    return _is_dim(rule) or rule == REPLICATE or callable(rule)
+
+
 def _is_dim(rule: Any) -> bool:
     return isinstance(rule, int) and not isinstance(rule, bool) and rule >= 0
 
@@ -274,6 +314,8 @@ def _label(source: Source) -> str:
 
 
 def _rule_text(rule: Rule) -> str:
+    if isinstance(rule, Static):
+        return f"{_rule_text(rule.rule)}, static"
     if _is_dim(rule):
         return f"dim {rule}"
     if rule == REPLICATE:

@@ -92,8 +92,9 @@ from graphpipe.tracing.annotate import (
     trace_info,
 )
 from graphpipe.tracing.bind import flat_inputs, model_output
-from graphpipe.tracing.checks import drop_value_checks
+from graphpipe.tracing.checks import drop_value_checks, is_check
 from graphpipe.tracing.split import InputSplit
+from graphpipe.tracing.static import fold_static, specialised
 from graphpipe.tracing.verify import verify_trace
 
 __all__ = [
@@ -157,17 +158,22 @@ def trace(
     args, kwargs = bind.rows(args, kwargs, batch // b, split, "meta" if is_meta(model) else None)
     leaf_types, leaf_paths = _split_leaves(model, leaf_modules)
     concrete = bind.concrete_args(model, args, kwargs)
+    static = _static_inputs(split, args, kwargs, model)
     fx_error = None
-    try:
-        with _unchanged(model, "torch.fx.symbolic_trace"):
-            gm, sources = _fx_trace(model, args, kwargs, concrete, leaf_types, leaf_paths)
-        method = "fx"
-    except TraceError:
-        raise
-    except Exception as fx_exc:  # any other failure here means "try torch.export"
-        fx_error = f"{type(fx_exc).__name__}: {fx_exc}"
+    if static:
+        fx_error = f"not tried: static inputs {sorted(static)} are constants of an export trace"
+    else:
+        try:
+            with _unchanged(model, "torch.fx.symbolic_trace"):
+                gm, sources = _fx_trace(model, args, kwargs, concrete, leaf_types, leaf_paths)
+            method = "fx"
+        except TraceError:
+            raise
+        except Exception as fx_exc:  # any other failure here means "try torch.export"
+            fx_error = f"{type(fx_exc).__name__}: {fx_exc}"
+    if fx_error is not None:
         with _unchanged(model, "torch.export"):
-            gm, sources = _export_trace(model, (args, kwargs), full, fx_error, (b, batch))
+            gm, sources = _export_trace(model, (args, kwargs), full, fx_error, (b, batch), static)
         method = "export"
     _drop_dead_getitems(gm)
     flat = [args[s] if isinstance(s, int) else kwargs[s] for s in sources]
@@ -186,6 +192,7 @@ def trace(
     )
     gm.meta["gp_constants"] = {k: v for k, v in concrete.items() if k in kwargs}
     gm.meta["gp_split"] = split  # the rules, those inferred included
+    gm.meta["gp_static"] = {k: kwargs[k].detach().clone() for k in sorted(static)}
     gm.meta["gp_example"] = [x.detach() for x in flat]  # the micro-batch it ran at
     verify_trace(model, gm, (args, kwargs))
     return gm
@@ -213,6 +220,11 @@ def retrace(model: nn.Module, gm: fx.GraphModule, flat: Sequence[torch.Tensor]) 
     info = trace_info(gm)
     if info.method != "export":
         raise TraceError(f"retrace is for exported graphs; this one was traced by {info.method}")
+    if gm.meta.get("gp_static"):
+        raise TraceError(
+            f"the graph holds the values of its static inputs {sorted(gm.meta['gp_static'])} "
+            "as traced; it runs at the shapes it was traced at only"
+        )
     by_source = list(zip(info.sources, flat, strict=True))
     positional = {s: x for s, x in by_source if isinstance(s, int)}
     args = tuple(positional[i] for i in sorted(positional))
@@ -420,19 +432,56 @@ def _fx_sources(
     return sources
 
 
+def _static_inputs(
+    split: InputSplit, args: tuple[Any, ...], kwargs: dict[str, Any], model: nn.Module
+) -> frozenset[str]:
+    """The keyword inputs the trace takes as constants (`Static` rules).
+
+    Raises:
+        ConfigError: a static rule for a positional input or a non-tensor, or a model on
+            the meta device (whose trace computes no values to fold), naming it.
+    """
+    if not split.static:
+        return frozenset()
+    bad = [s for s in split.static if isinstance(s, int) or not _is_tensor(kwargs.get(s))]
+    if bad:
+        raise ConfigError(
+            f"input_split makes inputs {sorted(map(str, bad))} static, but a static input "
+            "must be a tensor given as a keyword input"
+        )
+    if is_meta(model):
+        raise ConfigError(
+            f"static inputs {sorted(split.static)} need a model with real weights: on the "
+            "meta device the trace computes no values to make constants of"
+        )
+    return frozenset(str(s) for s in split.static)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
 def _export_trace(
     model: nn.Module,
     inputs: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
     full: tuple[tuple[torch.Tensor, ...], dict[str, Any]],
     fx_error: str,
     sizes: tuple[int, int],
+    static: frozenset[str] = frozenset(),
 ) -> tuple[fx.GraphModule, list[Source]]:
     """torch.export at the micro-batch size (`inputs`; `full` is the whole example batch;
-    `sizes` their rows, for the diagnosis of a failure)."""
+    `sizes` their rows, for the diagnosis of a failure). With `static` inputs, draft_export
+    and the values computed from them folded into the graph (`tracing.static`)."""
     args, kwargs = inputs
+    decisions: list[_torch.ValueDecision] = []
     try:
         with _quiet_torch():
-            exported = torch.export.export(model, args, kwargs, strict=False)
+            if static:
+                exported, decisions = _torch.draft_export(model, args, kwargs)
+            else:
+                exported = torch.export.export(model, args, kwargs, strict=False)
+    except _torch.TorchAPIError:
+        raise
     except Exception as exc:
         raise TraceError(
             f"could not trace {type(model).__name__}. torch.fx.symbolic_trace failed "
@@ -446,22 +495,79 @@ def _export_trace(
             gm.graph.erase_node(node)
         else:
             node.meta["gp_module"] = _export_module_path(node)
-    gm.meta["gp_value_checks"] = drop_value_checks(gm)
-    sources = _drop_exported_constants(gm, args, kwargs)
+    if static:
+        _fold_static(gm, (args, kwargs), static, decisions)
+        _refuse_specialised(gm, static, decisions)
+    gm.meta["gp_value_checks"] = drop_value_checks(gm, drop=not static)
+    sources = _drop_exported_constants(gm, args, kwargs, static)
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm, sources
 
 
+def _fold_static(
+    gm: fx.GraphModule,
+    inputs: tuple[tuple[Any, ...], dict[str, Any]],
+    static: frozenset[str],
+    decisions: Sequence[_torch.ValueDecision],
+) -> None:
+    """Fold what the static inputs compute into the graph (`tracing.static.fold_static`).
+
+    Raises:
+        TraceError: draft_export met an op it could not run on fake tensors, naming it.
+    """
+    args, kwargs = inputs
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sources = _torch.flatten_by_spec(list(bind.labels(args, kwargs)), _torch.in_spec(gm))
+    values = {n: kwargs[s] for n, s in zip(placeholders, sources, strict=True) if s in static}
+    fold_static(gm, values)
+    for decision in decisions:
+        if decision.kind == "MISMATCHED_FAKE_KERNEL":  # metadata only: annotate runs values
+            warnings.warn(
+                f"torch.export's fake kernel disagrees with the real one: {decision.detail} "
+                f"(tracing with static inputs "
+                f"{sorted(static)}); graphpipe takes every shape and dtype from a run on the "
+                "example's values and checks the graph's output against the model's",
+                stacklevel=4,
+            )
+        elif not decision.expr:
+            raise TraceError(
+                f"torch.export could not trace {type(gm).__name__} with static inputs "
+                f"{sorted(static)}: {decision.kind} {decision.detail} at "
+                f"{decision.where or 'an unknown place'}"
+            )
+
+
+def _refuse_specialised(
+    gm: fx.GraphModule, static: frozenset[str], decisions: Sequence[_torch.ValueDecision]
+) -> None:
+    """Refuse a graph draft_export specialised on the values of a non-static input.
+
+    Raises:
+        TraceError: naming the decision and where it was taken (`static.specialised`).
+    """
+    found = specialised(gm, [(d.expr, d.where) for d in decisions if d.expr], is_check)
+    if found:
+        raise TraceError(
+            f"with static inputs {sorted(static)}, torch.export decided {found} from the "
+            "values of another input: the graph would be right for this example only. Make "
+            "the input it reads static too, or move the decision out of forward()"
+        )
+
+
 def _drop_exported_constants(
-    gm: fx.GraphModule, args: tuple[torch.Tensor, ...], kwargs: dict[str, Any]
+    gm: fx.GraphModule,
+    args: tuple[torch.Tensor, ...],
+    kwargs: dict[str, Any],
+    static: frozenset[str] = frozenset(),
 ) -> list[Source]:
     """Drop the placeholders of non-tensor inputs (export specialised on their values) and
-    make the module's calling convention the tensor inputs only; return the sources."""
+    of static ones (folded), so the module's calling convention is the other tensor inputs
+    only; return the sources."""
     spec = _torch.in_spec(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sources: list[Source] = _torch.flatten_by_spec(list(bind.labels(args, kwargs)), spec)
-    constants = {k for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    constants = {k for k, v in kwargs.items() if not isinstance(v, torch.Tensor)} | static
     if not constants:
         return sources
     kept: list[Source] = []
