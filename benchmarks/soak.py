@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -242,7 +243,7 @@ def killed(
     (run / "torchrun.log").write_text(out)
     if code:
         raise RuntimeError(f"the killed run failed ({code}), see {run / 'torchrun.log'}")
-    resumed = [line.split()[3] for line in out.splitlines() if "resumed from step" in line]
+    resumed = re.findall(r"graphpipe.Checkpoints: resumed from \S+ \(step (\d+)\)", out)
     return {
         "seconds": seconds,
         "kills": sorted(p.name[len("killed-") :] for p in marks.iterdir()),

@@ -15,6 +15,8 @@ import json
 import os
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -77,6 +79,23 @@ def test_checkpoints_refuse_a_negative_interval_and_keeping_none() -> None:
         Checkpoints("ckpt", every=-1)
     with pytest.raises(ConfigError, match="every=5, keep=0"):
         Checkpoints("ckpt", every=5, keep=0)
+
+
+def test_after_step_saves_every_nth_step_and_after_the_last() -> None:
+    saved: list[int] = []
+
+    class Recording(Checkpoints):
+        def save(self, pm: Any) -> Path:
+            saved.append(pm.steps_done)
+            return Path(self.root)
+
+    for done in range(1, 7):
+        Recording("ckpt", every=4, steps=6).after_step(SimpleNamespace(steps_done=done))
+    assert saved == [4, 6]  # 6 is no multiple of 4: the last step's save is the run's result
+    Recording("ckpt", every=0, steps=6).after_step(SimpleNamespace(steps_done=6))
+    assert saved == [4, 6]  # every=0: only explicit saves
+    with pytest.raises(ConfigError, match="steps=-1"):
+        Checkpoints("ckpt", every=2, steps=-1)
 
 
 def test_the_training_loop_refuses_bad_resume_settings_and_a_world_it_was_not_given(

@@ -4,11 +4,12 @@
     ckpt/step-00000050/        the step: the data position, with the data a function of it)
     ckpt/step-00000060.tmp/    a save cut short: never read, removed by the next save
 
-    saver = graphpipe.Checkpoints("ckpt", every=10, keep=3)
+    saver = graphpipe.Checkpoints("ckpt", every=10, keep=3, steps=steps)
     start = saver.resume(pm)                 # loads graphpipe.latest("ckpt"): its step, or 0
     for step in range(start, steps):
         pm.step(*batch(step), target=...)    # the data of a step depends on the step only
-        saver.after_step(pm)                 # every 10th step: a save, then the 3 newest kept
+        saver.after_step(pm)                 # every 10th step and the last: a save, then the
+                                             # 3 newest kept
 
 Under `torchrun --max-restarts=K`, a rank that dies restarts the whole group; each new
 process runs the script from the top, `resume` loads the last complete checkpoint, and the
@@ -119,37 +120,49 @@ class Checkpoints:
         root: The directory holding one `step-N` directory per checkpoint.
         every: Save after every `every`-th step (0: only when `save` is called).
         keep: How many checkpoints to keep (the newest).
+        steps: The run's number of steps, if known: `after_step` saves after the last one
+            too (with `every`), so the run's result is a checkpoint when `every` does not
+            divide it.
     """
 
     root: str | Path
     every: int = 0
     keep: int = 3
+    steps: int | None = None
 
     def __post_init__(self) -> None:
         """Raises:
-        ConfigError: a negative `every` or a `keep` below 1.
+        ConfigError: a negative `every` or `steps`, or a `keep` below 1.
         """
-        if self.every < 0 or self.keep < 1:
+        if self.every < 0 or self.keep < 1 or (self.steps is not None and self.steps < 0):
             raise ConfigError(
-                f"Checkpoints(every={self.every}, keep={self.keep}): every must be >= 0 "
-                "and keep >= 1"
+                f"Checkpoints(every={self.every}, keep={self.keep}, steps={self.steps}): "
+                "every and steps must be >= 0 and keep >= 1"
             )
 
     def resume(self, pm: PipelinedModel) -> int:
         """Load the latest complete checkpoint into `pm` (a collective): rank 0 chooses it,
         every rank loads the same one.
 
+        Rank 0 prints which: `graphpipe.Checkpoints: resumed from ckpt/step-00000006 (step
+        6)`, or that there is none under the root.
+
         Returns:
             The step to go on from: the checkpoint's, or 0 when there is none.
         """
-        chosen = [str(latest(self.root) or "") if dist.get_rank() == 0 else None]
+        first = dist.get_rank() == 0
+        chosen = [str(latest(self.root) or "") if first else None]
         guarded(
             "the broadcast of the checkpoint to resume",
             lambda: dist.broadcast_object_list(chosen, src=0),
         )
         if not chosen[0]:
+            if first:
+                print(f"graphpipe.Checkpoints: no checkpoint under {self.root}: from step 0")
             return 0
         pm.load(chosen[0])
+        if first:
+            print(f"graphpipe.Checkpoints: resumed from {chosen[0]} (step {pm.steps_done})")
         return int(pm.steps_done)
 
     def save(self, pm: PipelinedModel) -> Path:
@@ -164,7 +177,9 @@ class Checkpoints:
         return Path(path)
 
     def after_step(self, pm: PipelinedModel) -> Path | None:
-        """`save` when `pm`'s step count is a multiple of `every`; the path, or None."""
-        if self.every and pm.steps_done % self.every == 0:
+        """`save` when `pm`'s step count is a multiple of `every`, or is `steps` (the last
+        step, with `every` set); the path, or None."""
+        done = pm.steps_done
+        if self.every and (done % self.every == 0 or done == self.steps):
             return self.save(pm)
         return None

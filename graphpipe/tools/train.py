@@ -242,6 +242,7 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
         config.checkpoint_dir or out / "checkpoints",
         config.checkpoint_every,
         config.keep_checkpoints,
+        steps=config.steps,  # the last step's checkpoint: the run's result
     )
     m = config.option("micro_batches") or w.micro_batches
     asked = dict(config.compile_options)
@@ -258,15 +259,11 @@ def _rank_main(config: TrainConfig) -> TrainResult | None:
     first = dist.get_rank() == 0  # pm.rank is the plan device: dp ranks share it
     say = _printer(first)
     say(f"{config.model} ({config.preset}): {plan_summary(pm.plan)}")
-    start = saver.resume(pm) if config.resume == "auto" else 0
-    if start:
-        say(f"resumed from step {start} ({saver.root})")
+    start = saver.resume(pm) if config.resume == "auto" else 0  # it says from where
     losses, times = _train_steps(pm, w, config, saver, start, say)
     if not losses:
         say(f"the run ended at step {start}: nothing left to do")
         return TrainResult([], [], 0.0, str(out)) if first else None
-    if saver.every and pm.steps_done % saver.every:
-        saver.save(pm)  # the last step's checkpoint: the run's result
     measured = pm.timeline()
     link = measure_link() if pm.plan.num_devices > 1 else None
     if not first:
