@@ -4,6 +4,7 @@ the families graph pipelining exists for.
 - llava: image tokens merged into the text embeddings (`masked_scatter`), with HF's check
   that the image tokens and the image features agree (a value check, not a shape);
   llava_frozen: its vision tower frozen, alone on the first stage (forward only);
+  llava_labels: given its labels, its loss its own `out.loss` (no target to step());
 - paligemma: an image prefix with prefix-LM attention (`token_type_ids`);
 - vision_gpt2: cross-attention from a GPT-2 decoder to a ViT encoder
   (`VisionEncoderDecoderModel`);
@@ -99,6 +100,15 @@ def _llava_inputs(gen: torch.Generator) -> dict[str, Any]:
     ids = _text(gen, L + 4)
     ids[:, 1:5] = IMAGE  # one image of 4 patches after the first token
     return {"input_ids": ids, "pixel_values": torch.randn(B, 3, 8, 8, generator=gen)}
+
+
+def _llava_labelled(gen: torch.Generator) -> dict[str, Any]:
+    """LLaVA's inputs with `labels` (its image tokens ignored, -100), as Hugging Face trains
+    it: the model computes its own shifted loss."""
+    inputs = _llava_inputs(gen)
+    labels = inputs["input_ids"].clone()
+    labels[labels == IMAGE] = -100
+    return {**inputs, "labels": labels}
 
 
 def _siglip_vision() -> dict[str, Any]:
@@ -333,6 +343,14 @@ _WITHOUT_CACHE = {"use_cache": False}
 CASES: dict[str, Case] = {
     "llava": Case(
         _seeded(_llava), _llava_inputs, lambda gen: _text(gen, L + 4), _lm_loss, _WITHOUT_CACHE
+    ),
+    "llava_labels": Case(
+        _seeded(_llava),
+        _llava_labelled,
+        lambda gen: _text(gen, L + 4),
+        lambda out: out.loss,
+        _WITHOUT_CACHE,
+        target_free=True,
     ),
     "llava_frozen": Case(
         _seeded(_llava_frozen),

@@ -29,10 +29,12 @@ class Case:
     build: Callable[[], nn.Module]
     inputs: Callable[[torch.Generator], dict[str, Any]]
     target: Callable[[torch.Generator], torch.Tensor]
-    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    loss: Callable[..., torch.Tensor]  # (output, target), or (output) where target_free
     constants: dict[str, Any] = field(default_factory=dict)  # keyword constants of the trace
     pins: dict[int, dict[str, int]] = field(default_factory=dict)  # by world size: a manual
     # plan where the hard case needs one
+    target_free: bool = False  # the loss is the output's own (labels among the inputs):
+    # loss(out), and step() takes no target
     split: dict[str, Any] = field(default_factory=dict)  # input_split's rules: the batch dim
     # of an input whose dim 0 is not the batch ("static": dim 0, a constant of the trace)
 
@@ -386,7 +388,7 @@ def trained(case: Case, steps: int, **options: Any) -> tuple[list[float], Any, A
     losses = []
     for step in range(steps):
         inputs, target = step_data(case, step)
-        losses.append(pm.step(**inputs, target=target))
+        losses.append(pm.step(**inputs) if case.target_free else pm.step(**inputs, target=target))
     state = pm.state_dict()
     return losses, state if pm.rank == 0 else None, pm
 
@@ -401,7 +403,8 @@ def reference(case: Case, steps: int) -> tuple[list[float], nn.Module]:
         total = 0.0
         for j in range(M):
             part = case.micro(inputs, j)
-            loss = case.loss(model(**part, **case.constants), target.chunk(M)[j])
+            out = model(**part, **case.constants)
+            loss = case.loss(out) if case.target_free else case.loss(out, target.chunk(M)[j])
             (loss / M).backward()
             total += loss.item()
         opt.step()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from graphpipe.errors import ConfigError
+from graphpipe.errors import ConfigError, FailureKind, PipelineError
 from graphpipe.runtime.launch import START_METHODS, _alive, launch
 
 TESTS = Path(__file__).parent
@@ -63,6 +63,16 @@ def test_a_worker_writes_to_the_launchers_stdout_and_stderr(method: str) -> None
     # the two workers' lines may interleave ("out 1out 0"): each is looked for as text
     assert all(text in done.stdout for text in ("out 0", "out 1", "[0, 1]"))
     assert all(text in done.stderr for text in ("err 0", "err 1"))
+
+
+def _nap() -> None:
+    time.sleep(60)
+
+
+def test_a_run_past_launchs_timeout_is_stopped_naming_the_limit() -> None:
+    with pytest.raises(PipelineError, match=r"passed launch's timeout of 3 s") as err:
+        launch(_nap, 2, timeout=3)
+    assert err.value.kind is FailureKind.TIMED_OUT
 
 
 def test_an_unknown_start_method_is_named() -> None:

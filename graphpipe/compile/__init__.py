@@ -83,7 +83,7 @@ def compile(
     model: nn.Module,
     example_inputs: torch.Tensor | Sequence[torch.Tensor],
     *,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor],
     optimizer: OptimizerFactory,
     plan: Plan | str | Path | None = None,
     planning: Planning | None = None,
@@ -107,7 +107,9 @@ def compile(
             the trace). Dim 0 of every tensor is the batch. The model is traced and planned
             at its micro-batch size (batch / M). Steps may bring batches of other shapes,
             never larger in any dimension than `max_shapes`, or without it the example.
-        loss_fn: (model output, target) -> scalar, mean-reduced over the batch.
+        loss_fn: (model output, target) -> scalar, mean-reduced over the batch; or (model
+            output) -> scalar, a loss of the output alone (`lambda out: out.loss`, labels
+            among the inputs), and step() then takes no target.
         optimizer: Builds the optimizer from a list of parameters, e.g.
             `functools.partial(torch.optim.SGD, lr=0.1)`.
         plan: A Plan, or a path to its JSON, instead of planning. Every rank runs rank 0's

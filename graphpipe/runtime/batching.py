@@ -27,7 +27,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 from graphpipe.errors import ConfigError
 from graphpipe.runtime.executor import Batch, scalar
 from graphpipe.runtime.shapes import Lowered, Shapes, describe
-from graphpipe.runtime.spec import LossFn
+from graphpipe.runtime.spec import LossFn, needs_target
 from graphpipe.tracing.annotate import Source, trace_info
 from graphpipe.tracing.bind import example_output, flat_inputs
 from graphpipe.tracing.split import InputSplit
@@ -81,10 +81,19 @@ class Inputs:
         self.max_shapes = dict(max_shapes or {})
         self.model_inputs = frozenset(model_inputs)
         self.has_output = has_output
+        self.needs_target = needs_target(loss_fn)
         self._loss_checked = False
 
-    def batch(self, args: Sequence[Any], kwargs: dict[str, Any], target: Any, first: int) -> Batch:
-        """The micro-batches of one call, numbered from `first`.
+    def batch(
+        self,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        target: Any,
+        first: int,
+        outputs: bool = False,
+    ) -> Batch:
+        """The micro-batches of one call, numbered from `first`: with `outputs`, an
+        inference call that keeps the model's outputs (no loss, no target).
 
         Raises:
             ConfigError: an input of another dtype or number of dimensions than compiled, or
@@ -107,8 +116,10 @@ class Inputs:
             if name in self.model_inputs
         }
         shaped, shares = self._lowered(flat, pieces, rows)
-        if target is None:
+        if outputs:
             return Batch(first, chunks, None, shaped, shares)
+        if target is None:  # a loss of the output alone (step() checked it needs none)
+            return Batch(first, chunks, [None] * self.m, shaped, shares)
         _check_target(target, sum(rows))
         if not self.has_output:  # only the loss's stage needs it
             return Batch(first, chunks, [None] * self.m, shaped, shares)

@@ -62,7 +62,7 @@ class Inference:
         output is micro-batch 0's slices in order, then micro-batch 1's, ...: the rows as
         `step()` split them.
         """
-        batch = self.inputs.batch(args, kwargs, None, first=0)
+        batch = self.inputs.batch(args, kwargs, None, first=0, outputs=True)
         run = self._forward_only(batch)
         mine: dict[tuple[int, int], Any] = {}
         layout = self.place.layout
@@ -87,9 +87,10 @@ class Inference:
         Raises:
             ConfigError: no target, or inputs of the wrong shape (before any communication).
         """
-        if target is None:
+        if target is None and self.inputs.needs_target:
             raise ConfigError(
-                "eval_step() needs target=...: the loss is computed on the last stage"
+                "eval_step() needs target=...: the loss is computed on the last stage (a "
+                "loss_fn of the output alone, lambda out: out.loss, needs none)"
             )
         batch = self.inputs.batch(args, kwargs, target, first=0)
         self.inputs.check_loss(target, batch)

@@ -405,11 +405,17 @@ def _results_or_raise(outcomes: dict[int, _Outcome], n: int, timeout: float) -> 
     if "\n" in seen[first].text.strip():
         lines.append(f"rank {first} said:\n{seen[first].text}")
     kind = seen[first].kind
+    late = kind is FailureKind.STOPPED  # nothing failed before the launcher stopped them
     raise PipelineError(
-        f"the pipeline failed; rank {first} first",
+        f"the pipeline failed; rank {first} first"
+        + (
+            f": the run passed launch's timeout of {timeout:g} s (the whole run's limit; "
+            "graphpipe.launch(..., timeout=seconds) for a longer one)"
+            if late
+            else ""
+        ),
         lines,
-        # nothing failed before the launcher stopped them: the run passed launch's timeout
-        kind=FailureKind.TIMED_OUT if kind is FailureKind.STOPPED else kind or FailureKind.RAISED,
+        kind=FailureKind.TIMED_OUT if late else kind or FailureKind.RAISED,
         peers=[r for r in order if seen[r].kind is not None],
         origin=first,
     )

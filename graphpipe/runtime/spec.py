@@ -18,6 +18,7 @@ must not import the layer above it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,39 @@ __all__ = [
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
 DEFAULT_MICRO_BATCHES = 4
+
+
+class OutputLoss:
+    """A loss_fn of the output alone (`lambda out: out.loss`, a model given its labels as an
+    input), called as every loss_fn is, (output, target): the target, which step() then
+    does not need, is ignored."""
+
+    def __init__(self, fn: Callable[[Any], torch.Tensor]) -> None:
+        self.fn = fn
+
+    def __call__(self, out: Any, target: Any) -> torch.Tensor:
+        return self.fn(out)
+
+    def __repr__(self) -> str:
+        return f"OutputLoss({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+def needs_target(loss_fn: LossFn) -> bool:
+    """Whether step() must be given a target for `loss_fn` (not an `OutputLoss`)."""
+    return not isinstance(loss_fn, OutputLoss)
+
+
+def _of_output(loss_fn: Any) -> bool:
+    """Whether `loss_fn` takes one argument, the output: one positional parameter without
+    a default, and no *args."""
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: (output, target)
+        return False
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len([p for p in params if p.kind in positional and p.default is p.empty]) == 1
 
 
 @dataclass(frozen=True)
@@ -137,7 +171,8 @@ class RunSpec:
     Build it with `RunSpec.build`, which checks every option at once.
     """
 
-    loss_fn: LossFn  # (model output, target) -> scalar, mean-reduced over the batch
+    loss_fn: LossFn  # (model output, target) -> scalar, mean-reduced over the batch; an
+    # OutputLoss where the user's takes the output alone
     optimizer: OptimizerFactory  # builds one rank's optimizer from its parameter list
     planning: Planning
     parallelism: Parallelism
@@ -189,7 +224,7 @@ class RunSpec:
         cls,
         example_inputs: Any,
         *,
-        loss_fn: LossFn,
+        loss_fn: Callable[..., torch.Tensor],
         optimizer: OptimizerFactory,
         plan: Plan | str | Path | None = None,
         groups: Mapping[str, OptionGroup | None] | None = None,
@@ -249,7 +284,7 @@ class RunSpec:
         assert dp is not None and tp is not None and reshard is not None
         tp_plan = g.parallelism.tp_plan
         return cls(
-            loss_fn=loss_fn,
+            loss_fn=OutputLoss(loss_fn) if _of_output(loss_fn) else loss_fn,
             optimizer=optimizer,
             **got,  # type: ignore[arg-type]
             micro_batches=m,
@@ -333,7 +368,8 @@ def _check_loss_fn(loss_fn: Any) -> None:
     """Raises: ConfigError: a loss_fn that is not callable."""
     if not callable(loss_fn):
         raise ConfigError(
-            f"loss_fn={loss_fn!r} is not callable; it must map (output, target) to a scalar"
+            f"loss_fn={loss_fn!r} is not callable; it must map (output, target), or the "
+            "output alone (lambda out: out.loss), to a scalar"
         )
 
 

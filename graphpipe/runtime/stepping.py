@@ -101,8 +101,11 @@ class Stepper:
             ConfigError: a missing or malformed target or inputs, before any communication.
             PipelineError: a failure while running, or nan_check's non-finite value.
         """
-        if target is None:
-            raise ConfigError("step() needs target=...: the loss is computed on the last stage")
+        if target is None and self.inputs.needs_target:
+            raise ConfigError(
+                "step() needs target=...: the loss is computed on the last stage (a loss_fn "
+                "of the output alone, lambda out: out.loss, needs none)"
+            )
         run, m, agree = self.run, self.run.micro_batches, self.agree
         first = self.calls * m if run.asynchronous else 0
         batch = self.inputs.batch(args, kwargs, target, first=first)

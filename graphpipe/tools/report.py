@@ -161,12 +161,45 @@ def _width(plan: Plan) -> int:
 
 
 def _ops_summary(stage: Stage, modules: dict[str, str] | None, limit: int = 3) -> str:
+    """The stage's modules with their op counts, the most ops first: a numbered list's
+    members by their indices (`model.layers.4-7(57)`: which layers a stage holds)."""
     if not modules:
         return f"{len(stage.nodes)} ops"
-    groups = Counter(_top(modules.get(n, ""), n) for n in stage.nodes)
-    shown = [f"{name}({count})" if count > 1 else name for name, count in groups.most_common(limit)]
+    groups: Counter[str] = Counter()
+    members: dict[str, set[int]] = {}
+    for n in stage.nodes:
+        name, index = _group(modules.get(n, ""), n)
+        groups[name] += 1
+        if index is not None:
+            members.setdefault(name, set()).add(index)
+    shown = [
+        ".".join(filter(None, (name, _ranges(members.get(name, set())))))
+        + (f"({count})" if count > 1 else "")
+        for name, count in groups.most_common(limit)
+    ]
     more = len(groups) - len(shown)
     return " ".join(shown) + (f" +{more} more" if more > 0 else "")
+
+
+def _group(module: str, op: str) -> tuple[str, int | None]:
+    """Where an op is counted: the list above its first numbered module (`model.layers`,
+    and its index 3 for `model.layers.3.mlp`), else the module's first two levels."""
+    parts = module.split(".") if module else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i]), int(part)
+    return _top(module, op), None
+
+
+def _ranges(indices: set[int]) -> str:
+    """`0-3,6`: sorted indices with runs joined."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def _top(module: str, op: str, depth: int = 2) -> str:
