@@ -55,10 +55,12 @@ def test_plan_prints_both_plans_and_writes_every_file(
     assert plan.num_devices == 3 and plan.micro_batches == 2
     for name in ("stages", "ops"):
         assert "<svg" in files[name].read_text()
-    for kind in ("graph", "sequential"):  # one timeline and one trace per plan
-        assert "<svg" in (tmp_path / f"tl-{kind}.svg").read_text()
-        events = json.loads((tmp_path / f"tr-{kind}.json").read_text())["traceEvents"]
+    # the graph plan's timeline and trace where asked, the sequential plan's beside them
+    for tl, tr in (("tl", "tr"), ("tl-sequential", "tr-sequential")):
+        assert "<svg" in (tmp_path / f"{tl}.svg").read_text()
+        events = json.loads((tmp_path / f"{tr}.json").read_text())["traceEvents"]
         assert any(e["ph"] == "X" for e in events)
+    assert not (tmp_path / "tl-graph.svg").exists()
 
 
 def test_a_model_in_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

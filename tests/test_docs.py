@@ -14,6 +14,10 @@ The convention the documents follow (`snippets` reads it):
   train.py` in a subprocess (the fork server, the torchrun-or-launch line), and only so.
 - Any other program runs as a script of its own, `python snippet.py` in a subprocess, killed
   when it runs past its time.
+- A ```text block right after `<!-- output: previous -->` is what the program before it
+  prints: each of its lines appears in the program's output, in order. After
+  `<!-- output: graphpipe ARGS -->` it is what that command prints (stdout and stderr), run
+  from the repository root. A quoted output is therefore one the code printed.
 
 Docs examples are short (2 to 5 steps, tiny sizes): the file's time goes mostly to starting
 interpreters and tracing (2.5 min measured on 2 cores shared with four other test runs, load
@@ -25,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -40,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CONTINUES = "<!-- continues: previous -->"
 FENCE = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+OUTPUT = re.compile(r"^<!-- output: (.*?) -->\n```text\n(.*?)^```", re.M | re.S)
 GUARD = 'if __name__ == "__main__":\n'
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 TIMEOUT = 180.0  # seconds a program may take on a loaded machine (each takes a few)
@@ -52,6 +58,7 @@ class Snippet:
     doc: str  # the file, relative to the root
     line: int  # of the first block's fence
     code: str
+    output: str = ""  # what it prints, as quoted (`<!-- output: previous -->`)
 
     @property
     def name(self) -> str:
@@ -79,7 +86,39 @@ def snippets(path: Path) -> list[Snippet]:
             out.append(Snippet(prev.doc, prev.line, prev.code + found.group(1)))
         else:
             out.append(Snippet(str(path.relative_to(ROOT)), line, found.group(1)))
+    for found in OUTPUT.finditer(text):
+        if found.group(1) != "previous":
+            continue
+        at = max(i for i, s in enumerate(out) if _offset(text, s.line) < found.start())
+        out[at] = Snippet(out[at].doc, out[at].line, out[at].code, found.group(2))
     return out
+
+
+def _offset(text: str, line: int) -> int:
+    """Where line `line` (from 1) of `text` begins."""
+    return sum(len(x) + 1 for x in text.split("\n")[: line - 1])
+
+
+def quoted_commands() -> list[tuple[str, str, str]]:
+    """(where, the command's arguments, its quoted output) of every `<!-- output:
+    graphpipe ... -->` block."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in OUTPUT.finditer(text):
+            if m.group(1).startswith("graphpipe "):
+                where = f"{doc.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+                found.append((where, m.group(1).removeprefix("graphpipe "), m.group(2)))
+    return found
+
+
+def assert_printed(quoted: str, printed: str, where: str) -> None:
+    """Each line of `quoted` appears in `printed`, in order."""
+    at = 0
+    for line in filter(None, (x.rstrip() for x in quoted.splitlines())):
+        found = printed.find(line, at)
+        assert found >= 0, f"{where}: quoted {line!r}, which the code did not print:\n{printed}"
+        at = found + len(line)
 
 
 QUICKSTART = snippets(ROOT / "README.md")[0]  # run as a script only: see the last test
@@ -99,9 +138,11 @@ def _run_alone(snippet: Snippet, cwd: Path) -> None:
         timeout=TIMEOUT,
     )
     assert done.returncode == 0, f"{snippet.name} failed:\n{done.stderr[-3000:]}"
+    assert_printed(snippet.output, done.stdout, snippet.name)
 
 
 def _run_launched(snippet: Snippet, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not snippet.output, f"{snippet.name}: a launched program's output is not captured"
     module_name = "docs_snippet_" + re.sub(r"\W", "_", snippet.name)
     path = cwd / f"{module_name}.py"
     path.write_text(snippet.code)
@@ -129,6 +170,21 @@ def test_snippet_runs(snippet: Snippet, tmp_path: Path, monkeypatch: pytest.Monk
         _run_launched(snippet, tmp_path, monkeypatch)
     else:
         _run_alone(snippet, tmp_path)
+
+
+@pytest.mark.parametrize("where,args,quoted", quoted_commands(), ids=lambda x: str(x)[:40])
+def test_quoted_command_output_is_what_it_prints(where: str, args: str, quoted: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "graphpipe.tools.cli", *shlex.split(args)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, f"{where}: {args} failed:\n{done.stderr[-3000:]}"
+    assert_printed(quoted, done.stdout + done.stderr, where)
 
 
 def test_the_quickstart_runs_as_a_script(tmp_path: Path) -> None:

@@ -154,13 +154,15 @@ def _plan_outputs(plan: argparse.ArgumentParser) -> None:
         "--timeline",
         type=Path,
         metavar="FILE.svg",
-        help="draw the simulated timeline (one file per plan)",
+        help="draw the (graph) plan's simulated timeline; comparing both partitioners, the "
+        "sequential plan's goes beside it, FILE-sequential.svg",
     )
     plan.add_argument(
         "--trace",
         type=Path,
         metavar="FILE.json",
-        help="write the simulated timeline as a Chrome/Perfetto trace",
+        help="write the simulated timeline as a Chrome/Perfetto trace (the sequential "
+        "plan's beside it, FILE-sequential.json, comparing both)",
     )
 
 
@@ -365,7 +367,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(f"\n{plan_summary(plan)}\nop costs: {plan.costs}{layouts}")
         print(plan_table(plan, modules))
         print(f"\n{schedule_summary(name, run)}\n{schedule_table(plan, run)}")
-        _write_timeline(args, kind, run, several=len(plans) > 1)
+        _write_timeline(args, run, None if kind == kinds[0] else kind)
     if len(plans) == 2:
         print("\n" + compare_plans(plans["graph"], plans["sequential"]))
         ratio = runs["graph"].throughput / runs["sequential"].throughput
@@ -396,14 +398,16 @@ def best_schedule(plan: Plan, name: str | None) -> tuple[str, SimResult]:
     return best, runs[best]
 
 
-def _write_timeline(args: argparse.Namespace, kind: str, run: SimResult, several: bool) -> None:
+def _write_timeline(args: argparse.Namespace, run: SimResult, other: str | None) -> None:
+    """The simulated timeline at the paths asked for: the main plan's there, `other`'s (the
+    second plan compared) beside them, `zb-sequential.svg`."""
     outputs = [
         (args.timeline, lambda: timeline_svg(run.timeline)),
         (args.trace, lambda: json.dumps(chrome_trace(run.timeline))),
     ]
     for path, text in outputs:
         if path:
-            target = path.with_name(f"{path.stem}-{kind}{path.suffix}") if several else path
+            target = path.with_name(f"{path.stem}-{other}{path.suffix}") if other else path
             target.write_text(text())
             _log(f"wrote {target}")
 
