@@ -1,4 +1,5 @@
-"""The store host's death, named by every survivor (issue 29, item 2).
+"""The store host's death, named by every survivor (issue 29, item 2); and a stopped rank,
+named by the store host within the timeout + 2 s as elsewhere.
 
 Launched without a launcher's store (as under SLURM's srun with env://), rank 0 serves the
 TCPStore that holds the failure board, and its death takes the board along. In the 3-rank
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_failures import MATRIX_PINS
+from test_failures import MATRIX_PINS, _clock_waits
 from test_runtime import _optimizer, batch
 from zoo import ZOO, dict_loss
 
@@ -72,6 +73,41 @@ def _worker(rank: int, port: int, out: str, moment: str) -> None:
         os._exit(1)
 
 
+STALL = 3.0  # RuntimeConfig.timeout when rank 1 stops
+
+
+def _stop_worker(rank: int, port: int, out: str) -> None:
+    """As `_worker`, but rank 1 stops (SIGSTOP) as it enters the loss all-reduce of step 2;
+    the survivors, rank 0 (the store's host) among them, time out waiting for it."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    os.environ.pop(AGENT_STORE_ENV, None)
+    torch.set_num_threads(1)
+    model, inputs = ZOO["two_branch"]()
+    pm = gp_compile(
+        model,
+        inputs,
+        loss_fn=dict_loss,
+        optimizer=_optimizer(),
+        micro_batches=4,
+        pins=MATRIX_PINS[WORLD],
+        runtime=RuntimeConfig(timeout=STALL),
+    )
+    inputs, target = batch("two_branch", 0)
+    pm.step(*inputs, target=target)
+    if rank == 1:
+        stop = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)  # noqa: E731
+        pm._collectives.all_reduce = stop  # type: ignore[attr-defined]
+    waits = _clock_waits()
+    try:
+        pm.step(*inputs, target=target)
+    except PipelineError as exc:
+        fields = f"{exc.kind.value}|{exc.origin}|{exc.peers}"
+        Path(out, f"rank{rank}").write_text(f"{time.monotonic() - waits[-1]}\n{fields}\n{exc}")
+        os._exit(1)
+
+
 def _die(*args: object, **kwargs: object) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -87,24 +123,33 @@ def _arm(pm: object, moment: str) -> None:
         stage.module.forward = _boom if moment == "raises" else _die  # its next forward
 
 
-def _run(moment: str, out: Path) -> dict[int, tuple[float, str, str]]:
-    """Each survivor's seconds to its error, its fields and its text."""
+def _run(
+    moment: str, out: Path, survivors: tuple[int, ...] = (1, 2)
+) -> dict[int, tuple[float, str, str]]:
+    """Each survivor's seconds to its error, its fields and its text (`moment` "stops":
+    `_stop_worker`'s run)."""
+    worker, args = (
+        (_stop_worker, (_free_port(), str(out)))
+        if moment == "stops"
+        else (_worker, (_free_port(), str(out), moment))
+    )
     context = mp.start_processes(
-        _worker,
-        args=(_free_port(), str(out), moment),
+        worker,
+        args=args,
         nprocs=WORLD,
         join=False,
         start_method="spawn",
     )
     assert context is not None
     deadline = time.monotonic() + LIMIT
-    while any(p.is_alive() for p in context.processes) and time.monotonic() < deadline:
+    awaited = [context.processes[r] for r in survivors]  # a stopped rank never exits
+    while any(p.is_alive() for p in awaited) and time.monotonic() < deadline:
         time.sleep(0.2)
     for p in context.processes:  # none should be left; stop any that is
         if p.is_alive():
             p.kill()
         p.join(timeout=5)
-    reports = {r: (out / f"rank{r}").read_text().split("\n", 2) for r in (1, 2)}
+    reports = {r: (out / f"rank{r}").read_text().split("\n", 2) for r in survivors}
     return {r: (float(seconds), fields, text) for r, (seconds, fields, text) in reports.items()}
 
 
@@ -115,6 +160,17 @@ def test_every_survivor_names_the_dead_store_host(moment: str, tmp_path: Path) -
         assert fields == f"{FailureKind.DIED.value}|0|(0,)", (rank, fields, text)
         assert "rank 0, which served the store, is gone with it" in text, (rank, text)
         assert "rank 2 closed its connection" not in text, (rank, text)
+
+
+def test_the_store_host_names_a_stopped_rank_within_the_timeout_and_two_seconds(
+    tmp_path: Path,
+) -> None:
+    """Rank 0, serving the store, waits after its post for the others to read it, but not
+    for the rank it names as stopped, which reads nothing (it waited SETTLE s: + 5 s)."""
+    for rank, (seconds, fields, text) in _run("stops", tmp_path, survivors=(0, 2)).items():
+        assert seconds < STALL + 2, (rank, seconds, text)  # from its last wait's start
+        assert "rank 1 waits for no rank and posted no failure" in text, (rank, text)
+        assert fields.startswith(f"{FailureKind.TIMED_OUT.value}|"), (rank, fields, text)
 
 
 def test_every_survivor_quotes_the_store_hosts_own_error(tmp_path: Path) -> None:
