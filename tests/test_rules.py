@@ -15,14 +15,15 @@ from test_program import placed_plan
 from test_schedule import chain_plan, random_plan
 
 from graphpipe.compile import steps
-from graphpipe.errors import ScheduleError
+from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Plan
-from graphpipe.ir.registry import SCHEDULES
+from graphpipe.ir.registry import DEFAULT_SCHEDULE, SCHEDULES, schedule_for, schedule_names
+from graphpipe.planning.layouts import layout_schedules
 from graphpipe.runtime.spec import RunSpec
 from graphpipe.scheduling import dryrun
 from graphpipe.scheduling.dryrun import check_schedule
-from graphpipe.scheduling.generators import READS_TIMES, make_schedule
-from graphpipe.scheduling.rules import check, problems, rule
+from graphpipe.scheduling.generators import make_schedule
+from graphpipe.scheduling.rules import BOUNDS, check, problems, rule
 from graphpipe.scheduling.simulate import simulate, steady_run
 
 # the module (graphpipe.compile, the attribute, is the function compile)
@@ -159,10 +160,10 @@ def _retimed(plan: Plan, scale: Callable[[int], float]) -> Plan:
     return replace(plan, stages=stages)
 
 
-@pytest.mark.parametrize("name", sorted(set(SCHEDULES) - READS_TIMES))
+@pytest.mark.parametrize("name", schedule_names(reads_times=False))
 def test_orders_outside_reads_times_read_the_plans_shape_only(name: str) -> None:
     """What lets compile keep the schedule it made before choosing recompute, whose stages
-    have other times: every order not in READS_TIMES is the same under any times."""
+    have other times: every order whose spec does not read times is the same under any."""
     plans = [make() for make in PLANS.values()] + [random_plan(seed) for seed in (1, 3, 4)]
     plans += [placed_plan(3, 2, 6, "v"), placed_plan(3, 3, 6, "loop")]
     ran = 0
@@ -202,3 +203,31 @@ def test_compile_makes_the_schedule_once_but_where_recompute_changes_the_times_i
     made.clear()
     COMPILE._scheduled(plan, _spec(schedule=name))
     assert made == [name]
+
+
+def test_one_resolver_names_the_schedule_a_run_runs() -> None:
+    """The one named, else the weight policy's, else the plan's, else none (the planner
+    chooses); each checked against the policy."""
+    assert schedule_for("flush", None) is None
+    assert schedule_for("flush", None, "zbv") == "zbv"  # the plan's
+    assert schedule_for("flush", "zb", "zbv") == "zb"  # named beats the plan's
+    assert schedule_for("2bw", None, "zbv") == "2bw"  # the policy's beats the plan's
+    assert schedule_for("flush", "graph1f1b") == "1f1b"  # an alias, by its name
+    with pytest.raises(ConfigError, match="weights='2bw' runs with 2bw, not schedule='zb'"):
+        schedule_for("2bw", "zb")
+    with pytest.raises(ConfigError, match="runs with a flushed schedule .* not schedule='async'"):
+        schedule_for("flush", "async")
+    with pytest.raises(ConfigError, match="not schedule='async'"):
+        schedule_for("flush", None, "async")  # a plan's schedule is checked too
+
+
+def test_every_schedule_fact_is_read_from_its_registry_entry() -> None:
+    """The planner's schedules per layout, the bound on M and whether an order reads stage
+    times come from the spec, so a new schedule is an entry and a builder."""
+    for layout in ("one", "loop", "v", "graph"):
+        assert layout_schedules(layout, None) == schedule_names(layout=layout)
+    assert schedule_names(layout="one") == [DEFAULT_SCHEDULE]
+    for name, spec in SCHEDULES.items():
+        bound = BOUNDS.get(spec.min_micro_batches or "")
+        assert (bound in rule(name)) == (bound is not None), name
+    assert schedule_names(reads_times=True) == ["zb", "zbv", "graph_interleaved"]

@@ -52,16 +52,17 @@ from graphpipe.compile.steps import (
 )
 from graphpipe.compile.summary import announce
 from graphpipe.ir import Plan, Schedule
+from graphpipe.ir.registry import schedule_for, schedule_spec
 from graphpipe.planning.options import Init, Memory, Numerics, Parallelism, Planning
 from graphpipe.planning.recompute import choose_recompute
 from graphpipe.planning.schedule_memory import for_schedule
 from graphpipe.runtime.failures import install_watch, posted
 from graphpipe.runtime.pipeline import PipelinedModel
 from graphpipe.runtime.shapes import check_max_shapes, planned_at
-from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig, schedule_for
+from graphpipe.runtime.spec import OptimizerFactory, RunSpec, RuntimeConfig
 from graphpipe.runtime.tp import resolve_tp_plan
 from graphpipe.runtime.wiring import runtime_device
-from graphpipe.scheduling.generators import READS_TIMES, make_schedule
+from graphpipe.scheduling.generators import make_schedule
 from graphpipe.tracing.bind import check_output, flat_inputs, normalise
 from graphpipe.tracing.tracer import trace
 
@@ -271,16 +272,16 @@ def _scheduled(plan: Plan, spec: RunSpec) -> tuple[Plan, Schedule]:
     (a simulated peak over the memory budget is refused there).
 
     Recomputing stages run longer backwards (forward + backward). An order that reads the
-    stage times (`READS_TIMES`: zb, zbv and graph_interleaved keep what replays fastest over
-    them) is made again where recompute changed a stage; every other order reads the plan's
-    shape alone, so the one made before stands.
+    stage times (`ScheduleSpec.reads_times`: zb, zbv and graph_interleaved keep what replays
+    fastest over them) is made again where recompute changed a stage; every other order
+    reads the plan's shape alone, so the one made before stands.
     """
     name = schedule_name(plan, spec)
     sched = make_schedule(plan, name, spec.micro_batches)
     if spec.memory.recompute is not False:
         held = for_schedule(plan, sched)
         plan = choose_recompute(held, spec.memory.recompute)
-        if sched.name in READS_TIMES and plan.stages != held.stages:
+        if schedule_spec(sched.name).reads_times and plan.stages != held.stages:
             sched = make_schedule(plan, name, spec.micro_batches)
     sched = schedule_plan(plan, spec, sched)
     return for_schedule(plan, sched), sched

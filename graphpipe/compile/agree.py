@@ -2,9 +2,9 @@
 
 A plan given to `compile(plan=...)` is made or loaded by every rank itself. A plan that
 `graphpipe.plan` made on each rank holds that rank's measured stage times, which differ by
-noise, and an order that reads stage times (`READS_TIMES`: zb, zbv, graph_interleaved) can
-then differ between ranks: two ranks whose programs disagree wait for each other until the
-timeout ("every rank waits for another"). So:
+noise, and an order that reads stage times (`ScheduleSpec.reads_times`: zb, zbv,
+graph_interleaved) can then differ between ranks: two ranks whose programs disagree wait for
+each other until the timeout ("every rank waits for another"). So:
 
     agreed_plan(plan)      rank 0's plan, on every rank (one broadcast). Measured figures
                            (every float: stage times, the bottleneck, the search's seconds)

@@ -20,7 +20,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from graphpipe._torch import AGENT_STORE_ENV
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan, Schedule
-from graphpipe.ir.registry import DEFAULT_SCHEDULE
 from graphpipe.planning.automesh import plan_mesh
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.planning.partition import PlanConfig, partition, partition_mesh
@@ -132,7 +131,7 @@ def schedule_name(plan: Plan, spec: RunSpec) -> str:
         ConfigError: the plan's schedule is one the run's weight policy or compile_stages
             cannot run.
     """
-    if spec.schedule_given or spec.schedule != DEFAULT_SCHEDULE:  # named, or the policy's
+    if spec.schedule is not None:  # named, or the policy's
         return spec.schedule
     return plan_schedule(spec, plan)
 

@@ -9,8 +9,11 @@ these tables instead of keeping their own sets of names:
     '2bw'
 
 A new schedule is a `ScheduleSpec` here and a generator in `graphpipe.scheduling.generators`
-(which refuses to import when the two disagree); a new weight policy is a `PolicySpec` here
-and a `WeightPolicy` in `graphpipe.runtime.weights`.
+(which refuses to import when the two disagree): every fact about it (what it runs, which
+layout the planner picks it for, whether its order reads stage times, its bound on M) is a
+field of its spec. A new weight policy is a `PolicySpec` here and a `WeightPolicy` in
+`graphpipe.runtime.weights`. Which schedule a run runs is decided in one place,
+`schedule_for`: the one named, else the weight policy's, else the plan's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ __all__ = [
     "PolicySpec",
     "ScheduleSpec",
     "policy_spec",
+    "schedule_for",
     "schedule_names",
     "schedule_spec",
 ]
@@ -51,6 +55,14 @@ class ScheduleSpec:
         dag: Runs a stage DAG (fan-out, fan-in), not only a chain.
         replicas: Runs data-parallel (replicated) stages.
         training: Has backwards and updates (False for inference's forward-only schedule).
+        layout: The layout the planner picks it for when the run names no schedule ("one",
+            "loop", "v", "graph"; several: the planner simulates each), None: only named.
+        reads_times: Its order reads the plan's stage times and links (it keeps the
+            candidate that replays fastest, or builds greedily over them), so ranks that
+            measured other times may make other orders; every other order reads the plan's
+            shape alone.
+        min_micro_batches: Its bound on M beyond its placement's: "depth" (M >= the plan's
+            depth) or "2n" (M >= 2 x devices), None: none.
     """
 
     name: str
@@ -61,6 +73,9 @@ class ScheduleSpec:
     dag: bool = True
     replicas: bool = True
     training: bool = True
+    layout: str | None = None
+    reads_times: bool = False
+    min_micro_batches: str | None = None
 
     @property
     def folds_chain(self) -> bool:
@@ -77,8 +92,15 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     s.name: s
     for s in (
         ScheduleSpec("gpipe", "all forwards, then all backwards, one update (GPipe)"),
-        ScheduleSpec("1f1b", "one forward, one backward, a flush (graph 1F1B on a stage DAG)"),
-        ScheduleSpec("zb", "ZB-H1: 1F1B's peak memory, the backward split, W deferred", True),
+        ScheduleSpec(
+            "1f1b", "one forward, one backward, a flush (graph 1F1B on a stage DAG)", layout="one"
+        ),
+        ScheduleSpec(
+            "zb",
+            "ZB-H1: 1F1B's peak memory, the backward split, W deferred",
+            True,
+            reads_times=True,
+        ),
         ScheduleSpec("zb2", "ZB-H2: zero bubble with up to 2p-1 micro-batches in flight", True),
         ScheduleSpec(
             "async",
@@ -91,6 +113,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "1F1B without a flush, an update per mini-batch (PipeDream-2BW)",
             asynchronous=True,
             replicas=False,
+            min_micro_batches="depth",  # one update per mini-batch: 2 buffers per stage
         ),
         ScheduleSpec(
             "interleaved",
@@ -98,6 +121,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             placement="loop",
             dag=False,
             replicas=False,
+            layout="loop",
         ),
         ScheduleSpec(
             "interleaved_zb",
@@ -106,6 +130,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             placement="loop",
             dag=False,
             replicas=False,
+            layout="loop",
         ),
         ScheduleSpec(
             "zbv",
@@ -114,6 +139,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             placement="v",
             dag=False,
             replicas=False,
+            layout="v",  # listed before dualpipev: on equal steps the planner keeps zbv
+            reads_times=True,
         ),
         ScheduleSpec(
             "dualpipev",
@@ -122,12 +149,16 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             placement="v",
             dag=False,
             replicas=False,
+            layout="v",
+            min_micro_batches="2n",  # DualPipe's and torch's bound
         ),
         ScheduleSpec(
             "graph_interleaved",
             "1F1B on any placement of a stage DAG's single-device stages",
             placement="any",
             replicas=False,
+            layout="graph",
+            reads_times=True,
         ),
         ScheduleSpec(
             "forward", "every forward, no backward: inference", placement="any", training=False
@@ -135,7 +166,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     )
 }
 ALIASES = {"graph1f1b": "1f1b"}
-DEFAULT_SCHEDULE = "1f1b"  # run when none is asked for, on one stage per device
+(DEFAULT_SCHEDULE,) = [n for n, s in SCHEDULES.items() if s.layout == "one"]  # run when none
+# is asked for, on one stage per device
 
 
 def schedule_names(**where: object) -> list[str]:
@@ -246,3 +278,25 @@ class PolicyOptions:
     correction: bool = True  # backward with w - w_i * delta instead of the live weights
     warmup_updates: int = 100  # K: updates until the rate is back to the full rate
     ema: float = 0.9  # delta <- ema * delta + (1 - ema) * (w_new - w_old)
+
+
+def schedule_for(weights: str, named: str | None, made_for: str | None = None) -> str | None:
+    """The schedule a run runs, decided once for compile, the planner and the command line:
+    `named` (the run's `schedule=`), checked against the weight policy; else the policy's
+    own (2bw, async, pipemare); else `made_for` (the plan's schedule, `Plan.schedule`),
+    checked too; else None: none is named, and the planner chooses with its layout.
+
+    Raises:
+        ConfigError: an unknown policy or schedule, or a schedule the policy cannot run with.
+    """
+    policy = policy_spec(weights)
+    given = named if named is not None else policy.schedule or made_for
+    if given is None:
+        return None
+    name = schedule_spec(given).name
+    if policy.flushed == schedule_spec(name).asynchronous or (
+        not policy.flushed and name != policy.schedule
+    ):
+        need = policy.schedule or "a flushed schedule (gpipe, 1f1b, zb)"
+        raise ConfigError(f"weights={weights!r} runs with {need}, not schedule={given!r}")
+    return name

@@ -42,9 +42,10 @@ import networkx as nx
 import numpy as np
 
 from graphpipe.errors import PlanError, ScheduleError
-from graphpipe.ir import DEFAULT_SCHEDULE, Plan, schedule_spec
+from graphpipe.ir import Plan, schedule_spec
 from graphpipe.ir.cost import CostModel
 from graphpipe.ir.plan import LAYOUTS
+from graphpipe.ir.registry import schedule_names
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.fold import coarse_units
 from graphpipe.planning.interleave import interleavings
@@ -56,7 +57,6 @@ from graphpipe.scheduling.simulate import simulate
 
 __all__ = [
     "LAYOUTS",
-    "LAYOUT_SCHEDULES",
     "Considered",
     "choose",
     "even_chain",
@@ -68,13 +68,6 @@ __all__ = [
     "usable",
 ]
 
-# the schedules the planner picks from per layout when the run names none
-LAYOUT_SCHEDULES = {
-    "one": (DEFAULT_SCHEDULE,),
-    "loop": ("interleaved", "interleaved_zb"),
-    "v": ("zbv", "dualpipev"),  # dualpipev at M >= 2N; on equal steps zbv, listed first
-    "graph": ("graph_interleaved",),
-}
 _PLACEMENT = {"one": None, "loop": "loop", "v": "v", "graph": "any"}
 GRAPH_EXTRA_STAGES = 2  # the default's finer DAGs: N+1 and N+2 stages (interleave=True: 4)
 
@@ -101,7 +94,8 @@ class Considered:
 def layout_schedules(layout: str, schedule: str | None, split_backward: bool = True) -> list[str]:
     """The schedules `layout` may run under: the named `schedule` if it runs the layout (one
     stage per device runs under any schedule without a placement; a folded DAG under any
-    placement, "any"), else none; without a name, `LAYOUT_SCHEDULES`' (zero-bubble ones only
+    placement, "any"), else none; without a name, those the registry picks for it
+    (`ScheduleSpec.layout`, in the registry's order; zero-bubble ones only
     with `split_backward`).
 
     Example:
@@ -111,7 +105,7 @@ def layout_schedules(layout: str, schedule: str | None, split_backward: bool = T
         ([], ['interleaved'])
     """
     if schedule is None:
-        names = LAYOUT_SCHEDULES[layout]
+        names = schedule_names(layout=layout)
         return [n for n in names if split_backward or not schedule_spec(n).split_backward]
     placement = schedule_spec(schedule).placement
     runs = placement == _PLACEMENT[layout] or (placement == "any" and layout == "one")

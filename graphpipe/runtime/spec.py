@@ -10,7 +10,7 @@ the spec, never loose arguments:
     >>> spec = RunSpec.build(torch.randn(8, 4), loss_fn=F.mse_loss,
     ...                      optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     >>> spec.schedule, spec.micro_batches, spec.micro_batch_size, spec.numerics.precision
-    ('1f1b', 4, 2, None)
+    (None, 4, 2, None)
 
 It lives in the runtime, not in `graphpipe.compile`, because the runtime consumes it and
 must not import the layer above it.
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan
-from graphpipe.ir.registry import DEFAULT_SCHEDULE, policy_spec, schedule_spec
+from graphpipe.ir.registry import schedule_for, schedule_spec
 from graphpipe.planning.options import (
     GROUPS,
     Init,
@@ -65,7 +65,6 @@ __all__ = [
     "check_reshard",
     "mesh_refusals",
     "plan_schedule",
-    "schedule_for",
     "tp_degree",
     "tp_refusals",
 ]
@@ -183,7 +182,8 @@ class RunSpec:
     # -- resolved
     micro_batches: int  # M: the asked one, the given plan's, or 4
     micro_batch_size: int  # rows per micro-batch on each rank: the example batch / (M x dp)
-    schedule: str  # the schedule: the asked one, or the policy's (`SCHEDULES`)
+    schedule: str | None  # the asked one, or the policy's; None: none named, the plan's
+    # (the planner's choice with its layout) runs (`graphpipe.ir.registry.schedule_for`)
     plan: Plan | None = None  # a given plan (loaded from its JSON); None: plan on rank 0
     plan_options: Mapping[str, Any] = field(default_factory=dict)  # PlanConfig fields
     data_parallel: int = 1  # dp: the mesh's, or dp= (the mesh is built then)
@@ -280,7 +280,7 @@ class RunSpec:
         )
         if problems:
             raise ConfigError(joined(problems))
-        assert resolved is not None and m is not None and b is not None
+        assert m is not None and b is not None  # resolved: None where none is named
         assert dp is not None and tp is not None and reshard is not None
         tp_plan = g.parallelism.tp_plan
         return cls(
@@ -400,22 +400,6 @@ def _check_combinations(
         )
 
 
-def schedule_for(weights: str, schedule: str | None) -> str:
-    """The schedule to run: the one given, checked against the policy, or the policy's.
-
-    Raises:
-        ConfigError: an unknown policy or schedule, or a schedule the policy cannot run with.
-    """
-    policy = policy_spec(weights)
-    if schedule is None:
-        return policy.schedule or DEFAULT_SCHEDULE
-    flushed = not schedule_spec(schedule).asynchronous
-    if (policy.flushed and not flushed) or (not policy.flushed and schedule != policy.schedule):
-        need = policy.schedule or "a flushed schedule (gpipe, 1f1b, zb)"
-        raise ConfigError(f"weights={weights!r} runs with {need}, not schedule={schedule!r}")
-    return schedule
-
-
 def plan_schedule(spec: RunSpec, plan: Plan) -> str:
     """The schedule `plan` was made for (`Plan.schedule`), for a run that names none: checked
     against the run as a named one is (`RunSpec.build`): its weight policy runs it
@@ -425,7 +409,7 @@ def plan_schedule(spec: RunSpec, plan: Plan) -> str:
         ConfigError: naming the plan's schedule and every problem with it.
     """
     problems: list[str] = []
-    _check(problems, schedule_for, spec.numerics.weights, plan.schedule)
+    _check(problems, schedule_for, spec.numerics.weights, None, plan.schedule)
     _check(problems, _check_combinations, False, None, spec.runtime.compile_stages, plan.schedule)
     if problems:
         raise ConfigError(
@@ -448,7 +432,7 @@ def _plan_option_problems(g: _Groups) -> list[str]:
     return PlanConfig.problems_of(g.parallelism.devices or 1, **options)
 
 
-def planner_options(g: _Groups, schedule: str, meshed: bool) -> dict[str, Any]:
+def planner_options(g: _Groups, schedule: str | None, meshed: bool) -> dict[str, Any]:
     """The PlanConfig fields rank 0 plans with (`plan_options`), with what a run adds: the
     schedule named (or the weight policy's) limits the layouts; no zero-bubble schedule with
     compile_stages; a placed schedule (interleaved, zbv) folds a chain of 2 stages per
@@ -459,11 +443,11 @@ def planner_options(g: _Groups, schedule: str, meshed: bool) -> dict[str, Any]:
     for name in ("micro_batches", "dp", "tp", "tp_plan", "dp_shard", "reshard_after_forward"):
         out.pop(name, None)
     out.pop("devices", None)
-    if g.planning.schedule is None and schedule != DEFAULT_SCHEDULE:
+    if g.planning.schedule is None and schedule is not None:
         out["schedule"] = schedule  # the weight policy's
     if g.runtime.compile_stages:
         out["split_backward"] = False
-    placement = schedule_spec(schedule).placement
+    placement = None if schedule is None else schedule_spec(schedule).placement
     if placement in ("loop", "v") and g.planning.virtual_stages == 1:
         out["virtual_stages"] = 2  # a chain of 2 stages per device, folded as it names
         out["placement"] = placement

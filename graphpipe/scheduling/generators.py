@@ -133,14 +133,10 @@ from graphpipe.scheduling.orders import (
 )
 from graphpipe.scheduling.rules import check
 
-__all__ = ["READS_TIMES", "drain_schedule", "in_flight", "make_schedule", "warmups"]
+__all__ = ["drain_schedule", "in_flight", "make_schedule", "warmups"]
 
 F, B, I, W, U = (ActionKind(k) for k in "FBIWU")  # noqa: E741 -- the kinds' own letters
 Builder = Callable[[Plan, int, int], list[list[Action]]]  # (plan, call, M) -> rank lists
-# the schedules whose order reads the plan's stage times and links (each keeps the candidate
-# that replays fastest, or runs a greedy construction over them); every other order reads
-# the plan's shape alone (its stages, edges, devices and M), so new times keep it
-READS_TIMES = frozenset({"zb", "zbv", "graph_interleaved"})
 
 
 def warmups(plan: Plan) -> dict[int, int]:
@@ -232,12 +228,11 @@ def _builders() -> dict[str, Builder]:
         "dualpipev": _placed(dualpipev),
         "graph_interleaved": _placed(lambda p, mbs: graph_interleaved(p, mbs, warmups(p))),
     }
-    if set(builders) != set(SCHEDULES) or READS_TIMES - set(SCHEDULES):
+    if set(builders) != set(SCHEDULES):
         raise ConfigError(
             "the generators and graphpipe.ir.registry.SCHEDULES disagree: builders without a "
             f"spec {sorted(set(builders) - set(SCHEDULES))}, specs without a builder "
-            f"{sorted(set(SCHEDULES) - set(builders))}, READS_TIMES without a spec "
-            f"{sorted(READS_TIMES - set(SCHEDULES))}"
+            f"{sorted(set(SCHEDULES) - set(builders))}"
         )
     return builders
 

@@ -3,14 +3,14 @@
 A schedule's rule is made of plain checks, each `(plan, spec, M) -> problems` naming the
 values: those of its placement (`ScheduleSpec.placement` in
 `graphpipe.ir.registry.SCHEDULES`), no replicated stage where its spec allows none, and
-its own extra checks (`EXTRA`, keyed by schedule name):
+the check of its bound on M (`ScheduleSpec.min_micro_batches`, `BOUNDS`):
 
     placement None    one stage per device (a stage may be replicated)
               "loop"  a chain (`chain_in_order`), stage s on device s mod N, as many stages
                       on every device, M a multiple of N (Megatron's rounds of N)
               "v"     a chain of 2N stages, device d holding stages d and 2N-1-d
               "any"   any placement of single-device stages
-    extra     2bw: M >= depth; dualpipev: M >= 2N
+    bound     2bw: M >= depth; dualpipev: M >= 2N
 
 `make_schedule` and `drain_schedule` check it before building anything, so `simulate`, the
 dry run (`check_run`), the planner's layout choice (which simulates each candidate) and
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import SCHEDULES, Plan, ScheduleSpec, chain_in_order, device_of, schedule_spec
 
-__all__ = ["EXTRA", "PLACEMENT_RULES", "Rule", "check", "problems", "rule"]
+__all__ = ["BOUNDS", "PLACEMENT_RULES", "Rule", "check", "problems", "rule"]
 
 Rule = Callable[[Plan, ScheduleSpec, int], list[str]]  # (plan, spec, M) -> problems
 
@@ -111,11 +111,8 @@ PLACEMENT_RULES: dict[str | None, tuple[Rule, ...]] = {
     "v": (_chain_placed, _v_counts),
     "any": (),
 }
-# checks of one schedule beyond its placement's and its replicas'
-EXTRA: dict[str, tuple[Rule, ...]] = {
-    "2bw": (_m_at_least_depth,),  # one update per mini-batch: every stage's 2 weight buffers
-    "dualpipev": (_m_at_least_two_n,),  # DualPipe's and torch's bound
-}
+# the check of each bound on M a schedule's spec names (`ScheduleSpec.min_micro_batches`)
+BOUNDS: dict[str, Rule] = {"depth": _m_at_least_depth, "2n": _m_at_least_two_n}
 
 
 def rule(name: str) -> tuple[Rule, ...]:
@@ -126,7 +123,8 @@ def rule(name: str) -> tuple[Rule, ...]:
     """
     spec = schedule_spec(name, training=False)
     replicas = () if spec.replicas else (_unreplicated,)
-    return PLACEMENT_RULES[spec.placement] + replicas + EXTRA.get(spec.name, ())
+    bound = (BOUNDS[spec.min_micro_batches],) if spec.min_micro_batches else ()
+    return PLACEMENT_RULES[spec.placement] + replicas + bound
 
 
 def problems(plan: Plan, name: str, m: int | None = None) -> list[str]:
@@ -163,12 +161,13 @@ def check(plan: Plan, name: str, m: int | None = None) -> ScheduleSpec:
 
 
 def _check_tables() -> None:
-    """Refuse an EXTRA entry for no schedule, or a placement without rules."""
-    stray = sorted(set(EXTRA) - set(SCHEDULES))
+    """Refuse a bound on M or a placement of a spec without its rule."""
+    named = {s.min_micro_batches for s in SCHEDULES.values() if s.min_micro_batches}
+    stray = sorted(named - set(BOUNDS))
     unruled = sorted({s.placement for s in SCHEDULES.values()} - set(PLACEMENT_RULES), key=str)
     if stray or unruled:
         raise ConfigError(
-            f"scheduling.rules: checks for unknown schedules {stray}, placements without "
+            f"scheduling.rules: bounds on M without a check {stray}, placements without "
             f"rules {unruled}"
         )
 

@@ -386,10 +386,10 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 def best_schedule(plan: Plan, name: str | None) -> tuple[str, SimResult]:
     """Simulate `name` on `plan`; "best" tries every flushed schedule and keeps the fastest;
-    None: the schedule the planner chose with the plan's layout (`planning.layouts`), else
-    1f1b. A plan whose devices hold several stages runs graph_interleaved unless `name` (or
-    the planner's choice) is one of the placed schedules."""
-    name = name or plan.info.get("layouts", {}).get("schedule") or DEFAULT_SCHEDULE
+    None: the plan's (`Plan.schedule`: the planner's choice with its layout). A plan whose
+    devices hold several stages runs graph_interleaved unless `name` (or the planner's
+    choice) is one of the placed schedules."""
+    name = name or plan.schedule  # the planner's choice with its layout
     names = FLUSHED if name == "best" else [name]
     if plan.shared_devices() and (name == "best" or not schedule_spec(name).folds_chain):
         names = [ANY_PLACEMENT]
