@@ -9,9 +9,12 @@ function has a test in `tests/test_torch_adapter.py` that asserts, against the i
 torch, the behaviour graphpipe relies on, so an upgrade that changes one fails there first.
 
 Not here, on purpose: `torch.utils._pytree`'s `tree_flatten`, `tree_unflatten`, `tree_map`,
-`tree_structure` and `TreeSpec`. The module is underscored, but torch documents it as the
-pytree API (torch.export's docs register types with `torch.utils._pytree`) and has no public
-twin in torch 2.13, so the tracer, the planner and the renderer import it directly.
+`tree_map_only`, `tree_leaves`, `tree_structure`, `tree_flatten_with_path`, `keystr` and
+`TreeSpec` (`graphpipe.tools.deps.PYTREE`). The module is underscored, but torch documents
+it as the pytree API (torch.export's docs register types with `torch.utils._pytree`) and has
+no public twin in torch 2.13, so the tracer, the planner, the runtime and the renderer import
+these names directly; any other name of it, or any other private torch name, outside this
+module fails `python -m graphpipe.tools.deps`.
 """
 
 from __future__ import annotations
@@ -452,6 +455,24 @@ class ProfilerEvent(NamedTuple):
     end_ns: int
     correlation_id: int  # CUPTI's id linking a launch to its device work
     linked_correlation_id: int  # for device work, the torch op it belongs to
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler records now (on this thread).
+
+    torch API: `torch._C._autograd._profiler_enabled()`, what `torch.autograd.profiler`
+    itself asks. graphpipe needs it to label each action with a `record_function` range only
+    while someone records: a range is two dispatched ops per action, host time on the
+    critical path otherwise.
+
+    Raises:
+        TorchAPIError: torch no longer has it.
+    """
+    autograd = _private(torch._C, "_autograd", "torch._C._autograd", "ask if a profiler records")
+    enabled = _private(
+        autograd, "_profiler_enabled", "torch._C._autograd._profiler_enabled", "ask it"
+    )
+    return bool(enabled())
 
 
 def kineto_events(prof: torch.profiler.profile) -> list[ProfilerEvent] | None:

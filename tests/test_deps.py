@@ -1,4 +1,5 @@
-"""The import layers (graphpipe.tools.deps): no upward import, no cycle, and the check bites."""
+"""The import layers (graphpipe.tools.deps): no upward import, no cycle, no private torch name
+outside the adapter, and the check bites."""
 
 from __future__ import annotations
 
@@ -55,6 +56,27 @@ def test_a_cycle_within_one_layer_and_a_relative_import(tmp_path):
     problems = check(pkg)
     assert [p.kind for p in problems] == ["cycle"]
     assert set(problems[0].modules) == {"graphpipe.runtime.a", "graphpipe.runtime.b"}
+
+
+def test_a_private_torch_name_outside_the_adapter_is_named(tmp_path):
+    pkg = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "_torch.py": "import torch\nfrom torch._C import _autograd\n",  # the adapter may
+            "runtime/__init__.py": "",
+            "runtime/a.py": "import torch\n\ndef f():\n    return torch._C._autograd._x()\n",
+            "runtime/b.py": "from torch.utils._pytree import tree_map, _private_helper\n",
+            "runtime/c.py": "import torch\nop = torch.ops.aten._assert_async.msg\n"
+            "from torch.utils._pytree import tree_map_only\nv = torch.__version__\n",
+        },
+    )
+    problems = check(pkg)
+    assert [(p.kind, p.modules) for p in problems] == [
+        ("private", ("graphpipe.runtime.a", "torch._C._autograd._x")),
+        ("private", ("graphpipe.runtime.b", "torch.utils._pytree._private_helper")),
+    ]
+    assert "line 4" in str(problems[0]) and "graphpipe/_torch.py" in str(problems[0])
 
 
 def test_layers_by_longest_prefix():

@@ -144,6 +144,13 @@ def test_is_export_guard_finds_the_checks_export_inserts() -> None:
     assert not any(_torch.is_export_guard(n) for n in fx.symbolic_trace(nn.ReLU()).graph.nodes)
 
 
+def test_profiler_enabled_is_true_only_while_a_profiler_records() -> None:
+    assert not _torch.profiler_enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert _torch.profiler_enabled()
+    assert not _torch.profiler_enabled()
+
+
 def test_draft_export_reports_each_decision_it_took_from_values() -> None:
     class Split(nn.Module):
         def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
+import graphpipe._torch as _torch
 from graphpipe.errors import ConfigError, PipelineError
 from graphpipe.ir import Action, ActionKind, Message, Plan, Span, sends
 from graphpipe.ir.program import Comm, Op
@@ -483,7 +484,7 @@ def _labelled(label: str) -> contextlib.AbstractContextManager[Any]:
     """An action's `graphpipe::` profiler range while a torch profiler records, else
     nothing: a range is two dispatched ops per action, host time on the critical path when
     no one reads it (issue 37: a millisecond of a 2-rank CPU step of 8 micro-batches)."""
-    if torch._C._autograd._profiler_enabled():
+    if _torch.profiler_enabled():
         return torch.profiler.record_function(label)
     return _UNLABELLED
 

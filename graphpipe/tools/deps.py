@@ -17,6 +17,13 @@ The layers, lowest first (a module may import from its own layer and any lower o
 Every import counts, at module level or inside a function, `TYPE_CHECKING` ones too: a
 lazy import is still an arrow between phases. Two modules that import each other, directly
 or through others, are a cycle, reported even within one layer.
+
+Private torch. Outside `graphpipe/_torch.py` no module imports a private torch module or
+name (a component with a leading underscore: `torch._C`, `torch.distributed._tools`) or
+reads one (`torch._C._autograd._profiler_enabled()`): each use is a function of the
+adapter, with its test. Exempt: operators (`torch.ops.aten._assert_async`, names in a
+schema registry, not Python API), dunders (`torch.__version__`), and the pytree names
+`_torch` lists as torch's documented pytree API (`PYTREE`).
 """
 
 from __future__ import annotations
@@ -29,7 +36,23 @@ from pathlib import Path
 
 import networkx as nx
 
-__all__ = ["LAYERS", "Violation", "check", "import_graph", "layer_of"]
+__all__ = ["LAYERS", "PYTREE", "Violation", "check", "import_graph", "layer_of", "private_torch"]
+
+# torch.utils._pytree's names used as torch's pytree API (graphpipe/_torch.py says why)
+PYTREE = frozenset(
+    {
+        "TreeSpec",
+        "keystr",
+        "tree_flatten",
+        "tree_flatten_with_path",
+        "tree_leaves",
+        "tree_map",
+        "tree_map_only",
+        "tree_structure",
+        "tree_unflatten",
+    }
+)
+ADAPTER = "graphpipe._torch"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("graphpipe.errors", "graphpipe._units", "graphpipe._torch")),
@@ -48,7 +71,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 class Violation:
     """One broken rule: an import up the layers, or a cycle of modules."""
 
-    kind: str  # "upward" or "cycle"
+    kind: str  # "upward", "cycle" or "private"
     modules: tuple[str, ...]  # importer, imported (upward); the modules of the cycle
     detail: str
 
@@ -116,11 +139,73 @@ def import_graph(root: Path) -> nx.DiGraph:
     return g
 
 
+def _private(dotted: str) -> bool:
+    """Whether a torch name (`torch.a._b.c`) has a private component, operators and dunders
+    aside."""
+    parts = dotted.split(".")
+    if parts[0] != "torch" or parts[1:2] == ["ops"]:
+        return False
+    return any(p.startswith("_") and not p.startswith("__") for p in parts[1:])
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """`torch.a.b` for an attribute chain on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _torch_uses(tree: ast.AST) -> Iterator[tuple[str, int]]:
+    """(torch name, line) of every private torch import or attribute read in `tree`."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module == "torch.utils._pytree":
+                names = [f"{node.module}.{a.name}" for a in node.names if a.name not in PYTREE]
+            else:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute):
+            dotted = _dotted(node)
+            names = [dotted] if dotted else []
+        else:
+            continue
+        for name in names:
+            if _private(name):
+                yield name, node.lineno
+
+
+def private_torch(root: Path) -> list[Violation]:
+    """Every use of a private torch name outside the adapter, in the package at `root`."""
+    found: dict[tuple[str, str], int] = {}
+    for module, path in _modules(root).items():
+        if module == ADAPTER:
+            continue
+        uses = list(_torch_uses(ast.parse(path.read_text(), str(path))))
+        for name, line in uses:  # a chain's longest name only (torch._C._a, not torch._C)
+            if not any(n.startswith(name + ".") and at == line for n, at in uses):
+                found.setdefault((module, name), line)
+    return [
+        Violation(
+            "private",
+            (module, name),
+            f"{module} (line {line}) uses {name}, a private torch name: make it a function "
+            "of graphpipe/_torch.py, with its test",
+        )
+        for (module, name), line in sorted(found.items())
+    ]
+
+
 def check(root: Path | None = None) -> list[Violation]:
-    """Every upward import and every import cycle in the package at `root` (graphpipe's own
-    by default)."""
-    g = import_graph(root or Path(__file__).resolve().parents[1])
-    problems = []
+    """Every upward import, every import cycle and every private torch name outside the
+    adapter in the package at `root` (graphpipe's own by default)."""
+    package = root or Path(__file__).resolve().parents[1]
+    g = import_graph(package)
+    problems = private_torch(package)
     for a, b, line in sorted(g.edges(data="line")):
         if layer_of(b) > layer_of(a):
             problems.append(
@@ -146,7 +231,8 @@ def main() -> int:
         print(f"  {name:<11} {', '.join(prefixes)}")
     for p in problems:
         print(p)
-    print(f"{len(problems)} violation(s)" if problems else "no upward import, no cycle")
+    clean = "no upward import, no cycle, no private torch name outside _torch"
+    print(f"{len(problems)} violation(s)" if problems else clean)
     return 1 if problems else 0
 
 
