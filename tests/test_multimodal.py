@@ -8,9 +8,10 @@ with images (patch rows per image grid; the grid static, so the vision attention
 sized by its `.tolist()`, are literals of the trace; mrope positions (3, B, L)). Each is
 compiled as a user would (keyword inputs, the default planner, torch.export's trace checked
 against the model's forward) and trained 3 steps: at 2 ranks under 1f1b and zb, at 4 ranks
-as pp 2 x dp 2 under zb (SigLIP, LLaVA and Qwen2-VL also as a pipeline of 4 under 1f1b). Losses, every parameter and
-every buffer equal single-process gradient accumulation over the same micro-batches (rtol
-1e-5), and the pipeline's state dict loads into the plain model with strict=True.
+as pp 2 x dp 2 under zb (SigLIP, LLaVA and Qwen2-VL also as a pipeline of 4 under 1f1b).
+Losses, every parameter and every buffer equal single-process gradient accumulation over
+the same micro-batches (rtol 1e-5), and the pipeline's state dict loads into the plain
+model with strict=True.
 
 LLaVA given its labels, its loss its own `out.loss` (`loss_fn=lambda out: out.loss`), steps
 without a target.
