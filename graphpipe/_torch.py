@@ -325,7 +325,9 @@ def draft_export(
     torch API: `torch.export.draft_export` (public) and its program's `_report.failures`,
     each a `FailureReport` with `failure_type` and a `data` dict holding `expr` and
     `user_stack` (frames with `filename`, an index into the report's `str_to_filename`,
-    `line` and `loc`, the source line). graphpipe needs the decisions to
+    `line` and `loc`, the source line). A file named before in the process is in no report:
+    its index is read back from `torch._logging.structured.INTERN_TABLE` (file -> index),
+    the table torch's structured logs intern names in. graphpipe needs the decisions to
     accept those about static inputs (`graphpipe.tracing.static`) and refuse any other.
 
     Raises:
@@ -337,7 +339,8 @@ def draft_export(
     exported = draft(model, args, kwargs)
     need = "read the decisions torch.export took from values"
     report = _private(exported, "_report", "ExportedProgram._report", need)
-    files = getattr(report, "str_to_filename", {})
+    files = dict(getattr(report, "str_to_filename", {}))
+    files.update({i: name for name, i in _interned().items() if i not in files})
     decisions = []
     for failure in _private(report, "failures", "DraftExportReport.failures", need):
         data = _private(failure, "data", "FailureReport.data", need)
@@ -349,6 +352,15 @@ def draft_export(
         kind = str(failure.failure_type)
         decisions.append(ValueDecision(kind, str(data.get("expr", "")), where, detail))
     return exported, decisions
+
+
+def _interned() -> dict[str, int]:
+    """torch's interned names (`torch._logging.structured.INTERN_TABLE`), {} without it."""
+    try:
+        from torch._logging import structured
+    except ImportError:
+        return {}
+    return dict(getattr(structured, "INTERN_TABLE", {}))
 
 
 def stateful_norm() -> type[nn.Module]:

@@ -37,7 +37,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence, Set
+from collections.abc import Callable, Iterator, Sequence, Set
 from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
@@ -184,17 +184,21 @@ class FailureBoard:
             self._seen = found
         return dict(self._seen)
 
-    def linger(self, stalled: Collection[int] = ()) -> None:
+    def linger(self) -> None:
         """On the rank that serves the store, after its own post: wait until every other
-        rank posted (read the board) or SETTLE s passed, so that the board outlives the
-        post it must carry. `stalled`: ranks this one's own timeout named as waiting for
-        nobody (stopped, or busy past the timeout): not waited for, since they read no
-        board now; one that comes back after the store is gone names this rank as dead."""
+        rank that is in a wait has posted (read the board), or SETTLE s passed, so that the
+        board outlives the post it must carry. A rank in no wait for 2 x WAITING_AFTER
+        (stopped, dead, or busy past the timeout) reads no board now and is not waited for:
+        one that comes back after the store is gone names this rank as dead."""
         if self.host != self.rank:
             return
-        end = time.monotonic() + SETTLE
-        wanted = set(range(self.world)) - set(stalled)
-        while time.monotonic() < end and not self.lost and wanted - set(self.posts()):
+        start = time.monotonic()
+        while time.monotonic() < start + SETTLE and not self.lost:
+            posted = set(self.posts())
+            others = [r for r in range(self.world) if r != self.rank and r not in posted]
+            settled = time.monotonic() > start + 2 * WAITING_AFTER
+            if not [r for r in others if not settled or self.waiting(r) is not None]:
+                return
             time.sleep(POLL)
 
     def first(self) -> Post | None:
@@ -535,7 +539,7 @@ class Watch:
             **fields: The error's other fields (`peers`, `stage`, ...); `rank` is this one.
         """
         self.board.post(text, kind)
-        self.board.linger(fields.get("peers", ()) if kind is FailureKind.TIMED_OUT else ())
+        self.board.linger()
         return PipelineError(text, kind=kind, rank=self.rank, **fields)
 
     def post_error(self, where: str, exc: BaseException) -> None:
