@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 import torch
-from multimodal import CASES, paligemma_inputs
+from multimodal import CASES, FROZEN_PINS, paligemma_inputs
 from real_models import M, optimizer, reference, rounded_to, step_data, trained
 
 from graphpipe.errors import TraceError
@@ -51,9 +51,15 @@ OFF_DP = "siglip"  # its contrastive loss pairs the rows of a micro-batch: no dp
 TWO = (
     *((n, "1f1b", "pp") for n in CASES),
     (OFF_DP, "zb", "pp"),
-    ("llava_frozen", "1f1b", "bf16"),
+    *((n, "1f1b", "bf16") for n in ("llava_frozen", "qwen2_vl")),
 )
 BF16_RTOL, BF16_ATOL = 1e-2, 1e-3  # the composition matrix's bf16 tolerances
+# bf16 runs on a pinned cut, so that one process's recipe rounds what crosses it: the
+# vision encoder alone on stage 0, its output the one value sent (module, pins)
+BF16 = {
+    "llava_frozen": ("model.vision_tower", FROZEN_PINS),
+    "qwen2_vl": ("model.visual", {"model.visual": 0, "model.language_model": 1, "lm_head": 1}),
+}
 FOUR = (
     (OFF_DP, "1f1b", "pp"),
     ("qwen2_vl", "1f1b", "pp"),
@@ -68,6 +74,7 @@ def _run(name: str, schedule: str, dims: str) -> dict[str, Any]:
         options["dp"] = 2
     if dims == "bf16":
         options["precision"] = "bf16"
+        options["pins"] = BF16[name][1]
     losses, state, pm = trained(case, STEPS, schedule=schedule, replication=False, **options)
     return {
         "losses": losses,
@@ -118,15 +125,15 @@ def test_multimodal_models_train_pipelined_as_one_process(
         assert result["stages"] >= pp, where
 
 
-def _bf16_recipe(bf16: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _bf16_recipe(name: str, bf16: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process by the documented bf16 recipe (forward and loss under
     `torch.autocast(bfloat16)` over the float32 weights, gradients accumulated in float32;
     the vision tower's output, which crosses the cut, rounded to bf16 as the message is),
     or in float32."""
-    case = CASES["llava_frozen"]
+    case = CASES[name]
     model = case.build()
     if bf16:
-        model.model.vision_tower.register_forward_hook(rounded_to(torch.bfloat16))
+        model.get_submodule(BF16[name][0]).register_forward_hook(rounded_to(torch.bfloat16))
     opt = optimizer(model.parameters())
     losses = []
     for step in range(STEPS):
@@ -145,17 +152,19 @@ def _bf16_recipe(bf16: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("runs", [2], ids=["2_ranks"], indirect=True)  # its launch
-def test_bf16_on_a_frozen_llava_is_the_autocast_recipe(
-    runs: list[dict[tuple[str, str, str], Any]],
+@pytest.mark.parametrize("name", sorted(BF16))
+def test_bf16_is_the_autocast_recipe_of_one_process(
+    runs: list[dict[tuple[str, str, str], Any]], name: str
 ) -> None:
-    """bf16 on float32 masters: the exported LLaVA, its frozen tower forward only on stage 0,
-    equals one process's autocast run within bf16's tolerance, and its losses stay within
-    2% of float32's without equalling them. (The exported graph checked each `.to()`'s input
-    for the traced float32, which under autocast the projector's output is not: those
-    checks are dropped, `runtime.stage.drop_metadata_asserts`.)"""
-    result = runs[0][("llava_frozen", "1f1b", "bf16")]
-    want_losses, want_state = _bf16_recipe(bf16=True)
-    fp32_losses, _ = _bf16_recipe(bf16=False)
+    """bf16 on float32 masters: the exported LLaVA (its frozen tower forward only on stage
+    0) and Qwen2-VL (its static grid folded into the vision tower) equal one process's
+    autocast run within bf16's tolerance, and their losses stay within 2% of float32's
+    without equalling them. (An exported graph checked each `.to()`'s input for the traced
+    float32, which under autocast a projector's output is not: those checks are dropped,
+    `runtime.stage.drop_metadata_asserts`.)"""
+    result = runs[0][(name, "1f1b", "bf16")]
+    want_losses, want_state = _bf16_recipe(name, bf16=True)
+    fp32_losses, _ = _bf16_recipe(name, bf16=False)
     assert result["losses"] == pytest.approx(want_losses, rel=BF16_RTOL)
     assert result["losses"] == pytest.approx(fp32_losses, rel=0.02)
     assert result["losses"] != pytest.approx(fp32_losses, rel=1e-6)  # bf16 ran
