@@ -48,18 +48,23 @@ OFF_DP = "siglip"  # its contrastive loss pairs the rows of a micro-batch: no dp
 # Each family trains under 1f1b at 2 ranks and under zb on pp 2 x dp 2 at 4 ranks; SigLIP,
 # off dp, under zb at 2 ranks and as a pipeline of 4 instead; Qwen2-VL (the static grid) as a
 # pipeline of 4 too. A suite-time budget: a family's other combinations cut it as these do.
-TWO = (
-    *((n, "1f1b", "pp") for n in CASES),
-    (OFF_DP, "zb", "pp"),
-    *((n, "1f1b", "bf16") for n in ("llava_frozen", "qwen2_vl")),
-)
 BF16_RTOL, BF16_ATOL = 1e-2, 1e-3  # the composition matrix's bf16 tolerances
 # bf16 runs on a pinned cut, so that one process's recipe rounds what crosses it: the
 # vision encoder alone on stage 0, its output the one value sent (module, pins)
 BF16 = {
     "llava_frozen": ("model.vision_tower", FROZEN_PINS),
+    "llava": ("model.vision_tower", FROZEN_PINS),
+    "paligemma": ("model.vision_tower", FROZEN_PINS),
     "qwen2_vl": ("model.visual", {"model.visual": 0, "model.language_model": 1, "lm_head": 1}),
+    "vision_gpt2": ("encoder", {"encoder": 0, "decoder": 1}),
+    "siglip": ("vision_model", {"vision_model": 0, "text_model": 1}),
+    "whisper": ("model.encoder", {"model.encoder": 0, "model.decoder": 1, "proj_out": 1}),
 }
+TWO = (
+    *((n, "1f1b", "pp") for n in CASES),
+    (OFF_DP, "zb", "pp"),
+    *((n, "1f1b", "bf16") for n in BF16),
+)
 FOUR = (
     (OFF_DP, "1f1b", "pp"),
     ("qwen2_vl", "1f1b", "pp"),
@@ -156,10 +161,10 @@ def _bf16_recipe(name: str, bf16: bool) -> tuple[list[float], dict[str, torch.Te
 def test_bf16_is_the_autocast_recipe_of_one_process(
     runs: list[dict[tuple[str, str, str], Any]], name: str
 ) -> None:
-    """bf16 on float32 masters: the exported LLaVA (its frozen tower forward only on stage
-    0) and Qwen2-VL (its static grid folded into the vision tower) equal one process's
-    autocast run within bf16's tolerance, and their losses stay within 2% of float32's
-    without equalling them. (An exported graph checked each `.to()`'s input for the traced
+    """bf16 on float32 masters, every family (the frozen LLaVA's tower forward only on stage
+    0, Qwen2-VL's static grid folded into its vision tower), the encoder alone on stage 0:
+    equal to one process's autocast run within bf16's tolerance, the losses within 2% of
+    float32's without equalling them. (An exported graph checked each `.to()`'s input for the traced
     float32, which under autocast a projector's output is not: those checks are dropped,
     `runtime.stage.drop_metadata_asserts`.)"""
     result = runs[0][(name, "1f1b", "bf16")]
