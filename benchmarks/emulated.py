@@ -9,7 +9,7 @@ the cores; the schedule lowered to programs, the fused point-to-point groups, th
 all-reduces and the optimizer steps are the real ones.
 
 Protocol, per model and N:
-1. Scale. The fair planner protocol (`graphpipe.tools.fair.compare`: the paper preset of the model,
+1. Scale. The fair planner protocol (`benchmarks.protocol.compare`: the paper preset of the model,
    built on the meta device; op times from the A100 roofline at each micro-batch size; every
    M in 1..64 dividing B, every variant and flushed schedule; 80 GiB per device) is run on
    the paper's link (100 Gb/s). `time_scale` stretches compute so that its graph step lasts
@@ -66,6 +66,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from benchmarks._common import log, machine, zero_target
+from benchmarks.protocol import Choice, Comparison, FairConfig, compare
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.ir import Plan
@@ -73,7 +74,6 @@ from graphpipe.ir.cost import LinkModel
 from graphpipe.runtime.emulate import Emulate
 from graphpipe.runtime.launch import launch
 from graphpipe.scheduling.simulate import simulate
-from graphpipe.tools.fair import Choice, Comparison, FairConfig, compare
 from graphpipe.tools.workload import load_workload
 from graphpipe.tracing.tracer import trace
 

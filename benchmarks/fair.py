@@ -5,7 +5,7 @@
     python -m benchmarks.fair --models dlrm --devices 32 --preset h100
     python -m benchmarks.fair --layouts one           # one stage per device on both sides
 
-The protocol is `graphpipe.tools.fair` (GraphPipe's, ASPLOS'25 section 6): the paper presets at
+The protocol is `benchmarks.protocol` (GraphPipe's, ASPLOS'25 section 6): the paper presets at
 their mini-batch B; op times from the roofline of an A100 (`--preset`) at each micro-batch
 size B / M; every strategy picks M (powers of two up to 64 dividing B), its layout (one stage per
 device; a chain of 2N stages folded loop or v, on both sides; graph: its finer stage DAGs
@@ -36,12 +36,12 @@ from tabulate import tabulate
 from torch import fx
 
 from benchmarks._common import log, machine
+from benchmarks.protocol import GIB, Choice, FairConfig, compare
 from graphpipe._units import format_bytes, format_time
 from graphpipe.planning.layouts import LAYOUTS
 from graphpipe.planning.opgraph import graph_hash, op_graph
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph
 from graphpipe.planning.profile import ProfileConfig, profile
-from graphpipe.tools.fair import GIB, Choice, FairConfig, compare
 from graphpipe.tools.workload import Workload, load_workload
 from graphpipe.tracing.tracer import trace
 

@@ -1,4 +1,4 @@
-"""devices + the roofline profile, and the fair planner protocol (fair.py)."""
+"""devices + the roofline profile, and the fair planner protocol (benchmarks/protocol.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.protocol import Choice, FairConfig, choose, compare, micro_batch_counts
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir.cost import LinkModel
 from graphpipe.planning.devices import DEVICES, Device, roofline
 from graphpipe.planning.profile import ProfileConfig, profile
-from graphpipe.tools.fair import Choice, FairConfig, choose, compare, micro_batch_counts
 from graphpipe.tools.workload import load_workload
 from graphpipe.tracing.tracer import trace
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from zoo import multi_output, skip_across, tied, two_branch
 
+from benchmarks.protocol import FairConfig, choose
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan
 from graphpipe.ir.actions import Action, ActionKind
@@ -23,7 +24,6 @@ from graphpipe.planning.partition import plan as planned
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tools.cli import main
-from graphpipe.tools.fair import FairConfig, choose
 from graphpipe.tools.workload import load_workload
 from graphpipe.tracing.tracer import trace
 

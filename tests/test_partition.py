@@ -26,7 +26,7 @@ from graphpipe.planning.fold import bound_groups, folded_groups
 from graphpipe.planning.layouts import _cuts
 from graphpipe.planning.opgraph import op_graph, value_kind
 from graphpipe.planning.partition import PlanConfig, cost_model, partition_op_graph, plan, score
-from graphpipe.planning.pieces import Pieces, _Accumulator
+from graphpipe.planning.pieces import CandidateStages, _Accumulator
 from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.planning.schedule_memory import for_schedule
 from graphpipe.planning.search import search
@@ -691,7 +691,7 @@ def test_folded_groups_are_kept_per_structure_and_never_stale() -> None:
 
 
 def test_a_series_ranges_read_lazily_equal_the_accumulators_sums() -> None:
-    """Pieces keeps a series' ranges as arrays (`StatsTable`): every range read equals the
+    """CandidateStages keeps a series' ranges as arrays (`StatsTable`): every range read equals the
     stats `_Accumulator` adds up one unit at a time (a shared parameter counted once), a
     range past the series is no piece, and the least memory is every range's least."""
     names = [f"op{i}" for i in range(6)]
@@ -707,8 +707,8 @@ def test_a_series_ranges_read_lazily_equal_the_accumulators_sums() -> None:
     units = units_of_graph(g)
     tree = linearise(units)
     cost = CostModel(1, 4, LinkModel(bandwidth=3e9, latency=7e-6))
-    least = Pieces(units, tree, cost, max_replicas=1).smallest_memory()  # before any read
-    pieces = Pieces(units, tree, cost, max_replicas=1)
+    least = CandidateStages(units, tree, cost, max_replicas=1).smallest_memory()  # before any read
+    pieces = CandidateStages(units, tree, cost, max_replicas=1)
     order = units_of(tree)
     every = []
     for a in range(len(order)):

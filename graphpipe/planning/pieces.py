@@ -1,4 +1,4 @@
-"""Pieces: the candidate stages of the search, with their statistics, computed once per tree.
+"""CandidateStages: the search's candidate stages (pieces), their statistics computed once per tree.
 
 A piece is a set of units that the DP (`search`) may make one stage, named by a key:
 
@@ -31,7 +31,7 @@ import numpy as np
 from graphpipe.ir.cost import CostModel
 from graphpipe.planning.sptree import Leaf, Parallel, Series, SPNode, Unit, units_of
 
-__all__ = ["Key", "Pieces", "SeriesInfo", "Stats", "StatsTable"]
+__all__ = ["CandidateStages", "Key", "SeriesInfo", "Stats", "StatsTable"]
 
 Key = tuple[Any, ...]
 
@@ -134,7 +134,7 @@ class StatsTable:
         return min((memory(s) for s in every), default=0.0)
 
 
-class Pieces:
+class CandidateStages:
     """Every piece of a series-parallel tree over a unit graph, with its statistics.
 
     Args:

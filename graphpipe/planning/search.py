@@ -102,7 +102,7 @@ import numpy as np
 
 from graphpipe.errors import PlanError
 from graphpipe.ir.cost import CostModel
-from graphpipe.planning.pieces import Key, Pieces, Stats
+from graphpipe.planning.pieces import CandidateStages, Key, Stats
 from graphpipe.planning.sptree import Leaf, Parallel, Series, SPNode, Unit
 
 __all__ = ["Piece", "SearchResult", "search"]
@@ -228,7 +228,7 @@ class _Search:
         self.top_k = max(0, cost.micro_batches - 1)  # the largest k a budgeted table is made for
         binds = cost.memory.budget is not None and not _budget_never_binds(g, cost)
         self.budgeted = binds  # at the tau being solved (`feasible`)
-        self.pieces = Pieces(g, self.tree, cost, self.max_replicas)
+        self.pieces = CandidateStages(g, self.tree, cost, self.max_replicas)
         self.binding = self._binding_tau() if binds else INF
         self.tau = INF
         self.memo: dict[Key, Any] = {}

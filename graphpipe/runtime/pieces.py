@@ -1,4 +1,4 @@
-"""Pieces: one rank's built pipeline, by concern, as `graphpipe.runtime.wiring.wire` returns it.
+"""WiredRank: one rank's built pipeline, by concern, as `graphpipe.runtime.wiring.wire` returns it.
 
 Each part of a PipelinedModel is given the pieces it reads, not the whole:
 
@@ -10,7 +10,7 @@ Each part of a PipelinedModel is given the pieces it reads, not the whole:
     Run       plan, schedule, lowered program,    stepping, inference, timelines
               executor
 
-`Pieces` is what `wire` hands the pipeline, which hands each piece on.
+`WiredRank` is what `wire` hands the pipeline, which hands each piece on.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from graphpipe.runtime.mesh import ParallelLayout
 from graphpipe.runtime.precision import LossScaler
 from graphpipe.runtime.weights import WeightPolicy
 
-__all__ = ["Holdings", "Pieces", "Place", "Run", "Update"]
+__all__ = ["Holdings", "Place", "Run", "Update", "WiredRank"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Pieces:
+class WiredRank:
     """Everything `wire` built for this rank, and the stage factory it built with."""
 
     place: Place

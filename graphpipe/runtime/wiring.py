@@ -51,7 +51,7 @@ from graphpipe.runtime.hooks import AgreeFinite, Clip, Unscale, hooks_for
 from graphpipe.runtime.materialize import InitFn, is_meta, materialize_sharded, names_by_id
 from graphpipe.runtime.mesh import ParallelLayout, shard_stage
 from graphpipe.runtime.nancheck import NanCheck
-from graphpipe.runtime.pieces import Holdings, Pieces, Place, Run, Update
+from graphpipe.runtime.pieces import Holdings, Place, Run, Update, WiredRank
 from graphpipe.runtime.precision import LossScaler, Precision
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig
 from graphpipe.runtime.stage import Specs, build_stage, micro_shapes
@@ -136,7 +136,7 @@ def wire(
     plan: Plan,
     schedule: Schedule,
     spec: RunSpec,
-) -> Pieces:
+) -> WiredRank:
     """Build this rank's part of the pipeline (a collective: every rank, same order).
 
     Args:
@@ -189,7 +189,7 @@ def wire(
     optimizer = parts.optimizer or s.optimizer([nn.Parameter(torch.zeros(0))])
     update = Update(s.weights, optimizer, parts.policy, scaler, agree, parts.clipper)
     run = Run(plan, schedule, s.micro_batches, program, prefetch, parts.executor)
-    return Pieces(place, holdings, update, run, factory)
+    return WiredRank(place, holdings, update, run, factory)
 
 
 def _settings(spec: RunSpec) -> _Settings:

@@ -11,7 +11,7 @@ The layers, lowest first (a module may import from its own layer and any lower o
     planning    fx.GraphModule -> Plan (compares candidates with the simulator)
     runtime     one process per device: stages, transport, executor, policies, checkpoints
     compile     the entry point that wires the phases
-    tools       render, timeline, report, calibrate, fair, workload, train, cli, deps
+    tools       render, timeline, report, calibrate, workload, train, cli, deps
     graphpipe   the package's public names (`graphpipe/__init__.py`)
 
 Every import counts, at module level or inside a function, `TYPE_CHECKING` ones too: a
