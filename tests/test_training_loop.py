@@ -4,6 +4,7 @@ that leaves the training state alone under every weight policy."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import replace
@@ -23,7 +24,9 @@ from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir.cost import MemoryModel
 from graphpipe.planning.partition import plan
 from graphpipe.planning.recompute import choose_recompute
+from graphpipe.runtime import stepping
 from graphpipe.runtime.clip import check_clipping
+from graphpipe.runtime.executor import Batch
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.spec import RunSpec
 from graphpipe.scheduling.simulate import simulate
@@ -254,6 +257,32 @@ def test_compiled_stages_train_like_uncompiled_ones() -> None:
         assert list(compiled["state"]) == list(plain["state"])
         for key, value in plain["state"].items():
             torch.testing.assert_close(compiled["state"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_at_new_shapes_with_compiled_stages_waits_up_to_the_plan_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """inductor compiles a stage on its first step at new shapes, and a peer's receive waits
+    for it: that step's waits get the plan's limit (a loaded machine compiled for over the
+    60 s receive timeout), later steps the runtime's."""
+    asked: list[float] = []
+
+    def longer(seconds: float) -> contextlib.AbstractContextManager[None]:
+        asked.append(seconds)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(stepping, "longer_waits", longer)
+    stepper = stepping.Stepper.__new__(stepping.Stepper)
+    stepper.compile_wait, stepper._stepped = 1800.0, set()
+    for _ in range(3):
+        with stepper._compiling(Batch(0, {}, None)):
+            pass
+    assert asked == [1800.0]
+    stepper.compile_wait = None  # not compiled: every step waits the runtime's timeout
+    stepper._stepped.clear()
+    with stepper._compiling(Batch(0, {}, None)):
+        pass
+    assert asked == [1800.0]
 
 
 def test_compiled_stages_refuse_a_split_backward() -> None:

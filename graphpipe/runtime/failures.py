@@ -63,6 +63,7 @@ __all__ = [
     "guarded",
     "guarded_work",
     "install_watch",
+    "longer_waits",
     "posted",
     "restart_count",
     "set_collective_timeout",
@@ -695,6 +696,26 @@ def posted(where: str) -> Iterator[None]:
         if watch is not None:
             watch.post_error(where, exc)
         raise
+
+
+@contextlib.contextmanager
+def longer_waits(seconds: float) -> Iterator[None]:
+    """Every wait of this rank (the watch's limit, and the default process group's own
+    timeout behind it) may take `seconds` inside the block; the limits are put back after.
+    For a step whose stages compile (torch.compile's inductor on a new shape), where a
+    peer's wait includes this rank's compile."""
+    watch = current_watch()
+    if watch is None:
+        yield
+        return
+    saved = watch.timeout
+    watch.timeout = seconds
+    set_collective_timeout(seconds)
+    try:
+        yield
+    finally:
+        watch.timeout = saved
+        set_collective_timeout(saved)
 
 
 def set_collective_timeout(seconds: float, groups: Sequence[dist.ProcessGroup] = ()) -> None:

@@ -97,6 +97,7 @@ class PipelinedModel:
         self._stepper = Stepper(
             run, update.agree, place.loss_copies, inputs, programs, self._collectives,
             self._recorder,
+            spec.runtime.plan_timeout if spec.runtime.compile_stages else None,
         )  # fmt: skip
         self._inference = Inference(run, place, held.module, inputs, programs, self._collectives)
         self._state = ModelState(

@@ -120,7 +120,11 @@ class RuntimeConfig(OptionGroup):
     device: str | None = option(None, "None: cuda:LOCAL_RANK with nccl, else cpu")
     record: bool = option(False, "time every action (PipelinedModel.timeline)")
     timer: str | None = option(None, "host ranges or profiler; None: profiler on CUDA only")
-    plan_timeout: float = option(1800.0, "seconds ranks wait for rank 0's plan (profiling too)")
+    plan_timeout: float = option(
+        1800.0,
+        "seconds ranks wait for rank 0's plan (profiling too), and with compile_stages in a "
+        "step at new shapes (the stages compile)",
+    )
     prefetch: bool | None = option(None, "post every receive of a call first; None: on gloo")
     emulate: Emulate | None = option(None, "stages wait the plan's times instead of computing")
     quiet: bool = option(False, "rank 0 prints no line of what compile chose")

@@ -7,6 +7,7 @@ the backwards and updates that fall due, and `drain` finishes the rest.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -19,7 +20,7 @@ from graphpipe.ir.program import Comm, Op, Program
 from graphpipe.runtime.batching import Inputs
 from graphpipe.runtime.collectives import Collectives
 from graphpipe.runtime.executor import Batch, Executor
-from graphpipe.runtime.failures import posted
+from graphpipe.runtime.failures import longer_waits, posted
 from graphpipe.runtime.hooks import AgreeFinite
 from graphpipe.runtime.pieces import Run
 from graphpipe.runtime.timelines import Recorder
@@ -72,6 +73,10 @@ class Stepper:
         programs: The lowered programs.
         collectives: The mean loss.
         recorder: Times the run under the profiler when recording.
+        compile_wait: With compile_stages, the seconds any wait may take in a step at input
+            shapes not stepped before (torch.compile's inductor compiles the stages then,
+            and a peer's receive waits for it: `RuntimeConfig.plan_timeout`); None: every
+            step waits `RuntimeConfig.timeout`.
 
     Attributes:
         calls: step() calls since the last drain (the next call's number).
@@ -87,10 +92,13 @@ class Stepper:
         programs: Programs,
         collectives: Collectives,
         recorder: Recorder,
+        compile_wait: float | None = None,
     ) -> None:
         self.run, self.agree, self.loss_copies = run, agree, loss_copies
         self.inputs, self.programs, self.collectives = inputs, programs, collectives
         self.recorder = recorder
+        self.compile_wait = compile_wait
+        self._stepped: set[str] = set()  # the input shapes stepped at (compiled for)
         self.calls = 0
         self.steps_done = 0
 
@@ -113,7 +121,7 @@ class Stepper:
         ops = self.programs.for_call(self.calls)
         if agree is not None:
             agree.problem = None
-        with posted("step"):
+        with posted("step"), self._compiling(batch):
             self._run(ops, batch)
             self.calls += 1
             self.steps_done += 1
@@ -123,6 +131,14 @@ class Stepper:
         if agree is not None and agree.problem is not None:
             raise PipelineError(agree.problem, kind=FailureKind.NONFINITE)
         return loss
+
+    def _compiling(self, batch: Batch) -> contextlib.AbstractContextManager[None]:
+        """Longer waits for a step at shapes not stepped before, where stages compile."""
+        shapes = repr([s.specs for s in batch.shaped or ()])  # alike on every rank
+        if self.compile_wait is None or shapes in self._stepped:
+            return contextlib.nullcontext()
+        self._stepped.add(shapes)
+        return longer_waits(self.compile_wait)
 
     def _run(self, ops: Sequence[Op], batch: Batch) -> None:
         executor = self.run.executor
