@@ -113,16 +113,18 @@ def _evaluate(
     """The value of every node computed from static inputs and constants alone (in graph
     order): those with a static input among their ancestors, and those without. Constants:
     torch.export's lifted tensors (`torch.tensor([2])` in forward; plain attributes,
-    neither parameters nor buffers) and deterministic ops without inputs (`arange`)."""
+    neither parameters nor buffers) and deterministic ops without inputs (`arange`). Run on
+    copies: an in-place op of the graph (`detach_`, `add_`) changes neither the caller's
+    example nor the graph's own constants."""
     state = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
-    known: dict[fx.Node, Any] = dict(values)
+    known: dict[fx.Node, Any] = {n: v.clone() for n, v in values.items()}
     constant: dict[fx.Node, Any] = {}  # computed from constants only: left as they are
     for node in gm.graph.nodes:
         inputs = node.all_input_nodes
         if node.op == "get_attr":
             value = _attribute(gm, str(node.target))
             if isinstance(value, torch.Tensor) and id(value) not in state:
-                constant[node] = value
+                constant[node] = value.clone()
             continue
         if node.op != "call_function" or not all(n in known or n in constant for n in inputs):
             continue
