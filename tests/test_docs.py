@@ -125,18 +125,20 @@ QUICKSTART = snippets(ROOT / "README.md")[0]  # run as a script only: see the la
 ALL = [s for doc in DOCS for s in snippets(doc) if s != QUICKSTART]
 
 
+def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` in `cwd`, as a user runs it (the repository importable, one thread, not
+    under torchrun), its output captured, killed past TIMEOUT."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
 def _run_alone(snippet: Snippet, cwd: Path) -> None:
     path = cwd / "snippet.py"
     path.write_text(snippet.code)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, path.name],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    done = _python([path.name], cwd)
     assert done.returncode == 0, f"{snippet.name} failed:\n{done.stderr[-3000:]}"
     assert_printed(snippet.output, done.stdout, snippet.name)
 
@@ -174,15 +176,7 @@ def test_snippet_runs(snippet: Snippet, tmp_path: Path, monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("where,args,quoted", quoted_commands(), ids=lambda x: str(x)[:40])
 def test_quoted_command_output_is_what_it_prints(where: str, args: str, quoted: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "graphpipe.tools.cli", *shlex.split(args)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    done = _python(["-m", "graphpipe.tools.cli", *shlex.split(args)], ROOT)
     assert done.returncode == 0, f"{where}: {args} failed:\n{done.stderr[-3000:]}"
     assert_printed(quoted, done.stdout + done.stderr, where)
 
@@ -191,16 +185,7 @@ def test_the_quickstart_runs_as_a_script(tmp_path: Path) -> None:
     """README's train.py, saved and run with `python train.py` (its own 2 processes)."""
     assert QUICKSTART.code.startswith("# train.py")
     (tmp_path / "train.py").write_text(QUICKSTART.code)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    done = subprocess.run(
-        [sys.executable, "train.py"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    done = _python(["train.py"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     readme = (ROOT / "README.md").read_text()
     quoted = re.findall(r"`(step \d: loss \d+\.\d+)`", readme)  # the losses the README quotes

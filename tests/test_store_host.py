@@ -40,50 +40,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, port: int, out: str, moment: str) -> None:
-    """One rank under env:// (rank 0 serves the store); rank 0 dies at `moment` of step 2,
-    a survivor writes its error's seconds, fields and text to out/rank<r>."""
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    os.environ.pop(AGENT_STORE_ENV, None)
-    torch.set_num_threads(1)
-    model, inputs = ZOO["two_branch"]()
-    pm = gp_compile(
-        model,
-        inputs,
-        loss_fn=dict_loss,
-        optimizer=_optimizer(),
-        micro_batches=4,
-        pins=MATRIX_PINS[WORLD],
-        runtime=RuntimeConfig(timeout=WAITED),
-    )
-    inputs, target = batch("two_branch", 0)
-    pm.step(*inputs, target=target)
-    if rank == 0:
-        _arm(pm, moment)
-    start = time.monotonic()
-    try:
-        pm.step(*inputs, target=target)
-    except PipelineError as exc:
-        fields = f"{exc.kind.value}|{exc.origin}|{exc.peers}"
-        Path(out, f"rank{rank}").write_text(f"{time.monotonic() - start}\n{fields}\n{exc}")
-        os._exit(1)
-    except RuntimeError:  # rank 0's own error, posted by the executor
-        os._exit(1)
-
-
 STALL = 3.0  # RuntimeConfig.timeout when rank 1 stops
 
 
-def _stop_worker(rank: int, port: int, out: str) -> None:
-    """As `_worker`, but rank 1 stops (SIGSTOP) as it enters the loss all-reduce of step 2;
-    the survivors, rank 0 (the store's host) among them, time out waiting for it."""
+def _worker(rank: int, port: int, out: str, moment: str) -> None:
+    """One rank under env:// (rank 0 serves the store); rank 0 dies at `moment` of step 2,
+    or ("stops") rank 1 stops (SIGSTOP) as it enters that step's loss all-reduce, and the
+    survivors, rank 0 among them, time out waiting for it. A survivor writes its error's
+    seconds (from step 2's start; when a rank stops, from its last wait's), fields and text
+    to out/rank<r>."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     os.environ.pop(AGENT_STORE_ENV, None)
     torch.set_num_threads(1)
+    stops = moment == "stops"
     model, inputs = ZOO["two_branch"]()
     pm = gp_compile(
         model,
@@ -92,19 +63,24 @@ def _stop_worker(rank: int, port: int, out: str) -> None:
         optimizer=_optimizer(),
         micro_batches=4,
         pins=MATRIX_PINS[WORLD],
-        runtime=RuntimeConfig(timeout=STALL),
+        runtime=RuntimeConfig(timeout=STALL if stops else WAITED),
     )
     inputs, target = batch("two_branch", 0)
     pm.step(*inputs, target=target)
-    if rank == 1:
+    if stops and rank == 1:
         stop = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGSTOP)  # noqa: E731
         pm._collectives.all_reduce = stop  # type: ignore[attr-defined]
-    waits = _clock_waits()
+    elif not stops and rank == 0:
+        _arm(pm, moment)
+    waits, start = _clock_waits(), time.monotonic()
     try:
         pm.step(*inputs, target=target)
     except PipelineError as exc:
+        seconds = time.monotonic() - (waits[-1] if stops else start)
         fields = f"{exc.kind.value}|{exc.origin}|{exc.peers}"
-        Path(out, f"rank{rank}").write_text(f"{time.monotonic() - waits[-1]}\n{fields}\n{exc}")
+        Path(out, f"rank{rank}").write_text(f"{seconds}\n{fields}\n{exc}")
+        os._exit(1)
+    except RuntimeError:  # rank 0's own error, posted by the executor
         os._exit(1)
 
 
@@ -126,16 +102,10 @@ def _arm(pm: object, moment: str) -> None:
 def _run(
     moment: str, out: Path, survivors: tuple[int, ...] = (1, 2)
 ) -> dict[int, tuple[float, str, str]]:
-    """Each survivor's seconds to its error, its fields and its text (`moment` "stops":
-    `_stop_worker`'s run)."""
-    worker, args = (
-        (_stop_worker, (_free_port(), str(out)))
-        if moment == "stops"
-        else (_worker, (_free_port(), str(out), moment))
-    )
+    """Each survivor's seconds to its error, its fields and its text."""
     context = mp.start_processes(
-        worker,
-        args=args,
+        _worker,
+        args=(_free_port(), str(out), moment),
         nprocs=WORLD,
         join=False,
         start_method="spawn",
