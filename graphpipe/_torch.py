@@ -8,13 +8,13 @@ needs of it, and the torch version it was checked against. A missing API raises
 function has a test in `tests/test_torch_adapter.py` that asserts, against the installed
 torch, the behaviour graphpipe relies on, so an upgrade that changes one fails there first.
 
-Not here, on purpose: `torch.utils._pytree`'s `tree_flatten`, `tree_unflatten`, `tree_map`,
-`tree_map_only`, `tree_leaves`, `tree_structure`, `tree_flatten_with_path`, `keystr` and
-`TreeSpec` (`graphpipe.tools.deps.PYTREE`). The module is underscored, but torch documents
-it as the pytree API (torch.export's docs register types with `torch.utils._pytree`) and has
-no public twin in torch 2.13, so the tracer, the planner, the runtime and the renderer import
-these names directly; any other name of it, or any other private torch name, outside this
-module fails `python -m graphpipe.tools.deps`.
+Pytree: torch's pytree API lives in the underscored `torch.utils._pytree`, which torch
+documents as the pytree API (torch.export's docs register types with it) and which has no
+public twin in torch 2.13. Its names graphpipe uses (`PYTREE`: `tree_flatten`,
+`tree_unflatten`, `tree_map`, `tree_map_only`, `tree_leaves`, `tree_structure`,
+`tree_flatten_with_path`, `keystr`, `TreeSpec`) are imported here once and re-exported;
+every other module imports them from this adapter. `python -m graphpipe.tools.deps` fails
+on any private torch name, pytree's included, outside this module.
 """
 
 from __future__ import annotations
@@ -26,13 +26,36 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as _pytree
 from torch import fx, nn
 
 from graphpipe.errors import GraphPipeError
 
+# torch's pytree API, re-exported (module docstring)
+TreeSpec = _pytree.TreeSpec
+keystr = _pytree.keystr
+tree_flatten = _pytree.tree_flatten
+tree_flatten_with_path = _pytree.tree_flatten_with_path
+tree_leaves = _pytree.tree_leaves
+tree_map = _pytree.tree_map
+tree_map_only = _pytree.tree_map_only
+tree_structure = _pytree.tree_structure
+tree_unflatten = _pytree.tree_unflatten
+
+PYTREE = (
+    "TreeSpec",
+    "keystr",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_leaves",
+    "tree_map",
+    "tree_map_only",
+    "tree_structure",
+    "tree_unflatten",
+)
+
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._pytree import TreeSpec
 
 # -- autograd, fx and the profiler
 
@@ -178,7 +201,6 @@ def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
     knows every container torch and its users registered (transformers registers its
     `ModelOutput`s there).
     """
-    from torch.utils._pytree import keystr, tree_flatten_with_path
 
     leaves, _ = tree_flatten_with_path(tree)
     return [(keystr(path), leaf) for path, leaf in leaves]

@@ -144,6 +144,17 @@ def test_is_export_guard_finds_the_checks_export_inserts() -> None:
     assert not any(_torch.is_export_guard(n) for n in fx.symbolic_trace(nn.ReLU()).graph.nodes)
 
 
+def test_the_pytree_api_is_torchs_own_through_the_adapter() -> None:
+    import torch.utils._pytree as pytree
+
+    assert all(getattr(_torch, n) is getattr(pytree, n) for n in _torch.PYTREE)
+    tree = {"a": torch.ones(2), "b": (torch.zeros(1), 3)}
+    leaves, spec = _torch.tree_flatten(tree)
+    assert _torch.tree_unflatten(leaves, spec)["b"][1] == 3
+    paths = [_torch.keystr(p) for p, _ in _torch.tree_flatten_with_path(tree)[0]]
+    assert paths == ["['a']", "['b'][0]", "['b'][1]"]
+
+
 def test_profiler_enabled_is_true_only_while_a_profiler_records() -> None:
     assert not _torch.profiler_enabled()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):

@@ -30,9 +30,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from graphpipe._torch import copy_graph, tensor_version
+from graphpipe._torch import copy_graph, tensor_version, tree_flatten, tree_map, tree_unflatten
 from graphpipe.tracing.annotate import has_float_output
 from graphpipe.tracing.bind import micro_example, resize_batch
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
+from graphpipe._torch import keystr, tree_flatten_with_path, tree_map
 from graphpipe.errors import ConfigError
 from graphpipe.runtime.executor import Batch, scalar
 from graphpipe.runtime.shapes import Lowered, Shapes, describe

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
+from graphpipe._torch import tree_map
 from graphpipe.errors import ConfigError
 from graphpipe.runtime.batching import Inputs, cpu
 from graphpipe.runtime.collectives import Collectives

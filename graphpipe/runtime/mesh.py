@@ -50,9 +50,9 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.utils._pytree import tree_map_only
 
 import graphpipe._torch as _torch
+from graphpipe._torch import tree_map_only
 from graphpipe.errors import ConfigError
 from graphpipe.runtime.outline import block_prefixes, outline_blocks
 from graphpipe.runtime.precision import Precision

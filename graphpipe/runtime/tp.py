@@ -57,8 +57,8 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.utils._pytree import tree_leaves, tree_map
 
+from graphpipe._torch import tree_leaves, tree_map
 from graphpipe.errors import ConfigError
 from graphpipe.planning.mesh import TP_LAYOUTS, path_matches
 from graphpipe.runtime.stage import drop_metadata_asserts

@@ -22,8 +22,8 @@ Private torch. Outside `graphpipe/_torch.py` no module imports a private torch m
 name (a component with a leading underscore: `torch._C`, `torch.distributed._tools`) or
 reads one (`torch._C._autograd._profiler_enabled()`): each use is a function of the
 adapter, with its test. Exempt: operators (`torch.ops.aten._assert_async`, names in a
-schema registry, not Python API), dunders (`torch.__version__`), and the pytree names
-`_torch` lists as torch's documented pytree API (`PYTREE`).
+schema registry, not Python API) and dunders (`torch.__version__`). torch's pytree API is
+re-exported by `_torch` (`_torch.PYTREE`) and imported from there.
 """
 
 from __future__ import annotations
@@ -36,22 +36,8 @@ from pathlib import Path
 
 import networkx as nx
 
-__all__ = ["LAYERS", "PYTREE", "Violation", "check", "import_graph", "layer_of", "private_torch"]
+__all__ = ["LAYERS", "Violation", "check", "import_graph", "layer_of", "private_torch"]
 
-# torch.utils._pytree's names used as torch's pytree API (graphpipe/_torch.py says why)
-PYTREE = frozenset(
-    {
-        "TreeSpec",
-        "keystr",
-        "tree_flatten",
-        "tree_flatten_with_path",
-        "tree_leaves",
-        "tree_map",
-        "tree_map_only",
-        "tree_structure",
-        "tree_unflatten",
-    }
-)
 ADAPTER = "graphpipe._torch"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -165,10 +151,7 @@ def _torch_uses(tree: ast.AST) -> Iterator[tuple[str, int]]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            if node.module == "torch.utils._pytree":
-                names = [f"{node.module}.{a.name}" for a in node.names if a.name not in PYTREE]
-            else:
-                names = [f"{node.module}.{a.name}" for a in node.names]
+            names = [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Attribute):
             dotted = _dotted(node)
             names = [dotted] if dotted else []

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 import graphviz
 from torch import fx
-from torch.utils._pytree import tree_flatten
 
+from graphpipe._torch import tree_flatten
 from graphpipe._units import format_bytes, format_time
 from graphpipe.errors import ConfigError
 from graphpipe.ir import Plan

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from graphpipe._torch import TreeSpec, tree_flatten, tree_map
 from graphpipe.errors import ConfigError, TraceError
 
 __all__ = [

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from graphpipe._torch import tree_flatten, tree_unflatten
 from graphpipe.errors import ConfigError
 from graphpipe.tracing.annotate import Source, TensorSpec, trace_info
 from graphpipe.tracing.split import InputSplit

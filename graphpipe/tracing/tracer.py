@@ -73,9 +73,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_structure
 
 import graphpipe._torch as _torch
+from graphpipe._torch import tree_structure
 from graphpipe.errors import ConfigError, TraceError
 from graphpipe.tracing import bind
 from graphpipe.tracing.annotate import (
