@@ -393,9 +393,14 @@ def trained(case: Case, steps: int, **options: Any) -> tuple[list[float], Any, A
     return losses, state if pm.rank == 0 else None, pm
 
 
-def reference(case: Case, steps: int) -> tuple[list[float], nn.Module]:
-    """Single-process gradient accumulation over the same M micro-batches."""
+def reference(case: Case, steps: int, bf16_at: str | None = None) -> tuple[list[float], nn.Module]:
+    """Single-process gradient accumulation over the same M micro-batches. With `bf16_at`
+    (a module path), the bf16 recipe: forward and loss under `torch.autocast(bfloat16)` over
+    the float32 weights, gradients accumulated in float32, that module's output (what
+    crosses the pipeline's cut) rounded to bf16 as the message is."""
     model = case.build()
+    if bf16_at is not None:
+        model.get_submodule(bf16_at).register_forward_hook(rounded_to(torch.bfloat16))
     opt = optimizer(model.parameters())
     losses = []
     for step in range(steps):
@@ -403,8 +408,9 @@ def reference(case: Case, steps: int) -> tuple[list[float], nn.Module]:
         total = 0.0
         for j in range(M):
             part = case.micro(inputs, j)
-            out = model(**part, **case.constants)
-            loss = case.loss(out) if case.target_free else case.loss(out, target.chunk(M)[j])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_at is not None):
+                out = model(**part, **case.constants)
+                loss = case.loss(out) if case.target_free else case.loss(out, target.chunk(M)[j])
             (loss / M).backward()
             total += loss.item()
         opt.step()

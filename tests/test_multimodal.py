@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 from multimodal import CASES, FROZEN_PINS, paligemma_inputs
-from real_models import M, optimizer, reference, rounded_to, step_data, trained
+from real_models import reference, trained
 
 from graphpipe.errors import TraceError
 from graphpipe.runtime.launch import launch
@@ -130,32 +130,6 @@ def test_multimodal_models_train_pipelined_as_one_process(
         assert result["stages"] >= pp, where
 
 
-def _bf16_recipe(name: str, bf16: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process by the documented bf16 recipe (forward and loss under
-    `torch.autocast(bfloat16)` over the float32 weights, gradients accumulated in float32;
-    the vision tower's output, which crosses the cut, rounded to bf16 as the message is),
-    or in float32."""
-    case = CASES[name]
-    model = case.build()
-    if bf16:
-        model.get_submodule(BF16[name][0]).register_forward_hook(rounded_to(torch.bfloat16))
-    opt = optimizer(model.parameters())
-    losses = []
-    for step in range(STEPS):
-        inputs, target = step_data(case, step)
-        total = 0.0
-        for j in range(M):
-            part = case.micro(inputs, j)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = case.loss(model(**part, **case.constants), target.chunk(M)[j])
-            (loss / M).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / M)
-    return losses, model.state_dict()
-
-
 @pytest.mark.parametrize("runs", [2], ids=["2_ranks"], indirect=True)  # its launch
 @pytest.mark.parametrize("name", sorted(BF16))
 def test_bf16_is_the_autocast_recipe_of_one_process(
@@ -168,8 +142,9 @@ def test_bf16_is_the_autocast_recipe_of_one_process(
     float32, which under autocast a projector's output is not: those checks are dropped,
     `runtime.stage.drop_metadata_asserts`.)"""
     result = runs[0][(name, "1f1b", "bf16")]
-    want_losses, want_state = _bf16_recipe(name, bf16=True)
-    fp32_losses, _ = _bf16_recipe(name, bf16=False)
+    want_losses, want_model = reference(CASES[name], STEPS, bf16_at=BF16[name][0])
+    fp32_losses, _ = reference(CASES[name], STEPS)
+    want_state = want_model.state_dict()
     assert result["losses"] == pytest.approx(want_losses, rel=BF16_RTOL)
     assert result["losses"] == pytest.approx(fp32_losses, rel=0.02)
     assert result["losses"] != pytest.approx(fp32_losses, rel=1e-6)  # bf16 ran
