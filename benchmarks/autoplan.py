@@ -147,9 +147,10 @@ def rows(t: Traced, devices: tuple[int, ...], with_grid: bool, workers: int) -> 
     table = []
     for n in devices:
         plan, step, seconds = _auto(t, n, workers)
-        said = f"{plan.mesh.shape} {plan.schedule} {step * 1e3:.1f} ms in {seconds:.1f} s"
+        mesh = f"{plan.dims}, M {plan.micro_batches}"
+        said = f"{mesh} {plan.schedule} {step * 1e3:.1f} ms in {seconds:.1f} s"
         log(f"{t.name} N={n}: {said}")
-        row = [t.name, n, f"{plan.mesh.shape}, {plan.layout}/{plan.schedule}"]
+        row = [t.name, n, f"{mesh}, {plan.layout}/{plan.schedule}"]
         row += [f"{step * 1e3:.1f}", f"{seconds:.1f}"]
         if with_grid:
             best, grid_s = _grid_best(t, n)
@@ -184,7 +185,8 @@ def torchtitan_rows(names: list[str], workers: int) -> list[list[Any]]:
         plan, step, seconds = _auto(t, n, workers)
         theirs = _best_at(t, config, Candidate(pp, dp, tp, 1), batch)
         table.append(
-            [t.name, n, batch, f"pp {pp} x dp {dp} x tp {tp}", _ms(theirs), plan.mesh.shape,
+            [t.name, n, batch, f"pp {pp} x dp {dp} x tp {tp}", _ms(theirs),
+             f"{plan.dims}, M {plan.micro_batches}",
              plan.schedule, f"{step * 1e3:.0f}", f"{seconds:.0f}"]
         )  # fmt: skip
     return table

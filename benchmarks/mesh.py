@@ -202,7 +202,7 @@ def binding(row: Row) -> str:
 
 
 def _shape(p: Plan) -> str:
-    dp = p.cost_model.dp.degree
+    dp = p.cost_model.dims.dp
     return f"{p.num_devices} x {dp} / {len(p.stages)} / {p.depth}"
 
 
@@ -255,7 +255,7 @@ def _steps(p: Plan, emulate: Emulate, steps: int, own: bool = False) -> float:
     # inputs no stand-in reads: one zero, broadcast (micro-batches are views of it)
     inputs = [torch.zeros((), dtype=x.dtype).expand(x.shape) for x in w.example_inputs]
     target = zero_target(w)
-    dp = p.cost_model.dp.degree
+    dp = p.cost_model.dims.dp
     schedule, options = DEFAULT_SCHEDULE, {}
     if own:
         schedule = p.schedule or DEFAULT_SCHEDULE
@@ -305,7 +305,7 @@ def measured(
         own: Run each plan's own schedule and resharding (`_steps`).
         host: `Emulate.host`.
     """
-    ranks = plans[0].num_devices * plans[0].cost_model.dp.degree
+    ranks = plans[0].num_devices * plans[0].cost_model.dims.dp
     args = ([p.to_json() for p in plans], time_scale, steps, own, host)
     # the fork server (launch's default) starts at this process's first launch, with these
     # set: its glibc reads them at start, and the ranks fork from it
@@ -369,7 +369,7 @@ def auto_rows(
     table = []
     for name, p, wall in zip(["auto", "hand", "hand"], plans, walls, strict=True):
         sim, own = emulated_step(p, emulate, loop), simulate(p, p.schedule).iteration_time
-        shape = f"pp {p.num_devices} x dp {p.cost_model.dp.degree}, M {p.micro_batches}"
+        shape = f"pp {p.num_devices} x dp {p.cost_model.dims.dp}, M {p.micro_batches}"
         table.append(
             [name, shape, f"{p.layout}/{p.schedule}", f"{own:.3f}", f"{wall:.3f}",
              f"{sim:.3f}", f"{wall / sim:.3f}"]

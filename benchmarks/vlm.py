@@ -173,7 +173,9 @@ def _pinned(t: Traced, g: Any, cost: Any, c: Candidate, layout: str, v: int) -> 
 
 
 def _said(plan: Any, step: float) -> str:
-    return f"{plan.mesh.shape}, {plan.layout}/{plan.schedule}: {step * 1e3:.0f} ms"
+    return (
+        f"{plan.dims}, M {plan.micro_batches}, {plan.layout}/{plan.schedule}: {step * 1e3:.0f} ms"
+    )
 
 
 def rows(cases: Sequence[str], devices: Sequence[int]) -> list[list[Any]]:

@@ -73,7 +73,7 @@ def test_the_choice_is_the_best_of_the_whole_grid(devices: int) -> None:
     assert simulate(chosen).iteration_time == pytest.approx(best, rel=1e-9)
     note = chosen.info["mesh"]
     assert note["planned"] < note["candidates"] or devices == 2  # the bounds pruned some
-    assert chosen.mesh.devices == devices and chosen.mesh.chosen_by == "auto"
+    assert chosen.dims.devices == devices and chosen.info["mesh"]["chosen_by"] == "auto"
 
 
 def test_forked_workers_choose_the_serial_search_s_plan() -> None:
@@ -86,7 +86,7 @@ def test_forked_workers_choose_the_serial_search_s_plan() -> None:
         forked = choose(gm, prof, _config(8), MeshSearch(node=NODE, workers=2))
     finally:
         faulthandler.cancel_dump_traceback_later()
-    assert forked.mesh == serial.mesh
+    assert forked.dims == serial.dims and forked.micro_batches == serial.micro_batches
     assert _bare(forked) == _bare(serial)
     assert forked.info["mesh"]["candidates"] == serial.info["mesh"]["candidates"]
     assert multiprocessing.active_children() == []  # the workers were joined
@@ -147,7 +147,7 @@ def test_print_plan_lists_the_runners_up_and_what_bound_each() -> None:
     gm, prof = _traced()
     chosen = choose(gm, prof, _config(4, memory_budget=64 * 2**20), MeshSearch(node=NODE))
     text = str(chosen)
-    assert f"mesh: {chosen.mesh.shape} on pair nodes, chosen of" in text
+    assert f"mesh: {chosen.dims}, M {chosen.micro_batches} on pair nodes, chosen of" in text
     runners = chosen.info["mesh"]["runners_up"]
     assert runners and all(r["bound"] for r in runners)
     assert all(r["bound"].split(":")[0] in text for r in runners)
@@ -159,15 +159,15 @@ def test_the_plan_round_trips_and_its_mesh_reads_from_the_json() -> None:
     gm, prof = _traced()
     chosen = choose(gm, prof, _config(4), MeshSearch(node=NODE))
     back = Plan.from_json(chosen.to_json())
-    assert back == chosen and back.mesh == chosen.mesh and str(back) == str(chosen)
+    assert back == chosen and back.dims == chosen.dims and str(back) == str(chosen)
 
 
 def test_plan_mesh_traces_and_plans_a_model() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[Block() for _ in range(2)])
     made = plan_mesh(model, torch.randn(8, WIDTH), devices=2, profile=FLOPS, tp_plan=MLP_PLAN)
-    assert made.mesh.devices == 2 and math.isfinite(simulate(made).iteration_time)
-    assert all(shape[0] == 8 // made.mesh.micro_batches for shape in made.input_shapes.values())
+    assert made.dims.devices == 2 and math.isfinite(simulate(made).iteration_time)
+    assert all(shape[0] == 8 // made.micro_batches for shape in made.input_shapes.values())
 
 
 @pytest.mark.parametrize("devices", [4, 8])

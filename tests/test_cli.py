@@ -131,7 +131,7 @@ def test_plan_with_tensor_parallelism(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main([*argv, "--json", str(tmp_path / "tp2.json")]) == 0
     assert "tp 2, dp and tp uniform over the stages" in capsys.readouterr().out
     whole, halved = (Plan.from_json((tmp_path / f).read_text()) for f in ("tp1.json", "tp2.json"))
-    assert halved.cost_model.tp.degree == 2 and whole.cost_model.tp.degree == 1
+    assert halved.cost_model.dims.tp == 2 and whole.cost_model.dims.tp == 1
     bias = 32 * 4 * 4  # the row-wise layers' biases stay whole
     params = sum(s.param_bytes for s in whole.stages)
     assert sum(s.param_bytes for s in halved.stages) == pytest.approx((params - bias) / 2 + bias)
@@ -242,11 +242,11 @@ def test_run_trains_pp_x_dp_on_local_processes(
     argv += ["--steps", "3", "--profile", "flops", "--out", str(tmp_path)]
     assert main(argv) == 0
     plan = Plan.from_json((tmp_path / "plan.json").read_text())
-    assert plan.num_devices == 2 and plan.cost_model.dp.degree == 2  # pp 2 x dp 2
+    assert plan.num_devices == 2 and plan.cost_model.dims.dp == 2  # pp 2 x dp 2
     said = capfd.readouterr().out  # rank 0's lines, from its process
     assert "dp 2 (sharded)" in said and said.count("step    3/3") == 1  # one rank says it
 
 
 def test_run_takes_a_dp_degree_not_auto(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "models.mmt", "--devices", "4", "--dp", "auto"]) == 2
-    assert "graphpipe plan ... --dp auto" in capsys.readouterr().err
+    assert "`graphpipe plan --dp auto`" in capsys.readouterr().err

@@ -211,7 +211,7 @@ MESH_SCALE = 30.0  # FSDP2's hooks and gloo's collectives are host work: longer 
 def _mesh_plan() -> Plan:
     model, x = _model()
     p = plan(model, x, devices=4, dp=2, micro_batches=M, pins={"0": 0, "1": 0, "2": 1})
-    assert len(p.stages) == 2 and p.num_devices == 2 and p.cost_model.dp.degree == 2
+    assert len(p.stages) == 2 and p.num_devices == 2 and p.cost_model.dims.dp == 2
     stages = tuple(
         dataclasses.replace(s, forward_time=F, backward_time=B, param_bytes=4e5) for s in p.stages
     )

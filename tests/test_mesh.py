@@ -24,6 +24,7 @@ from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.compile.steps import checked_plan
 from graphpipe.errors import ConfigError
+from graphpipe.ir import ParallelDims
 from graphpipe.ir.cost import LinkModel
 from graphpipe.planning.api import plan
 from graphpipe.planning.interleave import place_graph
@@ -156,7 +157,7 @@ def _train(pm: Any, name: str) -> dict[str, Any]:
         "params": _full_parameters(pm),
         "eval": evaluated,
         "state": pm.state_dict(),
-        "plan": (pm.plan.num_devices, pm.plan.micro_batch_size, pm.plan.cost_model.dp),
+        "plan": (pm.plan.num_devices, pm.plan.micro_batch_size, pm.plan.cost_model),
     }
 
 
@@ -204,10 +205,10 @@ def test_a_mesh_step_equals_one_process_on_the_whole_mini_batch(
         assert not torch.equal(value, MODELS[case[0]]()[0].get_parameter(n)), f"{n} never moved"
     # rank 0 planned for the mesh: 2 pp devices, whole micro-batches of 8 / M rows, the dp
     # dimension with the run's FSDP options in its cost model
-    pp, rows, dp = runs[0][case]["plan"]
-    assert (pp, rows, dp.degree) == (2, 8 // M, 2)
+    pp, rows, cost = runs[0][case]["plan"]
+    assert (pp, rows, cost.dims.dp) == (2, 8 // M, 2)
     kept = case[2] == "keep" or case[1] == "zb"  # zero bubble keeps them gathered to its W
-    assert (dp.shard, dp.reshard_after_forward) == (case[2] != "replicate", not kept)
+    assert (cost.dims.dp_shard, cost.dp.reshard_after_forward) == (case[2] != "replicate", not kept)
 
 
 # -- several stages per pp rank ---------------------------------------------------------------
@@ -404,7 +405,7 @@ def test_the_identity_layout_translates_nothing() -> None:
     layout = ParallelLayout.identity(2, 4)
     assert (layout.pp, layout.dp, layout.pp_index, layout.rank) == (4, 1, 2, 2)
     assert [layout.rank_of(d) for d in range(4)] == [0, 1, 2, 3]
-    assert not layout.sharded
+    assert not layout.meshed and layout.dims == ParallelDims(pp=4)
 
 
 def _refusal_worker() -> list[str]:
@@ -580,7 +581,7 @@ def test_compile_takes_the_planners_mesh_options_under_their_names() -> None:
     `graphpipe.planning.options`): the degree, the sharding and the dp link's cost."""
     link = LinkModel(bandwidth=1e9)
     spec = _spec(dp=2, dp_shard=False, dp_link=link)
-    assert (spec.data_parallel, spec.parallelism.dp_shard) == (2, False)
+    assert spec.dims == ParallelDims(pp=None, dp=2, dp_shard=False)
     assert spec.plan_options["dp_link"] is link  # the planner costs the dp link given
 
 
@@ -589,11 +590,11 @@ def test_a_given_plan_is_checked_against_the_runs_dp_and_tp() -> None:
     gm = trace(model, inputs, micro_batch_size=2)  # one dp rank's slice: 8 rows, M=2, dp=2
     for_dp1 = plan(model, inputs, devices=2, micro_batches=2, pins=PINS["chain"])
     with pytest.raises(ConfigError, match="made for dp=1, this run has dp=2"):
-        checked_plan(for_dp1, gm, 2)
+        checked_plan(for_dp1, gm, ParallelDims(pp=2, dp=2))
     for_dp2 = plan(model, inputs, devices=4, dp=2, micro_batches=2, pins=PINS["chain"])
-    assert checked_plan(for_dp2, gm, 2) is for_dp2
+    assert checked_plan(for_dp2, gm, ParallelDims(pp=2, dp=2)) is for_dp2
     with pytest.raises(ConfigError, match="made for tp=1, this run has tp=2"):
-        checked_plan(for_dp2, gm, 2, tp=2)
+        checked_plan(for_dp2, gm, ParallelDims(pp=1, dp=2, tp=2))
 
 
 def test_the_one_time_loss_check_sees_this_ranks_slice_of_the_target() -> None:
@@ -647,7 +648,7 @@ def test_compile_chooses_the_mesh_and_trains_as_one_process() -> None:
     runs = launch(_auto_worker, 4, timeout=TIMEOUT)
     model, inputs = chain()
     alone = plan(model, inputs, devices=4, layouts=("one",), **AUTO)
-    pp, dp, tp = alone.mesh.pp, alone.mesh.dp, alone.mesh.tp  # type: ignore[union-attr]
+    pp, dp, tp = alone.dims.pp, alone.dims.dp, alone.dims.tp  # type: ignore[union-attr]
     assert all(r["chosen"] == (pp, dp, tp, alone.micro_batches) for r in runs), runs[0]["chosen"]
     assert all(r["dims"] == runs[0]["dims"] for r in runs)
     losses, params, _, _ = reference("chain")

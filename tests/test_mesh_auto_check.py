@@ -35,7 +35,7 @@ def test_the_emulated_run_s_step_is_the_plan_s_step_in_wall_seconds(named: bool)
     if named:
         cost = plan.cost_model
         plan = replace(plan, cost_model=replace(cost, dp=replace(cost.dp, link=LINK)))
-    assert plan.cost_model.dp.degree == 2
+    assert plan.cost_model.dims.dp == 2
     loop = LinkModel(bandwidth=LINK.bandwidth / (TIME * BYTES), latency=LINK.latency * TIME)
     step = emulated_step(plan, Emulate(time_scale=TIME, byte_scale=BYTES), loop)
     assert step == pytest.approx(TIME * simulate(plan, plan.schedule).iteration_time, rel=1e-9)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,6 +18,7 @@ from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import Plan
 from graphpipe.ir.actions import Action, ActionKind
 from graphpipe.ir.cost import CostModel, DataParallel, LinkModel, MemoryModel
+from graphpipe.ir.dims import ParallelDims
 from graphpipe.planning.mesh import per_rank_graph
 from graphpipe.planning.opgraph import op_graph
 from graphpipe.planning.partition import PlanConfig, partition
@@ -37,9 +39,10 @@ def plan(*args: Any, **options: Any) -> Plan:
     return planned(*args, **{"profile": FLOPS, "layouts": ("one",), **options})
 
 
-def _cost(k: int, **dp: Any) -> CostModel:
+def _cost(k: int, shard: bool = True, **dp: Any) -> CostModel:
     memory = MemoryModel(weight_versions=1, optimizer_slots=2)
-    return CostModel(4, 4, LINK, memory, dp=DataParallel(k, **dp))
+    dims = ParallelDims(dp=k, dp_shard=shard)
+    return CostModel(4, 4, LINK, memory, dims=dims, dp=DataParallel(**dp))
 
 
 # -- memory -------------------------------------------------------------------------------------
@@ -128,7 +131,7 @@ def test_all_gather_and_reduce_scatter_follow_the_ring_formula() -> None:
 
 def test_the_dp_link_is_its_own_when_given() -> None:
     fast = LinkModel(bandwidth=4e9, latency=0.0)
-    cost = replace(_cost(4), dp=DataParallel(4, link=fast))
+    cost = replace(_cost(4), dp=DataParallel(link=fast))
     assert cost.dp_sync_time(P) == pytest.approx(3 / 4 * P / 4e9)
     assert _cost(4).dp_link == LINK
 
@@ -160,15 +163,28 @@ def test_a_plan_with_dp_round_trips_through_json() -> None:
     p = plan(model, x, devices=4, micro_batches=2, dp=2, dp_link=slow, reshard_after_forward=False)
     back = Plan.from_json(p.to_json())
     assert back == p and back.info == p.info
-    assert back.cost_model.dp == DataParallel(2, True, False, 1.0, slow)
+    assert back.cost_model.dp == DataParallel(False, 1.0, slow)
+    assert back.dims == ParallelDims(pp=2, dp=2) == p.dims
     assert p.num_devices == 2 and "mesh pp 2 x dp 2 (sharded" in str(p)
 
 
 def test_a_plan_written_before_dp_reads_as_dp_1() -> None:
     model, x = two_branch()
     text = plan(model, x, devices=2, micro_batches=2).to_json()
-    assert '"dp"' not in text  # the format main writes
+    assert '"dp"' not in text and '"dims"' not in text  # the format main writes
     assert Plan.from_json(text).cost_model.dp == DataParallel()
+    assert Plan.from_json(text).dims == ParallelDims(pp=2)
+
+
+def test_a_plan_written_with_degrees_in_dp_and_tp_reads_them_as_its_dims() -> None:
+    model, x = two_branch()
+    data = json.loads(plan(model, x, devices=4, micro_batches=2, dp=2).to_json())
+    del data["cost_model"]["dims"]  # as plans were written before the one layout value
+    data["cost_model"]["dp"] = {"degree": 2, "shard": False, "reshard_after_forward": True}
+    data["cost_model"]["tp"] = {"degree": 1, "link": None}
+    back = Plan.from_json(json.dumps(data))
+    assert back.dims == ParallelDims(pp=2, dp=2, dp_shard=False)
+    assert back.cost_model.dp == DataParallel(True)
 
 
 @pytest.mark.parametrize("make", [two_branch, skip_across, tied, multi_output])
@@ -190,13 +206,13 @@ def test_dp_1_plans_are_the_plans_without_the_argument(
 
 def test_dp_must_divide_the_devices_and_the_micro_batch() -> None:
     model, x = two_branch()  # a batch of 8
-    with pytest.raises(ConfigError, match="dp=4 does not divide devices=6"):
+    with pytest.raises(ConfigError, match="dp=4 x tp=1 does not divide devices=6"):
         plan(model, x, devices=6, dp=4)
     with pytest.raises(ConfigError, match="dp=4 does not divide a micro-batch of 2 rows"):
         plan(model, x, devices=4, micro_batches=4, dp=4)
     with pytest.raises(ConfigError, match="'two'"):
         PlanConfig(devices=4, dp="two")
-    with pytest.raises(ConfigError, match="dp must be >= 1"):
+    with pytest.raises(ConfigError, match="dp must be an int >= 1"):
         PlanConfig(devices=4, dp=0)
 
 
@@ -229,7 +245,7 @@ def test_auto_shards_over_dp_when_the_large_layer_state_fits_no_device() -> None
         plan(model, x, devices=4, micro_batches=2, memory_budget=budget)
     p = plan(model, x, devices=4, micro_batches=2, memory_budget=budget, dp="auto")
     mesh = p.info["mesh"]
-    assert p.cost_model.dp.degree == 4 and mesh["dp"] == 4 and mesh["chosen_by"] == "auto"
+    assert p.cost_model.dims.dp == 4 and mesh["dp"] == 4 and mesh["chosen_by"] == "auto"
     assert mesh["bound"]["1"].startswith("memory") and mesh["bound"]["2"].startswith("memory")
     assert "memory binds dp=1" in mesh["summary"] and "memory binds dp=2" in mesh["summary"]
     assert max(simulate(p, "1f1b").peak_memory) <= budget
@@ -240,7 +256,7 @@ def test_auto_keeps_dp_1_when_the_dp_link_is_slow_and_names_it() -> None:
     slow = LinkModel(bandwidth=1e7)
     p = plan(model, x, devices=4, micro_batches=4, dp="auto", dp_link=slow)
     mesh = p.info["mesh"]
-    assert p.cost_model.dp.degree == 1 and mesh["dp"] == 1
+    assert p.cost_model.dims.dp == 1 and mesh["dp"] == 1
     assert mesh["bound"]["2"].startswith("dp link") and mesh["bound"]["4"].startswith("dp link")
     assert mesh["steps"]["1"] < min(mesh["steps"]["2"], mesh["steps"]["4"])
     assert mesh["summary"].startswith("dp=1 x pp=4")
@@ -251,7 +267,7 @@ def test_auto_picks_the_fastest_simulated_step_of_every_degree() -> None:
     p = plan(model, x, devices=4, micro_batches=2, dp="auto")
     steps = p.info["mesh"]["steps"]
     assert set(steps) == {"1", "2", "4"}
-    assert steps[str(p.cost_model.dp.degree)] == min(steps.values())
+    assert steps[str(p.cost_model.dims.dp)] == min(steps.values())
     assert simulate(p, "1f1b").iteration_time == pytest.approx(min(steps.values()))
 
 
@@ -266,7 +282,7 @@ def test_the_cli_shows_the_mesh(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--dp", "auto", "--partitioner", "graph"]) == 0
     assert "chosen: dp=" in capsys.readouterr().out
     assert main([*argv, "--dp", "3"]) == 2
-    assert "dp=3 does not divide devices=4" in capsys.readouterr().err
+    assert "dp=3 x tp=1 does not divide devices=4" in capsys.readouterr().err
 
 
 def test_the_fair_protocol_plans_both_strategies_on_the_mesh() -> None:
@@ -275,9 +291,9 @@ def test_the_fair_protocol_plans_both_strategies_on_the_mesh() -> None:
     rules = FairConfig(budget=None, micro_batches=(1, 2), schedules=("1f1b",), dp=2)
     for strategy in ("graph", "sequential"):
         c = choose(gm, tuple(w.example_inputs), 4, strategy, rules)
-        assert c.plan.cost_model.dp.degree == 2 and c.plan.num_devices == 2
+        assert c.plan.cost_model.dims.dp == 2 and c.plan.num_devices == 2
         assert not c.replication
-    with pytest.raises(ConfigError, match="dp=2 does not divide devices=3"):
+    with pytest.raises(ConfigError, match="dp=2 x tp=1 does not divide devices=3"):
         choose(gm, tuple(w.example_inputs), 3, "graph", rules)
 
 
@@ -333,7 +349,7 @@ def test_tp_halves_the_planned_layers_bytes_and_time_and_adds_megatron_s_all_red
         # fc1's and ReLU's outputs (4D wide) are split, fc2's (D) whole
         assert s2.activation_bytes == s1.activation_bytes - 2 * 2 * (4 * D * B * 4) / 2
     assert [e.bytes for e in tp2.edges] == [e.bytes for e in tp1.edges] == [B * D * 4]
-    assert tp2.cost_model.tp.degree == 2 and tp2.info["mesh"]["tp"] == 2
+    assert tp2.cost_model.dims.tp == 2 and tp2.info["mesh"]["tp"] == 2
     assert "tp 2" in str(tp2).splitlines()[0]
 
 
@@ -365,10 +381,10 @@ def test_a_plan_with_tp_round_trips_through_json_and_a_tp_1_plan_is_unchanged() 
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({"tp": 3}, "tp=3 does not divide devices=4"),
+        ({"tp": 3}, "dp=1 x tp=3 does not divide devices=4"),
         ({"tp": 2}, "tp=2 needs tp_plan"),
         ({"tp": 2, "tp_plan": {"0": "sideways"}}, "sideways"),
-        ({"tp": 2, "tp_plan": MLP_PLAN, "dp": 4}, "dp=4 does not divide devices=2"),
+        ({"tp": 2, "tp_plan": MLP_PLAN, "dp": 4}, "dp=4 x tp=2 does not divide devices=4"),
     ],
 )
 def test_tp_must_divide_the_devices_and_needs_a_plan(options: dict[str, Any], named: str) -> None:

@@ -83,7 +83,7 @@ def test_a_keyword_and_its_group_make_the_same_run() -> None:
         },
     )
     assert flat == grouped
-    assert (flat.micro_batch_size, flat.data_parallel, flat.numerics.precision) == (2, 2, "bf16")
+    assert (flat.micro_batch_size, flat.dims.dp, flat.numerics.precision) == (2, 2, "bf16")
 
 
 def test_every_problem_is_named_at_once_with_the_closest_name() -> None:
@@ -161,7 +161,7 @@ def test_the_planner_chooses_the_mesh_when_asked() -> None:
     x = torch.randn(16, 16)
     flops = ProfileConfig(mode="flops")
     chosen = plan(model, x, devices=4, mesh="auto", micro_batches="auto", profile=flops)
-    assert chosen.mesh.pp * chosen.mesh.dp * chosen.mesh.tp == 4  # type: ignore[union-attr]
+    assert chosen.dims.devices == 4  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match="dp=2 with mesh='auto', which chooses it"):
         plan(model, x, devices=4, mesh="auto", dp=2, profile=flops)
     with pytest.raises(ConfigError, match="tp=2 with mesh='auto', which chooses it"):

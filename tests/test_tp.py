@@ -629,12 +629,13 @@ def test_plain_attention_equals_torch_s(causal: bool) -> None:
 
 
 def test_what_tensor_parallelism_cannot_run_yet_is_refused_by_name() -> None:
+    from graphpipe.ir import ParallelDims
     from graphpipe.runtime.refusals import refusal
     from graphpipe.runtime.spec import tp_refusals
 
-    said = tp_refusals(tp=2, tp_plan=None, dp_shard=False)
+    said = tp_refusals(ParallelDims(pp=None, dp=2, tp=2, dp_shard=False), tp_plan=None)
     assert said == [refusal("tp-hsdp", "dp_shard=False")]
-    assert "no 'tp' dimension" in tp_refusals(tp=1, tp_plan={}, dp_shard=True)[0]
+    assert "no 'tp' dimension" in tp_refusals(ParallelDims(pp=None), tp_plan={})[0]
 
 
 class _CutAtAView(nn.Module):

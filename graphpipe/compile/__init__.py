@@ -41,10 +41,10 @@ from torch import fx, nn
 
 from graphpipe.compile.agree import agree_schedule, agreed_plan
 from graphpipe.compile.steps import (
-    build_mesh,
     check_world,
     checked_plan,
     ensure_process_group,
+    join_mesh,
     mesh_on_rank_0,
     plan_on_rank_0,
     schedule_name,
@@ -176,7 +176,7 @@ def compile(
     if spec.auto_mesh:
         spec = _chosen_mesh(model, example_inputs, spec)
     spec = _join(spec)
-    if spec.tensor_parallel > 1:  # the model's own plan when none is given, checked
+    if spec.dims.tp > 1:  # the model's own plan when none is given, checked
         spec = replace(spec, tp_plan=MappingProxyType(resolve_tp_plan(model, spec.tp_plan)))
     gm, inputs = _trace(model, example_inputs, spec)
     if spec.max_shapes is not None:
@@ -198,13 +198,12 @@ def _chosen_mesh(model: nn.Module, example_inputs: Any, spec: RunSpec) -> RunSpe
     ensure_process_group(spec.runtime)
     install_watch(spec.runtime.timeout)
     chosen = mesh_on_rank_0(model, example_inputs, spec)
-    mesh = chosen.info["mesh"]
     parallelism = replace(
         spec.parallelism,
         mesh=None,
-        dp=int(mesh["dp"]),
-        tp=int(mesh["tp"]),
-        reshard_after_forward=bool(mesh["reshard_after_forward"]),
+        dp=chosen.dims.dp,
+        tp=chosen.dims.tp,
+        reshard_after_forward=chosen.cost_model.dp.reshard_after_forward,
     )
     groups = dict(
         planning=replace(spec.planning, micro_batches=chosen.micro_batches),
@@ -222,7 +221,7 @@ def _join(spec: RunSpec) -> RunSpec:
     ensure_process_group(spec.runtime)
     install_watch(spec.runtime.timeout)  # every wait from here on stops when a rank fails
     device = runtime_device(spec.runtime)  # NCCL's object collectives need the rank's GPU
-    spec = build_mesh(spec, device.type)
+    spec = join_mesh(spec, device.type)
     check_world(spec, None)
     return spec
 
@@ -261,7 +260,7 @@ def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -
     """The given plan checked against the trace, rank 0's copy of it on every rank
     (`agreed_plan`), or the plan rank 0 makes."""
     if spec.plan is not None:
-        checked = checked_plan(spec.plan, gm, spec.data_parallel, spec.tensor_parallel)
+        checked = checked_plan(spec.plan, gm, spec.dims)
         return agreed_plan(checked, spec.runtime.timeout)
     return plan_on_rank_0(gm, inputs, spec)
 

@@ -15,18 +15,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from graphpipe._torch import AGENT_STORE_ENV
 from graphpipe.errors import ConfigError, PlanError
-from graphpipe.ir import Plan, Schedule
+from graphpipe.ir import ParallelDims, Plan, Schedule
 from graphpipe.planning.automesh import plan_mesh
 from graphpipe.planning.opgraph import graph_hash, input_shapes, op_graph
 from graphpipe.planning.partition import PlanConfig, partition, partition_mesh
 from graphpipe.planning.profile import ProfileConfig, noted, profile
 from graphpipe.planning.validate import validate_plan
 from graphpipe.runtime.failures import guarded, restart_count
-from graphpipe.runtime.mesh import ParallelLayout
+from graphpipe.runtime.mesh import ParallelLayout, build_mesh
 from graphpipe.runtime.spec import RunSpec, RuntimeConfig, plan_schedule
 from graphpipe.runtime.tp import resolve_tp_plan
 from graphpipe.runtime.weights import CLASSES
@@ -36,10 +35,10 @@ from graphpipe.tracing.annotate import is_meta, trace_info
 
 __all__ = [
     "broadcast_plan",
-    "build_mesh",
     "check_world",
     "checked_plan",
     "ensure_process_group",
+    "join_mesh",
     "mesh_on_rank_0",
     "pipeline_devices",
     "plan_on_rank_0",
@@ -53,45 +52,24 @@ def pipeline_devices(spec: RunSpec) -> int:
     """The devices a plan is made for: the world size, or with a mesh its pp size."""
     if spec.layout is not None:
         return int(spec.layout.pp)
-    return dist.get_world_size() // (spec.data_parallel * spec.tensor_parallel)
+    return dist.get_world_size() // spec.dims.inner
 
 
-def build_mesh(spec: RunSpec, device_type: str) -> RunSpec:
+def join_mesh(spec: RunSpec, device_type: str) -> RunSpec:
     """The spec with its mesh and this rank's layout: the given mesh checked against the
-    world, or dp= and tp='s (world // (dp x tp), dp, tp) mesh built (a collective), or
-    without either none; the layout (`ParallelLayout`) built once from the mesh or the
-    world, for the planner and the runtime to read.
+    world, or the spec's dims' mesh built (`graphpipe.runtime.mesh.build_mesh`, a
+    collective), or none; the layout (`ParallelLayout`) built once from the mesh or the
+    world, for the planner and the runtime to read, and the spec's dims resolved (pp).
 
     Raises:
-        ConfigError: dp x tp does not divide the world size, or the mesh does not span the
-            world.
+        ConfigError: the dims do not fit the world (`ParallelDims.on`).
     """
-    spec = _with_mesh(spec, device_type)
-    return replace(spec, layout=ParallelLayout.current(spec.mesh, spec.micro_batch_size))
-
-
-def _with_mesh(spec: RunSpec, device_type: str) -> RunSpec:
-    """The spec with its mesh: the given one checked, dp= and tp='s built, or none."""
     world = dist.get_world_size()
-    if spec.mesh is not None:
-        if spec.mesh.size() != world:
-            raise ConfigError(
-                f"the mesh {list(spec.mesh.mesh.shape)} holds {spec.mesh.size()} ranks, the "
-                f"process group {world}: the mesh must span every rank"
-            )
-        return spec
-    k, t = spec.data_parallel, spec.tensor_parallel
-    if k * t == 1:
-        return spec
-    if world % (k * t):
-        raise ConfigError(
-            f"dp={k} x tp={t} does not divide the world size {world}: launch a multiple "
-            f"of {k * t} processes"
-        )
-    dims = {"pp": world // (k * t), "dp": k, "tp": t}
-    kept = [name for name in ("pp", "dp", "tp") if name == "pp" or dims[name] > 1]
-    mesh = init_device_mesh(device_type, tuple(dims[n] for n in kept), mesh_dim_names=tuple(kept))
-    return replace(spec, mesh=mesh)
+    dims = spec.dims.on(world)  # a given mesh: it must span the world
+    mesh = spec.mesh if spec.mesh is not None else build_mesh(dims, device_type, world)
+    shard = dims.dp_shard
+    layout = ParallelLayout.current(mesh, spec.micro_batch_size, shard)
+    return replace(spec, mesh=mesh, dims=layout.dims, layout=layout)
 
 
 def check_world(spec: RunSpec, plan: Plan | None) -> None:
@@ -112,8 +90,7 @@ def check_world(spec: RunSpec, plan: Plan | None) -> None:
         if spec.meshed:
             raise ConfigError(
                 f"the plan is for {plan.num_devices} devices but the mesh's pp size is "
-                f"{world}; launch "
-                f"{plan.num_devices * spec.data_parallel * spec.tensor_parallel} processes"
+                f"{world}; launch {plan.num_devices * spec.dims.inner} processes"
             )
         raise ConfigError(
             f"the plan is for {plan.num_devices} devices but the process group "
@@ -192,18 +169,18 @@ def _agent_store(timeout: datetime.timedelta) -> dist.TCPStore:
     return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
 
 
-def checked_plan(plan: Plan, gm: fx.GraphModule, dp: int = 1, tp: int = 1) -> Plan:
-    """A given plan, checked against this model's trace (at one dp rank's slice of `dp`).
+def checked_plan(plan: Plan, gm: fx.GraphModule, dims: ParallelDims | None = None) -> Plan:
+    """A given plan, checked against this model's trace (at one dp rank's slice of the
+    run's `dims`; None: no mesh).
 
     Raises:
         PlanError: the plan was made for another graph, or is invalid for this one.
         ConfigError: the plan was made for another micro-batch size, input shapes, dp or tp.
     """
+    dims = dims or ParallelDims(pp=None)
+    dp = dims.dp
     b = trace_info(gm).micro_batch_size * dp
-    for dim, planned, run in (
-        ("dp", plan.cost_model.dp.degree, dp),
-        ("tp", plan.cost_model.tp.degree, tp),
-    ):
+    for dim, planned, run in (("dp", plan.dims.dp, dp), ("tp", plan.dims.tp, dims.tp)):
         if planned != run:
             raise ConfigError(
                 f"the plan was made for {dim}={planned}, this run has {dim}={run}; "
@@ -258,7 +235,7 @@ def _plan(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], spec: RunSpec) -
     and the tp dimension by the run's tp plan (`spec.tp_plan`, resolved by compile: the
     planned layers' bytes and times split, their all-reduces in the stage times).
     """
-    dp, tp, b = spec.layout.dp, spec.layout.tp, trace_info(gm).micro_batch_size
+    dp, tp, b = spec.dims.dp, spec.dims.tp, trace_info(gm).micro_batch_size
     prof = profile(gm, inputs, b, _profile_config(gm, spec.planning.profile))
     if dp == 1 and tp == 1:
         config = PlanConfig.build(

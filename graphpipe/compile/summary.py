@@ -47,16 +47,15 @@ def announce(plan: Plan, schedule: Schedule, spec: RunSpec) -> None:
 
 def _stages(plan: Plan, spec: RunSpec) -> str:
     n = len(plan.stages)
-    where = "pp ranks" if spec.mesh is not None else "ranks"
+    where = "pp ranks" if spec.meshed else "ranks"
     return f"{n} stage{'s' * (n != 1)} over {plan.num_devices} {where} ({_mesh(spec)})"
 
 
 def _mesh(spec: RunSpec) -> str:
-    if spec.mesh is None:
+    if not spec.meshed:
         return "mesh none"
-    names = spec.mesh.mesh_dim_names or ()
-    sizes = spec.mesh.mesh.shape
-    return "mesh " + " x ".join(f"{n}{s}" for n, s in zip(names, sizes, strict=False))
+    dims = spec.dims
+    return "mesh " + " x ".join(f"{n}{s}" for n, s in zip(dims.names, dims.sizes, strict=True))
 
 
 def _layout(plan: Plan) -> str:

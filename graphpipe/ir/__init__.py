@@ -26,6 +26,7 @@ from graphpipe.ir.actions import (
     parse_ranks,
 )
 from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel, weight_copies
+from graphpipe.ir.dims import ParallelDims
 from graphpipe.ir.messages import Occurrences, awaits, message_time, sends, with_messages
 from graphpipe.ir.plan import (
     WEIGHT_SHARE,
@@ -73,6 +74,7 @@ __all__ = [
     "Message",
     "Occurrences",
     "Op",
+    "ParallelDims",
     "Plan",
     "PolicySpec",
     "Program",

@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from graphpipe.errors import ConfigError
+from graphpipe.ir.dims import ParallelDims
 from graphpipe.ir.registry import policy_spec
 
 __all__ = [
@@ -153,47 +154,26 @@ class MemoryModel:
 
 @dataclass(frozen=True)
 class DataParallel:
-    """The mesh's data-parallel dimension: every stage runs on `degree` ranks of the "dp" dim.
-
-    Uniform: every stage has the same degree (one dp sub-mesh size for every pp coordinate).
-    See the module docstring for the costs.
+    """What the dp dimension costs besides its size (`CostModel.dims`: dp and dp_shard):
+    FSDP2's resharding, the share of a stage unsharded at once, and the dp link. See the
+    module docstring for the costs.
     """
 
-    degree: int = 1  # k: ranks per stage on the "dp" mesh dim, each with 1/k of the rows
-    shard: bool = True  # FSDP: parameters, gradients and optimizer state sharded over k;
-    # False: every rank keeps a full replica and gradients are all-reduced (HSDP-like)
     reshard_after_forward: bool = True  # FSDP2's option: gather again for the backward
     gather_share: float = 1.0  # share of the stage's parameters unsharded at once
     link: LinkModel | None = None  # the dp link; None: the same as the pp link
 
     def __post_init__(self) -> None:
-        if self.degree < 1 or not 0 < self.gather_share <= 1:
-            raise ConfigError(
-                f"dp degree must be >= 1 and gather_share in (0, 1], got degree="
-                f"{self.degree}, gather_share={self.gather_share}"
-            )
-
-    def describe(self) -> str:
-        """A short text, e.g. "dp 2 (sharded)"."""
-        if self.degree == 1:
-            return "dp 1"
-        how = "sharded" if self.shard else "replicated"
-        if self.shard and not self.reshard_after_forward:
-            how += ", kept unsharded over the step"
-        return f"dp {self.degree} ({how})"
+        if not 0 < self.gather_share <= 1:
+            raise ConfigError(f"gather_share must be in (0, 1], got {self.gather_share}")
 
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """The mesh's tensor-parallel dimension: every stage's planned layers split over `degree`
-    ranks of the "tp" dim (the module docstring gives the costs)."""
+    """What the tp dimension costs besides its size (`CostModel.dims.tp`): its link (the
+    module docstring gives the costs)."""
 
-    degree: int = 1  # t: ranks per stage on the "tp" mesh dim
     link: LinkModel | None = None  # the tp link; None: the same as the pp link
-
-    def __post_init__(self) -> None:
-        if self.degree < 1:
-            raise ConfigError(f"tp degree must be >= 1, got {self.degree}")
 
 
 @dataclass(frozen=True)
@@ -206,8 +186,10 @@ class CostModel:
     memory: MemoryModel = field(default_factory=MemoryModel)
     profile: str = "flops"  # where op times came from: "flops" (estimate) or "measure"
     device: str = "cpu"  # the device the op times are for
-    dp: DataParallel = field(default_factory=DataParallel)  # the mesh's dp dimension
-    tp: TensorParallel = field(default_factory=TensorParallel)  # the mesh's tp dimension
+    # the parallel layout: pp (the plan's devices, set by the Plan), dp, tp, dp_shard
+    dims: ParallelDims = field(default_factory=ParallelDims)
+    dp: DataParallel = field(default_factory=DataParallel)  # the dp dimension's other costs
+    tp: TensorParallel = field(default_factory=TensorParallel)  # the tp dimension's link
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.micro_batches < 1:
@@ -221,7 +203,7 @@ class CostModel:
         its all-reduce, both spread over the M micro-batches of a mini-batch; with a dp
         dimension, "dp stage_time" of the module docstring (`replicas` must be 1)."""
         m = self.micro_batches
-        if self.dp.degree > 1:
+        if self.dims.dp > 1:
             return self._dp_stage_time(compute, param_bytes, replicas)
         share = math.ceil(m / replicas) / m
         return compute * share + self.link.allreduce(param_bytes, replicas) / m
@@ -230,7 +212,7 @@ class CostModel:
         """`stage_time` on 1..`replicas` replicas, as one array (the same operations per
         element, so the same values)."""
         m, link = self.micro_batches, self.link
-        if self.dp.degree > 1:  # no replicas beside the dp dimension
+        if self.dims.dp > 1:  # no replicas beside the dp dimension
             times = np.full(replicas, np.inf)
             times[0] = self._dp_stage_time(compute, param_bytes, 1)
             return times
@@ -259,9 +241,12 @@ class CostModel:
     # -- the dp dimension (module docstring) ------------------------------------------------
 
     def describe_mesh(self) -> str:
-        """The dp and tp dimensions in words, e.g. "dp 2 (sharded), tp 2"."""
-        tp = self.tp.degree
-        return self.dp.describe() + (f", tp {tp}" if tp > 1 else "")
+        """The dims besides pp in words, with FSDP2's resharding where it is not the
+        default, e.g. "dp 2 (sharded) x tp 2"."""
+        words = self.dims.describe_inner()
+        if self.dims.sharded and not self.dp.reshard_after_forward:
+            words = words.replace("(sharded)", "(sharded, kept unsharded over the step)")
+        return words
 
     @property
     def tp_link(self) -> LinkModel:
@@ -279,8 +264,8 @@ class CostModel:
         """Bytes for a stage's parameters on one rank: `MemoryModel.weights`, or with sharded
         dp, the sharded state + the unsharded copy held + the unsharded gradient (`frozen`
         bytes: one sharded copy and the unsharded one, no gradient or optimizer state)."""
-        k, dp = self.dp.degree, self.dp
-        if k == 1 or not dp.shard:
+        k, dp = self.dims.dp, self.dp
+        if not self.dims.sharded:
             return self.memory.weights(param_bytes, versions, frozen)
         kept = self.memory.weight_versions if versions is None else versions
         share = dp.gather_share if dp.reshard_after_forward else 1.0
@@ -291,18 +276,18 @@ class CostModel:
     def gather_time(self, param_bytes: float) -> float:
         """Seconds of all-gathers of a stage's parameters per micro-batch on the dp link: two
         (forward, backward) with reshard_after_forward, else one per step spread over M."""
-        if self.dp.degree == 1 or not self.dp.shard:
+        if not self.dims.sharded:
             return 0.0
-        once = self.dp_link.all_gather(param_bytes, self.dp.degree)
+        once = self.dp_link.all_gather(param_bytes, self.dims.dp)
         return 2 * once if self.dp.reshard_after_forward else once / self.micro_batches
 
     def dp_sync_time(self, param_bytes: float) -> float:
         """Seconds per step to sync a stage's gradients over the dp dimension: a ring
         reduce-scatter (sharded) or all-reduce (replicated); 0 without dp."""
-        k, link = self.dp.degree, self.dp_link
+        k, link = self.dims.dp, self.dp_link
         if k == 1:
             return 0.0
-        if self.dp.shard:
+        if self.dims.dp_shard:
             return link.reduce_scatter(param_bytes, k)
         return link.allreduce(param_bytes, k)
 
@@ -310,7 +295,7 @@ class CostModel:
         """Seconds of an update's gradient communication: the replicas' all-reduce and the
         dp dimension's sync (`dp_sync_time`)."""
         allreduce = self.link.allreduce(param_bytes, replicas)
-        return allreduce + self.dp_sync_time(param_bytes) if self.dp.degree > 1 else allreduce
+        return allreduce + self.dp_sync_time(param_bytes) if self.dims.dp > 1 else allreduce
 
     def exposed_gather(
         self, forward: float, backward: float, param_bytes: float
@@ -322,11 +307,11 @@ class CostModel:
         max(0, gather(p) - f) / M."""
         c = forward + backward
         exposed = max(0.0, self.gather_time(param_bytes) - c)
-        if self.dp.shard and self.dp.degree > 1 and not self.dp.reshard_after_forward:
+        if self.dims.sharded and not self.dp.reshard_after_forward:
             # once per step, before the step's first forward uses the parameters: that
             # forward hides what it can (FSDP2 prefetches the next block's gather behind the
             # current block); the later micro-batches find them gathered. Spread over M.
-            once = self.dp_link.all_gather(param_bytes, self.dp.degree)
+            once = self.dp_link.all_gather(param_bytes, self.dims.dp)
             exposed = max(0.0, once - forward) / self.micro_batches
         if exposed == 0.0:
             return forward, backward
@@ -336,15 +321,19 @@ class CostModel:
     def _dp_stage_time(self, compute: float, param_bytes: float, replicas: int) -> float:
         if replicas > 1:
             raise ConfigError(
-                f"a stage has {replicas} replicas and dp degree {self.dp.degree}: replication "
+                f"a stage has {replicas} replicas and dp degree {self.dims.dp}: replication "
                 "inside the pp dimension and dp > 1 are exclusive"
             )
         m = self.micro_batches
         return max(compute, self.gather_time(param_bytes)) + self.dp_sync_time(param_bytes) / m
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for JSON (without `dp` or `tp` when the default, as before they existed)."""
+        """Plain data for JSON (without `dims`, `dp` or `tp` when the default, as before
+        they existed)."""
         data = asdict(self)
+        data["dims"] = self.dims.to_dict()
+        if not self.dims.meshed:
+            del data["dims"]
         if self.dp == DataParallel():
             del data["dp"]
         if self.tp == TensorParallel():
@@ -353,16 +342,22 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModel:
-        """Inverse of `to_dict`."""
+        """Inverse of `to_dict` (also of plans written before `dims`, whose `dp` and `tp`
+        held the degrees)."""
         fields = dict(data)
         fields["link"] = LinkModel(**fields.get("link", {}))
         fields["memory"] = MemoryModel(**fields.get("memory", {}))
         dp = dict(fields.get("dp", {}))
-        if dp.get("link") is not None:
-            dp["link"] = LinkModel(**dp["link"])
-        fields["dp"] = DataParallel(**dp)
         tp = dict(fields.get("tp", {}))
-        if tp.get("link") is not None:
-            tp["link"] = LinkModel(**tp["link"])
+        dims = dict(fields.get("dims", {}))
+        old = {"dp": dp.pop("degree", 1), "tp": tp.pop("degree", 1)}
+        if "dims" not in fields and old != {"dp": 1, "tp": 1}:  # a plan from before dims
+            dims = {**old, "dp_shard": dp.pop("shard", True)}
+        dp.pop("shard", None)
+        fields["dims"] = ParallelDims.from_dict(dims)
+        for part in (dp, tp):
+            if part.get("link") is not None:
+                part["link"] = LinkModel(**part["link"])
+        fields["dp"] = DataParallel(**dp)
         fields["tp"] = TensorParallel(**tp)
         return cls(**fields)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -20,13 +20,13 @@ import networkx as nx
 from graphpipe._units import format_bytes, format_time
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir.cost import CostModel
+from graphpipe.ir.dims import ParallelDims
 from graphpipe.ir.registry import ANY_PLACEMENT, DEFAULT_SCHEDULE, schedule_spec
 
 __all__ = [
     "LAYOUTS",
     "LAYOUT_WORDS",
     "WEIGHT_SHARE",
-    "MeshShape",
     "Plan",
     "Stage",
     "StageEdge",
@@ -51,36 +51,6 @@ def edges_to_sink(g: nx.DiGraph) -> dict[int, int]:
     for s in reversed(list(nx.topological_sort(g))):
         height[s] = max((height[t] + 1 for t in g.successors(s)), default=0)
     return height
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    """The mesh a plan runs on: pp x dp x tp ranks and M micro-batches (`Plan.mesh`).
-
-    `str()` is the dp and tp dimensions in words, as before this record ("dp 2 (sharded),
-    tp 2"); `shape` names all three.
-    """
-
-    pp: int  # pp ranks: the plan's devices
-    dp: int  # dp ranks per stage (FSDP2)
-    tp: int  # tp ranks per stage
-    micro_batches: int  # M
-    dims: str = "dp 1"  # the dp and tp dimensions in words (`CostModel.describe_mesh`)
-    node: str = ""  # the node whose links the costs are ("": the plan's links)
-    chosen_by: str = ""  # "auto": the planner's mesh search (`planning.automesh`)
-
-    @property
-    def devices(self) -> int:
-        """N = pp x dp x tp."""
-        return self.pp * self.dp * self.tp
-
-    @property
-    def shape(self) -> str:
-        """E.g. "pp 4 x dp 2 x tp 8, M 16"."""
-        return f"pp {self.pp} x dp {self.dp} x tp {self.tp}, M {self.micro_batches}"
-
-    def __str__(self) -> str:
-        return self.dims
 
 
 @dataclass(frozen=True)
@@ -189,6 +159,10 @@ class Plan:
             raise PlanError(f"the plan's schedule: {exc}") from exc
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "schedule", schedule.name)  # an alias named as itself
+        dims = self.cost_model.dims
+        if dims.pp != self.num_devices:  # the cost model's pp is the plan's devices
+            cost = replace(self.cost_model, dims=replace(dims, pp=self.num_devices))
+            object.__setattr__(self, "cost_model", cost)
 
     @property
     def micro_batches(self) -> int:
@@ -201,19 +175,15 @@ class Plan:
         return self.cost_model.micro_batch_size
 
     @property
-    def mesh(self) -> MeshShape:
-        """The mesh: pp (the plan's devices) x dp x tp and M, and who chose it; `str()` is
-        the data- and tensor-parallel dimensions in words ("dp 1" without either)."""
-        cost, note = self.cost_model, self.info.get("mesh", {})
-        return MeshShape(
-            pp=self.num_devices,
-            dp=cost.dp.degree,
-            tp=cost.tp.degree,
-            micro_batches=cost.micro_batches,
-            dims=cost.describe_mesh(),
-            node=str(note.get("node", "")),
-            chosen_by=str(note.get("chosen_by", "")) if "runners_up" in note else "",
-        )
+    def dims(self) -> ParallelDims:
+        """The parallel layout the plan is for: pp (its devices) x dp x tp
+        (`graphpipe.ir.dims`); `str()` names every dimension."""
+        return self.cost_model.dims
+
+    @property
+    def mesh_words(self) -> str:
+        """The mesh in words with FSDP2's resharding, e.g. "pp 2 x dp 2 (sharded)"."""
+        return f"pp {self.num_devices} x {self.cost_model.describe_mesh()}"
 
     @property
     def throughput(self) -> float:
@@ -302,8 +272,8 @@ class Plan:
             f"{self.num_devices} devices, depth {self.depth}, bottleneck "
             f"{format_time(self.bottleneck)}/micro-batch)"
         ]
-        if self.cost_model.dp.degree > 1 or self.cost_model.tp.degree > 1:
-            lines[0] = lines[0][:-1] + f", mesh pp {self.num_devices} x {self.mesh})"
+        if self.dims.meshed:
+            lines[0] = lines[0][:-1] + f", mesh {self.mesh_words})"
         lines.append(f"  costs: {self.costs}")
         measured = self.info.get("profile", {})  # planning.profile.Profile.summary
         failed = list(measured.get("fallbacks", {}).items())
@@ -381,15 +351,21 @@ def mesh_lines(note: dict[str, Any] | None) -> list[str]:
         return []
     on = f" on {note['node']} nodes" if note.get("node") else ""
     lines = [
-        f"mesh: pp {note['pp']} x dp {note['dp']} x tp {note['tp']}, M {note['micro_batches']}"
-        f"{on}, chosen of {note['candidates']} meshes ({note['planned']} planned, "
+        f"mesh: {_mesh_words(note)}{on}, chosen of {note['candidates']} meshes "
+        f"({note['planned']} planned, "
         f"{note['pruned']} pruned by a lower bound); runners-up:"
     ]
     for r in note["runners_up"]:
-        shape = f"pp {r['pp']} x dp {r['dp']} x tp {r['tp']}, M {r['micro_batches']}"
+        shape = _mesh_words(r)
         step = "not planned" if r["step"] is None else f"{format_time(r['step'])}/step"
-        lines.append(f"  {shape:28s} {step:18s} {r['bound']}")
+        lines.append(f"  {shape:34s} {step:18s} {r['bound']}")
     return lines
+
+
+def _mesh_words(entry: dict[str, Any]) -> str:
+    """A mesh search entry's layout and M, e.g. "pp 2 x dp 4 (sharded), M 8"."""
+    dims = ParallelDims(pp=entry["pp"], dp=entry["dp"], tp=entry["tp"])
+    return f"{dims}, M {entry['micro_batches']}"
 
 
 LAYOUTS = ("one", "loop", "v", "graph")  # how stages sit on devices (`planning.layouts`)

@@ -7,7 +7,7 @@
 
 One mesh is `graphpipe.planning.partition.plan`; `mesh="auto"` is
 `graphpipe.planning.automesh.plan_mesh`, which plans and simulates each candidate mesh and
-keeps the fastest (`plan.mesh` names it; `print(plan)` lists the runners-up and what bound
+keeps the fastest (`plan.dims` names it; `print(plan)` lists the runners-up and what bound
 each). Both take the same options (`graphpipe.planning.options`), routed here once.
 """
 
@@ -60,7 +60,7 @@ def plan(
             then its to choose.
 
     Returns:
-        A validated `Plan`; with mesh="auto", `plan.mesh` names the mesh chosen.
+        A validated `Plan`; with mesh="auto", `plan.dims` names the mesh chosen.
 
     Raises:
         ConfigError: every bad option, at once.

@@ -2,7 +2,7 @@
 recompute chosen together, by planning and simulating each candidate on the same costs.
 
     plan = plan_mesh(model, x, devices=64, node="h100x8", tp_plan=model_tp_plan(model))
-    plan.mesh      # MeshShape(pp=2, dp=4, tp=8, micro_batches=8, node='h100x8', ...)
+    plan.dims      # ParallelDims(pp=2, dp=4, tp=8): the mesh chosen; plan.micro_batches its M
     print(plan)    # the choice, then the runners-up and what bound each
 
 Index letters: N devices, G devices per node, t tp, k dp, p pp (N = p k t), M micro-batches,
@@ -117,6 +117,7 @@ from torch import fx, nn
 from graphpipe.errors import ConfigError, PlanError, ScheduleError
 from graphpipe.ir import DEFAULT_SCHEDULE, Plan, over_budget, schedule_spec
 from graphpipe.ir.cost import CostModel, LinkModel
+from graphpipe.ir.dims import ParallelDims
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.devices import Node, node_preset
 from graphpipe.planning.fold import folded_groups
@@ -210,6 +211,11 @@ class Candidate:
     dp: int
     tp: int
     micro_batches: int
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout it is: pp x dp x tp (FSDP2-sharded dp)."""
+        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp)
 
     def __str__(self) -> str:
         return f"pp {self.pp} x dp {self.dp} x tp {self.tp}, M {self.micro_batches}"
@@ -840,7 +846,7 @@ def _why_not(s: Scored, best: Scored) -> str:
         return s.bound or f"pruned: its {s.which} bound {s.lower * 1e3:.4g} ms >= the chosen step"
     plan, cost = s.plan, s.plan.cost_model
     if any(st.recompute for st in plan.stages) or (
-        cost.dp.reshard_after_forward and cost.dp.degree > 1
+        cost.dp.reshard_after_forward and cost.dims.dp > 1
     ):
         return "memory: fits only recomputing or resharding after the forward"
     bubble = 1 - plan.micro_batches * plan.bottleneck / s.step if s.step > 0 else 0.0
@@ -948,7 +954,7 @@ def plan_mesh(
             `tp_plan` lets the search use tp (e.g. `graphpipe.runtime.tp.model_tp_plan`).
 
     Returns:
-        The chosen plan; `plan.mesh` names the mesh, `print(plan)` lists the runners-up.
+        The chosen plan; `plan.dims` names the mesh, `print(plan)` lists the runners-up.
 
     Raises:
         ConfigError: a bad option or search field, each named.
@@ -958,7 +964,7 @@ def plan_mesh(
         >>> import torch.nn as nn
         >>> m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
         >>> p = plan_mesh(m, torch.randn(8, 16), devices=2, profile=ProfileConfig("flops"))
-        >>> p.mesh.pp * p.mesh.dp * p.mesh.tp
+        >>> p.dims.devices
         2
     """
     args, kwargs = normalise(example_inputs)

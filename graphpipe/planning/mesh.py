@@ -77,7 +77,8 @@ from graphpipe.scheduling.simulate import simulate
 
 __all__ = [
     "TP_LAYOUTS",
-    "check_dp",
+    "check_rows",
+    "check_tp_plan",
     "choose_mesh",
     "dp_degrees",
     "mesh_info",
@@ -121,17 +122,14 @@ def per_rank_graph(g: nx.DiGraph, k: float) -> nx.DiGraph:
     return out
 
 
-def check_dp(devices: int, dp: int, rows: int | None = None) -> None:
-    """Refuse a dp degree that does not divide the devices or the micro-batch rows.
+def check_rows(dp: int, rows: int) -> None:
+    """Refuse a dp degree that does not divide the micro-batch rows (the devices are the
+    layout's check, `ParallelDims.on`).
 
     Raises:
-        ConfigError: naming the degree and the number it does not divide.
+        ConfigError: naming the degree and the rows.
     """
-    if dp < 1:
-        raise ConfigError(f"dp must be >= 1 or 'auto', got {dp}")
-    if devices % dp:
-        raise ConfigError(f"dp={dp} does not divide devices={devices} into pp x dp")
-    if rows is not None and rows % dp:
+    if rows % dp:
         raise ConfigError(
             f"dp={dp} does not divide a micro-batch of {rows} rows: each dp rank takes 1/dp "
             "of every micro-batch"
@@ -143,17 +141,13 @@ def dp_degrees(devices: int, rows: int) -> list[int]:
     return [k for k in range(1, devices + 1) if devices % k == 0 and rows % k == 0]
 
 
-def check_tp(devices: int, tp: int, tp_plan: Mapping[str, str] | None) -> None:
-    """Refuse a tp degree that does not divide the devices, or tp > 1 without a plan, or a
-    plan style the planner does not know.
+def check_tp_plan(tp: int, tp_plan: Mapping[str, str] | None) -> None:
+    """Refuse tp > 1 without a plan, or a plan style the planner does not know (the degree
+    is the layout's check, `ParallelDims`).
 
     Raises:
         ConfigError: naming the degree, or the entries.
     """
-    if not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tp must be an int >= 1, got {tp!r}")
-    if devices % tp:
-        raise ConfigError(f"tp={tp} does not divide devices={devices} into pp x dp x tp")
     if tp > 1 and not tp_plan:
         raise ConfigError(
             f"tp={tp} needs tp_plan={{module path: style}}: the layers tensor parallelism "

@@ -44,6 +44,7 @@ from torch import fx, nn
 from graphpipe.errors import ConfigError, PlanError
 from graphpipe.ir import ANY_PLACEMENT, DEFAULT_SCHEDULE, Plan, schedule_spec
 from graphpipe.ir.cost import CostModel, DataParallel, LinkModel, MemoryModel, TensorParallel
+from graphpipe.ir.dims import ParallelDims
 from graphpipe.ir.registry import POLICIES, SCHEDULES, policy_spec
 from graphpipe.planning.assemble import assemble
 from graphpipe.planning.fold import coarse_units
@@ -59,8 +60,8 @@ from graphpipe.planning.layouts import (
 )
 from graphpipe.planning.manual import groups_from_pins
 from graphpipe.planning.mesh import (
-    check_dp,
-    check_tp,
+    check_rows,
+    check_tp_plan,
     choose_mesh,
     dp_degrees,
     mesh_info,
@@ -219,11 +220,20 @@ class PlanConfig:
     def _check_mesh(self) -> None:
         if not _positive_int(self.devices):
             return  # said by _field_problems
-        check_tp(self.devices, self.tp, self.tp_plan)
-        if self.dp != "auto":
-            if not isinstance(self.dp, int):
-                raise ConfigError(f"dp must be an int or 'auto', got {self.dp!r}")
-            check_dp(self.devices // self.tp, self.dp)
+        if self.dp != "auto" and not isinstance(self.dp, int):
+            raise ConfigError(f"dp must be an int or 'auto', got {self.dp!r}")
+        self.dims.on(self.devices, f"devices={self.devices}")  # the layout's one check
+        check_tp_plan(self.tp, self.tp_plan)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout asked for, pp open (dp 1 while it is "auto").
+
+        Raises:
+            ConfigError: a bad size (`ParallelDims.problems`).
+        """
+        dp = self.dp if isinstance(self.dp, int) else 1
+        return ParallelDims(pp=None, dp=dp, tp=self.tp, dp_shard=self.dp_shard)
 
     def _check_layouts(self) -> None:
         if self.partitioner != "graph" or self.virtual_stages > 1 or self.interleave:
@@ -471,7 +481,8 @@ def partition_mesh(
     t, n = config.tp, config.devices // config.tp  # n: pp x dp
 
     def plan_at(k: int) -> Plan:
-        check_dp(n, k, micro_batch_size)
+        replace(config.dims, dp=k).on(config.devices, f"devices={config.devices}")
+        check_rows(k, micro_batch_size)
         cost = cost_model(config, micro_batch_size, profile, device, dp=k)
         sliced = g if k == 1 else graph_at(k) if graph_at is not None else per_rank_graph(g, k)
         if t > 1:
@@ -650,8 +661,6 @@ def cost_model(
     """The CostModel a PlanConfig implies for micro-batches of `micro_batch_size`, with dp
     degree `dp` (by default `config.dp`, 1 when it is "auto")."""
     k = dp if dp is not None else (config.dp if isinstance(config.dp, int) else 1)
-    mesh = DataParallel(k, config.dp_shard, config.reshard_after_forward, link=config.dp_link)
-    tp = TensorParallel(config.tp, config.tp_link)
     return CostModel(
         micro_batch_size=micro_batch_size,
         micro_batches=config.micro_batches,
@@ -659,8 +668,9 @@ def cost_model(
         memory=MemoryModel(config.memory_budget, config.weight_versions, config.optimizer_slots),
         profile=profile,
         device=device,
-        dp=mesh,
-        tp=tp,
+        dims=ParallelDims(pp=None, dp=k, tp=config.tp, dp_shard=config.dp_shard),
+        dp=DataParallel(config.reshard_after_forward, link=config.dp_link),
+        tp=TensorParallel(config.tp_link),
     )
 
 

@@ -263,7 +263,7 @@ class EmulatedStage(nn.Module):
         self._output = output.args[0]
         self.weight_name = f"stage{index}"
         numel = max(1, round(stage.param_bytes / 4 / emulate.byte_scale))
-        carried = stage.replicas > 1 or plan.cost_model.dp.degree > 1  # a link carries it
+        carried = stage.replicas > 1 or plan.cost_model.dims.dp > 1  # a link carries it
         numel = numel if carried else 1
         self.register_parameter(self.weight_name, nn.Parameter(torch.zeros(numel, device=device)))
 

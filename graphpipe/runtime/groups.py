@@ -67,7 +67,7 @@ def sum_groups(
             two stages of one pp rank under a mesh in a model on the meta device, on every
             rank alike, before any collective.
     """
-    meshed = layout is not None and layout.sharded
+    meshed = layout is not None and layout.meshed
     holders: dict[str, set[int]] = {}
     for index, (module, _) in modules.items():
         for n, _p in module.named_parameters():

@@ -47,20 +47,22 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import graphpipe._torch as _torch
 from graphpipe._torch import tree_map_only
 from graphpipe.errors import ConfigError
+from graphpipe.ir.dims import MESH_SHAPES, ParallelDims
 from graphpipe.runtime.outline import block_prefixes, outline_blocks
 from graphpipe.runtime.precision import Precision
 
 __all__ = [
-    "MESH_SHAPES",
     "RESHARDING",
     "ParallelLayout",
+    "build_mesh",
+    "dims_of",
     "prepare_backward",
     "reduce_gradients",
     "reshard",
@@ -70,7 +72,6 @@ __all__ = [
     "whole",
 ]
 
-MESH_SHAPES = (("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp"))  # the dims a mesh may name
 
 Ranks = tuple[tuple[tuple[int, ...], ...], ...]  # ranks[p][d][t]
 # stage.meta key: the paths of the block units that reshard after every backward, not only
@@ -78,54 +79,78 @@ Ranks = tuple[tuple[tuple[int, ...], ...], ...]  # ranks[p][d][t]
 RESHARDING = "gp_resharding"
 
 
+def dims_of(mesh: DeviceMesh, dp_shard: bool = True) -> ParallelDims:
+    """The layout a given DeviceMesh is (its dim names and sizes).
+
+    Raises:
+        ConfigError: not a DeviceMesh, or dims other than `MESH_SHAPES`.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise ConfigError(
+            f"mesh={mesh!r}: it must be a DeviceMesh with mesh_dim_names one of "
+            f"{list(MESH_SHAPES)} (or 'auto', or None with dp= and tp=)"
+        )
+    names = tuple(mesh.mesh_dim_names or ())
+    return ParallelDims.of_names(names, tuple(mesh.mesh.shape), dp_shard)
+
+
+def build_mesh(dims: ParallelDims, device_type: str, world: int) -> DeviceMesh | None:
+    """The process group's DeviceMesh for `dims` (a collective: every rank calls it), with
+    pp resolved from `world` where it is open; None when the layout is not meshed. The one
+    place graphpipe builds a mesh from sizes (compile's dp= and tp=, the CLI's --dp/--tp).
+
+    Raises:
+        ConfigError: the dims do not fit the world (`ParallelDims.on`).
+    """
+    dims = dims.on(world)
+    if not dims.meshed:
+        return None
+    return init_device_mesh(device_type, dims.sizes, mesh_dim_names=dims.names)
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
-    """The run's parallel layout, seen from this process: the pp, dp and tp sizes, its
-    coordinates, the ranks of the mesh and the rows it runs per micro-batch. The one value
-    of the layout: compile builds it once, from the mesh or the world, when it joins
-    (`graphpipe.compile.steps.build_mesh`, `RunSpec.layout`); the planning step reads its
-    sizes, the runtime its coordinates and ranks.
+    """The run's parallel layout, seen from this process: its dims (`ParallelDims`), its
+    coordinates, the ranks of the mesh and the rows it runs per micro-batch. Compile builds
+    it once, from the mesh or the world, when it joins (`graphpipe.compile.steps.join_mesh`,
+    `RunSpec.layout`); the planning step reads its dims, the runtime its coordinates and
+    ranks.
 
     Attributes:
-        pp: Pipeline devices (the plan's num_devices).
-        dp: Data-parallel copies of each pipeline device (1 without a "dp" dimension).
+        dims: The layout's sizes (pp: the plan's num_devices; dp, tp: 1 without them).
         pp_index: This process's plan device.
         dp_index: This process's slice of every micro-batch.
         ranks: ranks[p][d][t], the global rank at mesh coordinate (p, d, t).
         mesh: The DeviceMesh; None without one (the identity layout).
-        tp: Tensor-parallel ranks of each stage (1 without a "tp" dimension).
         tp_index: This process's tp coordinate.
         rows: Rows of each micro-batch this process runs (its dp slice's); 0: not known.
     """
 
-    pp: int
-    dp: int
+    dims: ParallelDims
     pp_index: int
     dp_index: int
     ranks: Ranks
     mesh: DeviceMesh | None = None
-    tp: int = 1
     tp_index: int = 0
     rows: int = 0
 
     @classmethod
     def identity(cls, rank: int, world: int) -> ParallelLayout:
         """No mesh: plan device = global rank, one data-parallel copy."""
-        return cls(world, 1, rank, 0, tuple(((r,),) for r in range(world)))
+        return cls(ParallelDims(pp=world), rank, 0, tuple(((r,),) for r in range(world)))
 
     @classmethod
-    def of(cls, mesh: DeviceMesh, rank: int) -> ParallelLayout:
-        """The layout of `mesh` (dims ("pp", "dp"), ("pp", "tp") or ("pp", "dp", "tp"))
-        seen from global rank `rank`.
+    def of(cls, mesh: DeviceMesh, rank: int, dp_shard: bool = True) -> ParallelLayout:
+        """The layout of `mesh` (dims `MESH_SHAPES`) seen from global rank `rank`.
 
         Raises:
-            ConfigError: `rank` is not in the mesh.
+            ConfigError: `rank` is not in the mesh, or the mesh's dims are not a layout.
         """
-        names = tuple(mesh.mesh_dim_names or ())
+        dims = dims_of(mesh, dp_shard)
         grid = mesh.mesh
-        if "dp" not in names:
+        if "dp" not in dims.names:
             grid = grid.unsqueeze(1)
-        if "tp" not in names:
+        if "tp" not in dims.names:
             grid = grid.unsqueeze(-1)
         ranks: Ranks = tuple(
             tuple(tuple(int(r) for r in row) for row in plane) for plane in grid.tolist()
@@ -140,36 +165,58 @@ class ParallelLayout:
         if not where:
             raise ConfigError(f"rank {rank} is not in the mesh {grid.tolist()}")
         p, d, t = where[0]
-        return cls(len(ranks), len(ranks[0]), p, d, ranks, mesh, len(ranks[0][0]), t)
+        return cls(dims, p, d, ranks, mesh, t)
 
     @classmethod
-    def current(cls, mesh: DeviceMesh | None, rows: int = 0) -> ParallelLayout:
+    def current(
+        cls, mesh: DeviceMesh | None, rows: int = 0, dp_shard: bool = True
+    ) -> ParallelLayout:
         """This process's layout: of `mesh`, or the identity without one; `rows` per
         micro-batch."""
         rank = dist.get_rank()
-        made = cls.identity(rank, dist.get_world_size()) if mesh is None else cls.of(mesh, rank)
+        made = (
+            cls.identity(rank, dist.get_world_size())
+            if mesh is None
+            else cls.of(mesh, rank, dp_shard)
+        )
         return replace(made, rows=rows)
+
+    @property
+    def pp(self) -> int:
+        """Pipeline devices (the plan's num_devices)."""
+        assert self.dims.pp is not None  # resolved: built from a mesh or the world
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel copies of each pipeline device."""
+        return self.dims.dp
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks of each stage."""
+        return self.dims.tp
 
     @property
     def world(self) -> int:
         """Every process: pp x dp x tp."""
-        return self.pp * self.dp * self.tp
+        return self.dims.devices
 
     @property
-    def sharded(self) -> bool:
-        """A mesh was given: stages run over its dims (FSDP2 where it has "dp", DTensor
-        tensor parallelism where it has "tp")."""
-        return self.mesh is not None
+    def meshed(self) -> bool:
+        """Stages run over a mesh (`ParallelDims.meshed`: FSDP2 where it has "dp",
+        DTensor tensor parallelism where it has "tp")."""
+        return self.dims.meshed
 
     @property
     def fsdp(self) -> bool:
         """Stages are wrapped by FSDP2: the mesh has a "dp" dimension."""
-        return self.mesh is not None and "dp" in (self.mesh.mesh_dim_names or ())
+        return self.dims.fsdp
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         """The tp sub-mesh this process's stages are tensor-parallel over; None without."""
-        if self.mesh is None or "tp" not in (self.mesh.mesh_dim_names or ()):
+        if self.mesh is None or "tp" not in self.dims.names:
             return None
         return self.mesh["tp"]
 

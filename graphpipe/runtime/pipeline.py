@@ -319,7 +319,7 @@ def _shapes(
     stages = {} if executor is None else executor.stages
     specs = next(iter(stages.values())).specs if stages else {}
     rows = run.plan.micro_batch_size // place.dp  # one dp rank's slice of a micro-batch
-    meshed = place.layout.sharded
+    meshed = place.layout.meshed
     tp = meshed and place.layout.tp_mesh is not None
     return Shapes(
         gm,

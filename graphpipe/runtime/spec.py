@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from graphpipe.errors import ConfigError
-from graphpipe.ir import Plan
+from graphpipe.ir import ParallelDims, Plan
 from graphpipe.ir.registry import schedule_for, schedule_spec
 from graphpipe.planning.options import (
     GROUPS,
@@ -48,7 +48,7 @@ from graphpipe.planning.options import (
 from graphpipe.planning.partition import PlanConfig, micro_batch_size, plan_options
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.emulate import Emulate
-from graphpipe.runtime.mesh import MESH_SHAPES
+from graphpipe.runtime.mesh import ParallelLayout, dims_of
 from graphpipe.runtime.nancheck import check_nan_check
 from graphpipe.runtime.precision import check_precision
 from graphpipe.runtime.refusals import refusal
@@ -65,7 +65,6 @@ __all__ = [
     "check_reshard",
     "mesh_refusals",
     "plan_schedule",
-    "tp_degree",
     "tp_refusals",
 ]
 
@@ -190,9 +189,10 @@ class RunSpec:
     # (the planner's choice with its layout) runs (`graphpipe.ir.registry.schedule_for`)
     plan: Plan | None = None  # a given plan (loaded from its JSON); None: plan on rank 0
     plan_options: Mapping[str, Any] = field(default_factory=dict)  # PlanConfig fields
-    data_parallel: int = 1  # dp: the mesh's, or dp= (the mesh is built then)
-    tensor_parallel: int = 1  # tp: the mesh's, or tp= (the mesh is built then)
-    mesh: DeviceMesh | None = None  # the mesh given, or built by compile from dp= and tp=
+    # the layout: the given mesh's, or dp=, tp= and dp_shard= (pp open until the world is
+    # joined; compile builds the mesh from it then, `graphpipe.runtime.mesh.build_mesh`)
+    dims: ParallelDims = field(default_factory=lambda: ParallelDims(pp=None))
+    mesh: DeviceMesh | None = None  # the mesh given, or built by compile from `dims`
     reshard_after_forward: bool = True  # FSDP2 frees gathered parameters after each forward
     tp_plan: Mapping[str, str] | None = None  # module path -> style; None: the model's own
     # input name -> the largest whole-batch shape a step brings; None: the example's
@@ -200,7 +200,7 @@ class RunSpec:
     # how each input splits into micro-batches, resolved against the example (its inferred
     # rules included): compile's trace, the planner and every step split by it
     input_split: InputSplit = field(default_factory=InputSplit)
-    layout: Any = None  # this rank's ParallelLayout (`runtime.mesh`), set once joined
+    layout: ParallelLayout | None = None  # this rank's view of `dims`, set once joined
 
     @property
     def schedule_given(self) -> bool:
@@ -214,8 +214,8 @@ class RunSpec:
 
     @property
     def meshed(self) -> bool:
-        """Stages run over a mesh (given, or to be built from dp= and tp=)."""
-        return self.mesh is not None or self.data_parallel * self.tensor_parallel > 1
+        """Stages run over a mesh (`ParallelDims.meshed`)."""
+        return self.dims.meshed
 
     @property
     def clip(self) -> tuple[float, float] | None:
@@ -255,15 +255,14 @@ class RunSpec:
         g = _Groups(**got)  # type: ignore[arg-type]
         resolved = _check(problems, schedule_for, g.numerics.weights, g.planning.schedule)
         problems.extend(_run_problems(g, resolved))
-        dp, tp = _check(problems, check_mesh, g.parallelism) or (None, None)
+        bad = g.parallelism.bad_fields()  # said by the group's type rules
+        dims = None if bad else _check(problems, check_mesh, g.parallelism)
         bounds = _check(problems, _max_shapes, g.memory.max_shapes)
         reshard = _check(problems, check_reshard, g.parallelism.reshard_after_forward, resolved)
-        if dp is not None and tp is not None:
-            problems.extend(
-                tp_refusals(tp=tp, tp_plan=g.parallelism.tp_plan, dp_shard=g.parallelism.dp_shard)
-            )
-            if dp * tp > 1 or g.parallelism.mesh is not None:
-                problems.extend(mesh_refusals(g, tp))
+        if dims is not None:
+            problems.extend(tp_refusals(dims, g.parallelism.tp_plan))
+            if dims.meshed or g.parallelism.mesh == "auto":  # auto may choose one
+                problems.extend(mesh_refusals(g, dims.tp))
         problems.extend(_plan_option_problems(g))
         if g.planning.micro_batches == "auto" and g.parallelism.mesh != "auto":
             problems.append("micro_batches='auto' is chosen with the mesh: pass mesh='auto'")
@@ -279,13 +278,13 @@ class RunSpec:
             )
         b = (
             None
-            if m is None or dp is None or input_split is None
-            else _check(problems, _micro_batch_size, example_inputs, m, dp, input_split)
+            if m is None or dims is None or input_split is None
+            else _check(problems, _micro_batch_size, example_inputs, m, dims.dp, input_split)
         )
         if problems:
             raise ConfigError(joined(problems))
         assert m is not None and b is not None  # resolved: None where none is named
-        assert dp is not None and tp is not None and reshard is not None
+        assert dims is not None and reshard is not None  # a bad field is a problem
         tp_plan = g.parallelism.tp_plan
         return cls(
             loss_fn=OutputLoss(loss_fn) if _of_output(loss_fn) else loss_fn,
@@ -295,9 +294,8 @@ class RunSpec:
             micro_batch_size=b,
             schedule=resolved,
             plan=given,
-            plan_options=MappingProxyType(planner_options(g, resolved, dp * tp > 1)),
-            data_parallel=dp,
-            tensor_parallel=tp,
+            plan_options=MappingProxyType(planner_options(g, resolved, dims.meshed)),
+            dims=dims,
             mesh=g.parallelism.mesh,
             reshard_after_forward=reshard,
             tp_plan=None if tp_plan is None else MappingProxyType(dict(tp_plan)),
@@ -506,59 +504,42 @@ def _micro_batch_size(example_inputs: Any, m: int, dp: int, split: InputSplit) -
     return micro_batch_size(batch, m * dp)
 
 
-def check_mesh(parallelism: Parallelism) -> tuple[int, int]:
-    """(dp, tp): the mesh's "dp" and "tp" sizes, or dp= and tp= (compile builds the mesh
-    from them), or 1 (also for mesh="auto", until rank 0 chooses).
+def check_mesh(parallelism: Parallelism) -> ParallelDims:
+    """The run's layout, pp left open: the given mesh's (`dims_of`), or dp= and tp='s
+    (compile builds the mesh from it), or none (also for mesh="auto", until rank 0
+    chooses).
 
     Raises:
         ConfigError: a mesh with dp= or tp= too, a mesh that is not a DeviceMesh with dims
-            ("pp", "dp"), ("pp", "tp") or ("pp", "dp", "tp"), or dp="auto" (the planner's:
-            plan with it, then compile with the degree it chose).
+            `MESH_SHAPES`, or dp="auto" (the planner's: plan with it, then compile with the
+            degree it chose).
     """
     mesh, dp, tp = parallelism.mesh, parallelism.dp, parallelism.tp
+    shard = parallelism.dp_shard
     if mesh == "auto":  # rank 0 chooses the mesh once the world is joined (compile)
         given = [f"{k}={v!r}" for k, v in (("dp", dp), ("tp", tp)) if v is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} with mesh='auto', which chooses it")
-        return 1, 1
+        return ParallelDims(pp=None, dp_shard=shard)
     if mesh is not None and (dp is not None or tp is not None):
         raise ConfigError(
             f"mesh= and dp={dp!r}, tp={tp!r} given; dp= and tp= are the shorthand for a "
             "(world // (dp x tp), dp, tp) mesh: pass one or the other"
         )
     if mesh is not None:
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if not isinstance(mesh, DeviceMesh) or names not in MESH_SHAPES:
-            raise ConfigError(
-                f"mesh={mesh!r} (dims {names!r}): it must be a DeviceMesh with "
-                f"mesh_dim_names one of {list(MESH_SHAPES)}, e.g. init_device_mesh('cpu', "
-                "(2, 2), mesh_dim_names=('pp', 'dp'))"
-            )
-        return (int(mesh["dp"].size()) if "dp" in names else 1), tp_degree(mesh)
+        return dims_of(mesh, shard)
     if dp == "auto":
         raise ConfigError(
             "dp='auto' is the planner's: choose the degree with graphpipe.plan(..., "
             "dp='auto') (or `graphpipe plan --dp auto`), then compile with dp=k and that plan; "
             "or mesh='auto' chooses pp x dp x tp"
         )
-    return int(dp or 1), int(tp or 1)
+    return ParallelDims(pp=None, dp=int(dp or 1), tp=int(tp or 1), dp_shard=shard)
 
 
-def tp_degree(mesh: DeviceMesh | None) -> int:
-    """The mesh's "tp" size; 1 without a mesh or without that dimension."""
-    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
-        return 1
-    return int(mesh["tp"].size())
-
-
-def tp_refusals(
-    *,
-    tp: int,
-    tp_plan: Any,
-    dp_shard: bool,
-) -> list[str]:
+def tp_refusals(dims: ParallelDims, tp_plan: Any) -> list[str]:
     """What tensor parallelism (a "tp" mesh dimension) refuses, each named."""
-    if tp == 1:
+    if dims.tp == 1:
         return [] if tp_plan is None else [
             f"tp_plan= given ({len(tp_plan)} entries) but the mesh has no 'tp' dimension: "
             "pass a mesh with dims ('pp', 'tp') or ('pp', 'dp', 'tp')"
@@ -566,7 +547,7 @@ def tp_refusals(
     out = []
     if tp_plan is not None and not isinstance(tp_plan, Mapping):
         out.append(f"tp_plan={tp_plan!r}: it must be a mapping of module path to style")
-    if not dp_shard:
+    if not dims.dp_shard:
         out.append(refusal("tp-hsdp", "dp_shard=False"))
     return out
 

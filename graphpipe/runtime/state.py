@@ -111,7 +111,7 @@ class ModelState:
     def mesh_shape(self) -> tuple[int, int] | None:
         """(pp, dp) of the mesh the stages run over; None without one."""
         layout = self.place.layout
-        return (layout.pp, layout.dp) if layout.sharded else None
+        return (layout.pp, layout.dp) if layout.meshed else None
 
     def restore_loss_scale(self, scale: float) -> None:
         """Set fp16's loss scale to a saved one.

@@ -78,7 +78,8 @@ class _Settings:
     clip: tuple[float, float] | None  # (max norm, p); None: no clipping
     nan_check: bool
     timeout: float  # seconds a collective or a message may take
-    meshed: bool  # stages run sharded over a mesh (materialised shard by shard, `_put`)
+    sharded: bool  # meshed, stages not whole: sharded over the mesh (materialised shard by
+    # shard, `_put`)
     # a versioned policy (stash, 2bw) under a mesh: each dp rank's stages whole, no FSDP2,
     # their gradients averaged over dp by the GradSync (`sum_groups`)
     whole: bool
@@ -205,7 +206,7 @@ def _settings(spec: RunSpec) -> _Settings:
         clip=spec.clip,
         nan_check=spec.numerics.nan_check,
         timeout=spec.runtime.timeout,
-        meshed=spec.meshed and not whole,
+        sharded=spec.meshed and not whole,
         whole=whole,
         init_weights=spec.init.init_weights,
         checkpoint=None if spec.init.checkpoint is None else Path(spec.init.checkpoint),
@@ -250,7 +251,7 @@ def _precision(
     but autocast still for a graph torch.export traced (its casts are the model's own:
     `graphpipe.runtime.precision`) and where no FSDP2 casts the parameters: a mesh without
     a "dp" dimension (tp alone), or `whole` stages (a versioned policy's)."""
-    if not layout.sharded or whole:
+    if not layout.meshed or whole:
         return Precision(name)
     exported = trace_info(gm).method == "export"  # its own casts: autocast (precision.py)
     return Precision(name, sharded=True, by_autocast=exported or not layout.fsdp)
@@ -272,7 +273,7 @@ def _build_modules(
     carved: Modules = {st.index: build_stage(gm, plan, st.index) for st in plan.stages}
     model_inputs = tuple(sorted({n for i in mine for n in carved[i][1].model_inputs}))
     orphans = _orphans(model, [m for m, _ in carved.values()])
-    rows = plan.micro_batch_size // plan.cost_model.dp.degree  # one dp rank's slice
+    rows = plan.micro_batch_size // plan.cost_model.dims.dp  # one dp rank's slice
     cast_back = precision.dtype is not None and trace_info(gm).method == "export"
     modules, specs = factory.build(
         gm, plan, carved, mine, place.device, lambda: micro_shapes(gm, example_inputs, rows),
@@ -284,7 +285,7 @@ def _build_modules(
     materialized = [
         name
         for i in mine
-        if not s.meshed
+        if not s.sharded
         for name in factory.materialize(
             model, modules[i][0], place.device, s.init_weights, s.checkpoint
         )
@@ -303,7 +304,7 @@ def _update_checks(
     group = update_group(plan, s.timeout, layout) if needs_group else None
     scaler = None
     if fp16:  # under a mesh every dp and tp rank agrees too (scale_group)
-        scaler = _scaler(scale_group(plan, s.timeout, layout) if layout.sharded else group)
+        scaler = _scaler(scale_group(plan, s.timeout, layout) if layout.meshed else group)
     agree = _agreement(modules, canon, s.micro_batches, place.device) if s.nan_check else None
     return group, scaler, agree
 
@@ -382,7 +383,7 @@ def _stage_runtimes(
             place.rank, c.plan, i, module, io, specs, c.gm, c.settings.loss_fn, place.device,
             tensor_parallel=c.tp_plan is not None,
         )  # fmt: skip
-    if place.layout.sharded:  # the tied weights' sums read FSDP2's sharded parameters
+    if place.layout.meshed:  # the tied weights' sums read FSDP2's sharded parameters
         after = _named_parameters(modules, place.stage_indices)
         sync.rebind({id(p): after[key] for key, p in before.items() if key in after})
     return stages
@@ -411,8 +412,7 @@ def _put(c: _Context, index: int, module: fx.GraphModule, precision: Precision) 
             shard_stage(module, c.model, c.fsdp_mesh, s.reshard_after_forward, precision)
             guard_collectives(module, index)
 
-    meshed = c.fsdp_mesh is not None or c.tp_plan is not None
-    if meshed and is_meta(module):
+    if s.sharded and is_meta(module):
         materialize_sharded(c.model, module, c.place.device, shard, s.init_weights, s.checkpoint)
         return
     module.to(c.place.device)

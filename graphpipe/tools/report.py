@@ -25,7 +25,7 @@ def plan_table(plan: Plan, modules: dict[str, str] | None = None) -> str:
             modules a stage holds; without it ops are only counted.
     """
     inputs = {s.index: sorted(plan.stage_graph.predecessors(s.index)) for s in plan.stages}
-    if plan.cost_model.dp.degree > 1:
+    if plan.cost_model.dims.dp > 1:
         return _mesh_table(plan, modules, inputs)
     rows = [
         [
@@ -48,7 +48,7 @@ def plan_table(plan: Plan, modules: dict[str, str] | None = None) -> str:
 def _mesh_table(plan: Plan, modules: dict[str, str] | None, inputs: dict[int, list[int]]) -> str:
     """`plan_table` for a plan with a dp dimension: a stage's pp coordinate, its dp ranks,
     and its dp link time per micro-batch (all-gathers + reduce-scatter / M)."""
-    cost, k = plan.cost_model, plan.cost_model.dp.degree
+    cost, k = plan.cost_model, plan.cost_model.dims.dp
     rows = [
         [
             f"S{s.index}",
@@ -103,10 +103,10 @@ def plan_summary(plan: Plan) -> str:
 def _mesh_summary(plan: Plan) -> str:
     """ "; mesh pp 8 x dp 2 (sharded), tp 2", and what bound the other degrees when chosen."""
     mesh = plan.info.get("mesh", {})
-    dp, tp = plan.cost_model.dp.degree, plan.cost_model.tp.degree
+    dp, tp = plan.cost_model.dims.dp, plan.cost_model.dims.tp
     if dp == 1 and tp == 1 and "summary" not in mesh:
         return ""
-    text = f"; mesh pp {plan.num_devices} x {plan.mesh}, dp and tp uniform over the stages"
+    text = f"; mesh {plan.mesh_words}, dp and tp uniform over the stages"
     if "summary" in mesh:
         text += f"; chosen: {mesh['summary']}"
     return text

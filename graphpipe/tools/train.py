@@ -39,7 +39,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -49,14 +49,14 @@ from graphpipe._units import format_time
 from graphpipe.compile import compile as pipeline
 from graphpipe.compile import schedule_for
 from graphpipe.errors import ConfigError
-from graphpipe.ir import Plan
-from graphpipe.planning.options import default, split
+from graphpipe.ir import ParallelDims, Plan
+from graphpipe.planning.options import Parallelism, default, split
 from graphpipe.planning.partition import micro_batch_size
 from graphpipe.planning.profile import ProfileConfig
 from graphpipe.runtime.clip import check_clipping
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.resume import Checkpoints, latest, saved_plan
-from graphpipe.runtime.spec import RUN_GROUPS
+from graphpipe.runtime.spec import RUN_GROUPS, check_mesh
 from graphpipe.scheduling.simulate import simulate
 from graphpipe.tools.calibrate import calibrated, measure_link
 from graphpipe.tools.render import render
@@ -127,9 +127,11 @@ class TrainConfig:
         return self.compile_options.get(name, default(name, RUN_GROUPS))
 
     @property
-    def mesh_size(self) -> int:
-        """dp x tp: the processes of each pp rank."""
-        return (self.compile_options.get("dp") or 1) * (self.compile_options.get("tp") or 1)
+    def dims(self) -> ParallelDims:
+        """The run's layout on its devices (checked by `__post_init__`)."""
+        groups, _ = split({}, self.compile_options, RUN_GROUPS)
+        parallelism = cast(Parallelism, groups["parallelism"])
+        return check_mesh(parallelism).on(self.devices, f"devices={self.devices}")
 
 
 def _run_problems(groups: Mapping[str, Any], devices: int) -> list[str]:
@@ -139,20 +141,12 @@ def _run_problems(groups: Mapping[str, Any], devices: int) -> list[str]:
     for check, args in (
         (schedule_for, (numerics.weights, groups["planning"].schedule)),
         (check_clipping, (numerics.max_grad_norm, numerics.grad_norm_type, numerics.weights)),
+        (lambda: check_mesh(parallel).on(devices, f"devices={devices}"), ()),  # the layout
     ):
         try:
             check(*args)
         except ConfigError as exc:
             problems.append(str(exc))
-    if parallel.dp == "auto":
-        problems.append(
-            "dp='auto' is the planner's: choose the degree with `graphpipe plan ... --dp auto`"
-        )
-    elif devices % ((parallel.dp or 1) * (parallel.tp or 1)):
-        problems.append(
-            f"dp={parallel.dp or 1} x tp={parallel.tp or 1} does not divide devices={devices} "
-            "into pp x dp x tp"
-        )
     return problems
 
 
@@ -323,7 +317,7 @@ def _resumed_plan(config: TrainConfig, saver: Checkpoints, micro_batches: int) -
     if path is None:
         return None
     plan = saved_plan(path)
-    pp = config.devices // config.mesh_size  # the plan's devices: pp of the mesh
+    pp = config.dims.pp  # the plan's devices: pp of the mesh
     fits = (plan.num_devices, plan.micro_batches) == (pp, micro_batches)
     return plan if fits else None
 
