@@ -17,7 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_program import _folded_plans, _placed_plans, _zoo_plans
+from plans import folded_plans, placed_plans, zoo_plans
 
 from graphpipe.errors import ScheduleError
 from graphpipe.ir import Plan
@@ -45,11 +45,11 @@ def outcome(plan: Plan, name: str) -> dict[str, Any]:
 
 def cases() -> list[dict[str, Any]]:
     """Every zoo plan (as JSON) with the outcome of every schedule that may run on it."""
-    plans = [(label, p, NAMES) for label, p in _zoo_plans()]
-    plans += [(label, p, ("zbv", "dualpipev")) for label, p in _placed_plans("zbv")]
+    plans = [(label, p, NAMES) for label, p in zoo_plans()]
+    plans += [(label, p, ("zbv", "dualpipev")) for label, p in placed_plans("zbv")]
     loop = ("interleaved", "interleaved_zb")
-    plans += [(label, p, loop) for label, p in _placed_plans("interleaved")]
-    plans += [(label, p, ("graph_interleaved",)) for label, p in _folded_plans()]
+    plans += [(label, p, loop) for label, p in placed_plans("interleaved")]
+    plans += [(label, p, ("graph_interleaved",)) for label, p in folded_plans()]
     out = []
     for label, plan, names in plans:
         text = plan.to_json()

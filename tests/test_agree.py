@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from test_interleaved import CHAINS
-from test_runtime import M, _optimizer, batch
+from training import M, batch, optimizer_for
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
@@ -92,7 +92,7 @@ def _compiled(p: Plan) -> Any:
         model,
         inputs,
         loss_fn=dict_loss,
-        optimizer=_optimizer(),
+        optimizer=optimizer_for(),
         schedule="zbv",
         plan=p,
         runtime=RuntimeConfig(timeout=20, quiet=True),

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_runtime import batch
+from training import batch
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig

@@ -27,8 +27,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint
 from test_bad_inputs import _runtime_loss_worker
-from test_runtime import _optimizer, _pipeline, batch
 from torch.distributed import TCPStore
+from training import batch, optimizer_for, zoo_pipeline
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
@@ -45,7 +45,7 @@ SLOW = 60  # RuntimeConfig.timeout where the survivors must not wait for it
 
 def _failure(fault: str, victim: int, timeout: float = SLOW) -> None:
     """Train two steps of two_branch with `fault` injected on rank `victim`."""
-    pm = _pipeline("two_branch", timeout=timeout)
+    pm = zoo_pipeline("two_branch", timeout=timeout)
     inputs, target = batch("two_branch", 0)
     pm.step(*inputs, target=target)
     if pm.rank == victim:
@@ -378,7 +378,7 @@ def _matrix_worker(world: int, victim: int, moment: str, how: str, out: str) -> 
             model,
             inputs,
             loss_fn=dict_loss,
-            optimizer=_optimizer(),
+            optimizer=optimizer_for(),
             micro_batches=4,
             pins=MATRIX_PINS[world],
             runtime=RuntimeConfig(timeout=timeout),

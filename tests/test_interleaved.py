@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint
-from test_program import placed_plan
-from test_runtime import TIMEOUT, M, _assert_matches, _optimizer, _train, batch
+from plans import placed_plan
+from training import TIMEOUT, M, assert_matches, batch, optimizer_for, train
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
@@ -60,7 +60,7 @@ def _pipeline(name: str, schedule: str) -> Any:
     model, inputs = ZOO[name]()
     if schedule == "graph_interleaved":
         return gp_compile(
-            model, inputs, loss_fn=dict_loss, optimizer=_optimizer(), plan=_folded(name)
+            model, inputs, loss_fn=dict_loss, optimizer=optimizer_for(), plan=_folded(name)
         )
     the_plan = plan(
         model,
@@ -75,7 +75,7 @@ def _pipeline(name: str, schedule: str) -> Any:
         model,
         inputs,
         loss_fn=dict_loss,
-        optimizer=_optimizer(),
+        optimizer=optimizer_for(),
         schedule=schedule,
         plan=the_plan,
         runtime=RuntimeConfig(timeout=60),
@@ -87,7 +87,7 @@ def _worker(cases: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
     for name, schedule in cases:
         pm = _pipeline(name, schedule)
         out[(name, schedule)] = {
-            **_train(pm, name),
+            **train(pm, name),
             "held": len(pm._stage_indices),
             "schedule": pm.schedule.name,
         }
@@ -104,7 +104,7 @@ def test_several_stages_per_rank_train_like_one_process(
     results: dict[tuple[str, str], Any], name: str, schedule: str
 ) -> None:
     assert results[(name, schedule)]["held"] == 2 or schedule == "graph_interleaved"
-    _assert_matches(results[(name, schedule)], name)
+    assert_matches(results[(name, schedule)], name)
     assert results[(name, schedule)]["schedule"] == schedule  # the default for a folded plan
 
 
@@ -214,7 +214,7 @@ def _resume_worker(where: str) -> dict[str, Any]:
         model,
         inputs,
         loss_fn=dict_loss,
-        optimizer=_optimizer(),
+        optimizer=optimizer_for(),
         schedule="zbv",
         plan=plan(
             model,
@@ -232,7 +232,7 @@ def _resume_worker(where: str) -> dict[str, Any]:
     model, inputs = ZOO[name]()
     pins = {"embed": 0, "body.0": 0, "body.1": 1, "body.2": 1, "out": 1}
     one = gp_compile(
-        model, inputs, loss_fn=dict_loss, optimizer=_optimizer(), micro_batches=M, pins=pins
+        model, inputs, loss_fn=dict_loss, optimizer=optimizer_for(), micro_batches=M, pins=pins
     )
     one.load(where)
     loaded = one.state_dict()
@@ -273,7 +273,7 @@ def _chain8_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _chain8_reference(m: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process: each step accumulates loss / M over the same M micro-batches."""
     model, _ = _chain8()
-    opt = _optimizer()(model.parameters())
+    opt = optimizer_for()(model.parameters())
     losses = []
     for step in range(steps):
         x, y = _chain8_batch(step)
@@ -293,7 +293,7 @@ def _chain8_worker(the_plan: Any, steps: int) -> dict[str, Any]:
         model,
         (x,),
         loss_fn=torch.nn.functional.mse_loss,
-        optimizer=_optimizer(),
+        optimizer=optimizer_for(),
         schedule="dualpipev",
         plan=the_plan,
         runtime=RuntimeConfig(timeout=60),

@@ -8,8 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from test_program import _zoo_plans
-from test_schedule import chain_plan, random_plan
+from plans import chain_plan, random_plan, zoo_plans
 
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import (
@@ -84,7 +83,7 @@ def test_the_rule_on_a_chain() -> None:
     assert [str(a) for a in with_messages(plan, Action(1, "B", 1))] == ["1RB1<2", "1B1", "1SB1>0"]
 
 
-@pytest.mark.parametrize(("label", "plan"), _zoo_plans())
+@pytest.mark.parametrize(("label", "plan"), zoo_plans())
 def test_every_message_sent_is_awaited_by_its_receiver(label: str, plan: Plan) -> None:
     """Over stage DAGs: what a stage's F sends, the receiver's F awaits; what a backward
     sends, the receiver's backward awaits; edges without gradients carry no backward."""

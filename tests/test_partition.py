@@ -14,13 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from plans import cost, random_branchy, random_dag, synthetic
 from torch import nn
 from zoo import TwoBranch
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.errors import ConfigError, PlanError
-from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.ir.cost import CostModel, LinkModel
 from graphpipe.planning import search as search_module
 from graphpipe.planning.fold import bound_groups, folded_groups
 from graphpipe.planning.layouts import _cuts
@@ -56,85 +57,10 @@ FLOPS = ProfileConfig(mode="flops")  # the same plans on every run
 # -- synthetic op graphs -----------------------------------------------------------------------
 
 
-def synthetic(
-    edges: list[tuple[str, str]],
-    times: dict[str, float],
-    acts: dict[str, int],
-    params: dict[str, frozenset[str]] | None = None,
-) -> nx.DiGraph:
-    """An op graph with the attributes `opgraph.op_graph` writes."""
-    g = nx.DiGraph(param_bytes={})
-    names = list(times)
-    for i, n in enumerate(names):
-        ps = (params or {}).get(n, frozenset({f"{n}.w"}))
-        g.add_node(
-            n,
-            forward=times[n] / 3,
-            backward=2 * times[n] / 3,
-            act=acts[n],
-            params=ps,
-            order=i,
-            module=n,
-        )
-        for p in ps:
-            g.graph["param_bytes"][p] = 1000
-    for a, b in edges:
-        g.add_edge(a, b, bytes=acts[a])
-    return g
-
-
 def units_of_graph(g: nx.DiGraph) -> nx.DiGraph:
     units = coarsen(g, max_time=0.0)  # no merging: one unit per op
     units.graph["tensor_bytes"] = {n: g.nodes[n]["act"] for n in g}
     return units
-
-
-def random_dag(rng: random.Random, n: int) -> nx.DiGraph:
-    names = [f"op{i}" for i in range(n)]
-    edges = [(names[i - 1], names[i]) for i in range(1, n) if rng.random() < 0.6]
-    edges += [
-        (names[i], names[j]) for i in range(n) for j in range(i + 2, n) if rng.random() < 0.12
-    ]
-    times = {m: rng.uniform(0.5, 4.0) for m in names}
-    acts = {m: rng.choice([100, 1000, 20000]) for m in names}
-    return synthetic(edges, times, acts)
-
-
-def random_branchy(rng: random.Random) -> nx.DiGraph:
-    """Layers in series; each layer one op or 2-4 parallel chains; an occasional skip edge."""
-    edges: list[tuple[str, str]] = []
-    prev_ends: list[str] = []
-    names: list[str] = []
-    for layer in range(rng.randint(2, 4)):
-        chains = (
-            [[f"l{layer}b0o0"]]
-            if rng.random() < 0.4
-            else [
-                [f"l{layer}b{b}o{o}" for o in range(rng.randint(1, 3))]
-                for b in range(rng.randint(2, 4))
-            ]
-        )
-        for chain in chains:
-            names += chain
-            edges += list(itertools.pairwise(chain))
-            edges += [(end, chain[0]) for end in prev_ends]
-        if prev_ends and rng.random() < 0.3:
-            edges.append((rng.choice(names[: -sum(map(len, chains))]), chains[0][-1]))
-        prev_ends = [chain[-1] for chain in chains]
-    times = {n: rng.uniform(0.5e-3, 4e-3) for n in names}
-    acts = {n: rng.choice([1000, 10000]) for n in names}
-    g = synthetic(edges, times, acts)
-    g.graph["param_bytes"] = dict.fromkeys(g.graph["param_bytes"], 1_000_000)
-    return g
-
-
-def cost(micro_batches: int = 4, budget: float | None = None, bandwidth: float = 1e6) -> CostModel:
-    return CostModel(
-        micro_batch_size=1,
-        micro_batches=micro_batches,
-        link=LinkModel(bandwidth=bandwidth, latency=1e-4),
-        memory=MemoryModel(budget=budget),
-    )
 
 
 # -- series-parallel decomposition -------------------------------------------------------------

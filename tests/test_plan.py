@@ -9,8 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_program import placed_plan
-from test_schedule import chain_plan
+from plans import chain_plan, placed_plan
 
 import graphpipe
 from graphpipe.compile.steps import schedule_name

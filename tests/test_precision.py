@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_runtime import PINS, batch
+from training import PINS, batch
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig

@@ -3,20 +3,13 @@ gloo's semantics."""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import replace
-
 import pytest
-from test_partition import synthetic
-from test_schedule import chain_plan, random_plan
+from plans import chain_plan, folded_plans, placed_plans, zoo_plans
 
 from graphpipe.errors import ScheduleError
 from graphpipe.ir import Action, Plan, parse_ranks
-from graphpipe.ir.cost import CostModel, LinkModel
 from graphpipe.ir.program import Comm, Program, parse_ops
 from graphpipe.ir.registry import SCHEDULES
-from graphpipe.planning.interleave import foldings, place_graph
-from graphpipe.planning.partition import PlanConfig, partition_op_graph
 from graphpipe.scheduling.dryrun import check_program, check_run
 from graphpipe.scheduling.generators import drain_schedule, make_schedule
 from graphpipe.scheduling.program import lower, lower_calls
@@ -93,7 +86,7 @@ def test_prefetch_after_the_first_action_runs_on_dags_with_sources_on_two_ranks(
     """On a stage DAG whose sources sit on two ranks, a message may reach a source's rank
     before its receives are posted (gloo buffers it until then): the programs still run."""
     ran = 0
-    for _, plan in _zoo_plans():
+    for _, plan in zoo_plans():
         g = plan.stage_graph
         sources = {plan.stages[s].devices for s in g if g.in_degree(s) == 0}
         if len(sources) < 2:
@@ -133,73 +126,16 @@ def test_an_async_call_receives_what_it_sends_itself() -> None:
     check_program(plan, lower_calls(plan, calls), "rendezvous")
 
 
-def _zoo_plans() -> list[tuple[str, Plan]]:
-    """Chains, random stage DAGs (fan-out, fan-in, skips) and replicated stages."""
-    plans = [("chain4", chain_plan(4, 8)), ("chain2", chain_plan(2, 1))]
-    return plans + [(f"seed{seed}", random_plan(seed)) for seed in range(24)]
-
-
 def test_the_zoo_has_the_hard_shapes() -> None:
-    plans = [p for _, p in _zoo_plans()]
+    plans = [p for _, p in zoo_plans()]
     assert any(s.replicas > 1 for p in plans for s in p.stages)
     assert any(p.stage_graph.out_degree(s) > 1 for p in plans for s in p.stage_graph)
     assert any(p.stage_graph.in_degree(s) > 1 for p in plans for s in p.stage_graph)
     assert any(len(p.stages) > p.depth for p in plans)  # parallel branches
 
 
-def placed_plan(devices: int, per_device: int, m: int, placement: str) -> Plan:
-    """A chain of devices x per_device equal stages folded onto the devices, every one with
-    an input half as in the papers (see `test_schedule.chain_plan`)."""
-    names = [f"op{i}" for i in range(devices * per_device)]
-    g = synthetic(
-        list(itertools.pairwise(names)), dict.fromkeys(names, 3e-3), dict.fromkeys(names, 1000)
-    )
-    config = PlanConfig(
-        devices=devices,
-        micro_batches=m,
-        pins={name: i for i, name in enumerate(names)},
-        partitioner="manual",
-        virtual_stages=per_device,
-        placement=placement,
-    )
-    plan = partition_op_graph(g, CostModel(1, m, LinkModel(bandwidth=1e12)), config, "chain")
-    return replace(plan, stages=tuple(replace(s, input_half=True) for s in plan.stages))
-
-
-def _placed_plans(name: str) -> list[tuple[str, Plan]]:
-    """Chains folded for `name`'s placement; on a V also M = 12 and 16 (dualpipev needs
-    M >= 2N)."""
-    v_shaped = SCHEDULES[name].placement == "v"
-    plans = []
-    for n in (2, 3, 4):
-        for m in (1, 2, 4, 6, 8, *((12, 16) if v_shaped else ())):
-            if v_shaped:
-                plans.append((f"v n={n} m={m}", placed_plan(n, 2, m, "v")))
-            elif m % n == 0:
-                plans += [(f"loop{v} n={n} m={m}", placed_plan(n, v, m, "loop")) for v in (2, 3)]
-    return plans
-
-
-def _folded_plans() -> list[tuple[str, Plan]]:
-    """The zoo's unreplicated stage DAGs, each folded every way onto fewer devices (and once
-    unfolded: one stage per device is a placement too)."""
-    plans = []
-    for label, plan in _zoo_plans():
-        if any(s.replicas > 1 for s in plan.stages):
-            continue
-        plans.append((label, plan))
-        count = len(plan.stages)
-        for devices in sorted({max(1, count // 2), count - 1} - {0}):
-            for how, assignment in foldings(plan, devices).items():
-                if len(set(assignment)) == devices:
-                    plans.append(
-                        (f"{label} {how} on {devices}", place_graph(plan, devices, assignment))
-                    )
-    return plans
-
-
 def test_the_folded_zoo_has_devices_holding_branches_and_their_joins() -> None:
-    folded = [p for label, p in _folded_plans() if " on " in label]
+    folded = [p for label, p in folded_plans() if " on " in label]
     assert len(folded) >= 20
     assert any(
         p.stage_graph.in_degree(s.index) > 1 and len(p.stages_on(s.devices[0])) > 1
@@ -211,8 +147,8 @@ def test_the_folded_zoo_has_devices_holding_branches_and_their_joins() -> None:
 def _plans_for(name: str) -> list[tuple[str, Plan]]:
     placement = SCHEDULES[name].placement
     if placement in ("loop", "v"):
-        return _placed_plans(name)
-    return _folded_plans() if placement == "any" else _zoo_plans()
+        return placed_plans(name)
+    return folded_plans() if placement == "any" else zoo_plans()
 
 
 @pytest.mark.parametrize("name", sorted(n for n, s in SCHEDULES.items() if s.training))

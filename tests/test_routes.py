@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_program import placed_plan
-from test_schedule import random_plan
+from plans import placed_plan, random_plan
 
 from graphpipe.ir import Plan
 from graphpipe.ir.program import Comm

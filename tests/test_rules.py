@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_program import placed_plan
-from test_schedule import chain_plan, random_plan
+from plans import chain_plan, placed_plan, random_plan
 
 from graphpipe.compile import steps
 from graphpipe.errors import ConfigError, ScheduleError

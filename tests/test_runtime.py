@@ -7,7 +7,6 @@ runs inside one launch, to pay the process start-up once.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import sys
 import time
@@ -16,117 +15,33 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from training import (
+    PINS,
+    STEPS,
+    TIMEOUT,
+    M,
+    assert_matches,
+    batch,
+    optimizer_for,
+    replicated_plan,
+    train,
+    zoo_pipeline,
+)
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import RuntimeConfig
 from graphpipe.compile import compile as gp_compile
 from graphpipe.ir import Action
-from graphpipe.planning.assemble import assemble
-from graphpipe.planning.manual import groups_from_pins
-from graphpipe.planning.opgraph import graph_hash, op_graph
-from graphpipe.planning.partition import PlanConfig, cost_model, plan
-from graphpipe.planning.profile import ProfileConfig, profile
 from graphpipe.runtime.comm import Buffers, outgoing, unpack
 from graphpipe.runtime.launch import launch
 from graphpipe.runtime.sync import GradSync
-from graphpipe.tracing.tracer import trace
 
-M, STEPS, LR = 4, 3, 0.1
-PINS = {  # three stages each, chosen so each model shows its hard case
-    "two_branch": {"a": 0, "b": 1, "cat": 2, "head": 2},  # fan-out and fan-in
-    "skip_across": {"layers.0": 0, "layers.1": 1, "layers.2": 2, "layers.3": 2, "head": 2},
-    "late_input": {"layers.0": 0, "layers.1": 1, "layers.2": 1, "head": 2},  # input at S2
-    "tied": {"embed": 0, "body": 1, "out": 2},  # embed.weight on S0 and S2
-    "multi_output": {"trunk": 0, "left": 1, "right": 2},  # outputs made on S1 and S2
-    "masked": {"embed": 0, "mix": 1, "head": 2},  # int64 and bool values cross stages
-}
 SCHEDULES = ("gpipe", "1f1b", "zb", "zb2")
-TIMEOUT = 240  # seconds for a whole launch
-
-
-def _optimizer(kind: str = "sgd") -> functools.partial[torch.optim.Optimizer]:
-    if kind == "adam":
-        return functools.partial(torch.optim.Adam, lr=0.01)
-    return functools.partial(torch.optim.SGD, lr=LR, momentum=0.9)
-
-
-def _scheduler(opt: torch.optim.Optimizer, kind: str) -> Any:
-    """Adam runs with a StepLR that halves the rate every step; SGD with none."""
-    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if kind == "adam" else None
-
-
-def batch(name: str, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Step `step`'s mini-batch: fresh float inputs and a target shaped for dict_loss."""
-    model, inputs = ZOO[name]()
-    gen = torch.Generator().manual_seed(1000 + step)
-    fresh = tuple(
-        torch.randn(x.shape, generator=gen) if x.is_floating_point() else x for x in inputs
-    )
-    with torch.no_grad():
-        out = model(*fresh)
-    shape = out.shape if isinstance(out, torch.Tensor) else (fresh[0].shape[0], 1)
-    return fresh, torch.randn(shape, generator=gen)
-
-
-def reference(name: str, steps: int = STEPS, kind: str = "sgd") -> tuple[list[float], nn.Module]:
-    """Single-process training with gradient accumulation over the same micro-batches."""
-    model, _ = ZOO[name]()
-    opt = _optimizer(kind)(model.parameters())
-    scheduler = _scheduler(opt, kind)
-    losses = []
-    for step in range(steps):
-        inputs, target = batch(name, step)
-        parts = [x.chunk(M) for x in inputs]
-        total = 0.0
-        for j in range(M):
-            loss = dict_loss(model(*[p[j] for p in parts]), target.chunk(M)[j])
-            (loss / M).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-        losses.append(total / M)
-    return losses, model
-
-
-def _train(pm: Any, name: str, kind: str = "sgd") -> dict[str, Any]:
-    scheduler = _scheduler(pm.optimizer, kind)
-    losses = []
-    for s in range(STEPS):
-        losses.append(pm.step(*batch(name, s)[0], target=batch(name, s)[1]))
-        if scheduler is not None:
-            scheduler.step()
-    return {"losses": losses, "state": pm.state_dict(), "output": pm(*batch(name, 0)[0])}
-
-
-def _pipeline(
-    name: str,
-    schedule: str = "1f1b",
-    kind: str = "sgd",
-    timeout: float = 60,
-    prefetch: bool | None = None,
-    m: int = M,
-    timer: str | None = None,
-) -> Any:
-    """`name` compiled over three ranks, cut by its pins."""
-    model, inputs = ZOO[name]()
-    the_plan = plan(model, inputs, devices=3, micro_batches=m, pins=PINS[name])
-    return gp_compile(
-        model,
-        inputs,
-        loss_fn=dict_loss,
-        optimizer=_optimizer(kind),
-        schedule=schedule,
-        plan=the_plan,
-        runtime=RuntimeConfig(timeout=timeout, prefetch=prefetch, timer=timer),
-    )
 
 
 def _grid_worker(cases: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], Any]:
     return {
-        (name, schedule, kind): _train(_pipeline(name, schedule, kind), name, kind)
+        (name, schedule, kind): train(zoo_pipeline(name, schedule, kind), name, kind)
         for name, schedule, kind in cases
     }
 
@@ -138,38 +53,23 @@ def grid() -> dict[tuple[str, str, str], Any]:
     return launch(_grid_worker, 3, args=(cases,), timeout=TIMEOUT)[0]
 
 
-def _assert_matches(result: dict[str, Any], name: str, kind: str = "sgd") -> None:
-    ref_losses, ref_model = reference(name, kind=kind)
-    assert result["losses"] == pytest.approx(ref_losses, rel=1e-5)
-    ref_state = ref_model.state_dict()
-    assert list(result["state"]) == list(ref_state)
-    for key, value in ref_state.items():
-        torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=1e-6)
-    fresh, _ = ZOO[name]()
-    fresh.load_state_dict(result["state"])  # strict: every original name is there
-    with torch.no_grad():
-        torch.testing.assert_close(
-            result["output"], ref_model(*batch(name, 0)[0]), rtol=1e-5, atol=1e-6
-        )
-
-
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", sorted(PINS))
 def test_pipelined_training_matches_single_process(
     grid: dict[tuple[str, str, str], Any], name: str, schedule: str
 ) -> None:
-    _assert_matches(grid[(name, schedule, "sgd")], name)
+    assert_matches(grid[(name, schedule, "sgd")], name)
 
 
 def test_any_optimizer_with_an_lr_scheduler_on_pm_optimizer(
     grid: dict[tuple[str, str, str], Any],
 ) -> None:
-    _assert_matches(grid[("tied", "1f1b", "adam")], "tied", "adam")
+    assert_matches(grid[("tied", "1f1b", "adam")], "tied", "adam")
 
 
 def _nccl_form_worker(cases: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
     return {
-        (name, schedule): _train(_pipeline(name, schedule, prefetch=False), name)
+        (name, schedule): train(zoo_pipeline(name, schedule, prefetch=False), name)
         for name, schedule in cases
     }
 
@@ -184,7 +84,7 @@ def test_the_program_made_for_nccl_trains_the_same_on_gloo() -> None:
     ]
     results = launch(_nccl_form_worker, 3, args=(cases,), timeout=TIMEOUT)[0]
     for (name, _), result in results.items():
-        _assert_matches(result, name)
+        assert_matches(result, name)
 
 
 SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__")
@@ -218,7 +118,7 @@ def _sync_worker() -> dict[int, tuple[int, int, int]]:
     counts = {}
     for m in (2, 8):
         # masked: S0 sends S1 three tensors in one message, S1 sends back two gradients
-        pm = _pipeline("masked", "zb", m=m)
+        pm = zoo_pipeline("masked", "zb", m=m)
         buffers = pm._executor.transport.buffers
         pm.step(*batch("masked", 1)[0], target=batch("masked", 1)[1])  # warm up
         first = buffers.made
@@ -266,7 +166,7 @@ def test_one_tensor_goes_on_the_wire_as_its_own_bytes_and_several_are_packed() -
 
 
 def _profiled_worker() -> dict[str, Any]:
-    pm = _pipeline("two_branch", "zb", timer="profiler")
+    pm = zoo_pipeline("two_branch", "zb", timer="profiler")
     pm.recording = True
     inputs, target = batch("two_branch", 0)
     before = time.time()
@@ -294,22 +194,10 @@ def test_the_profiler_timer_records_every_action_of_the_program() -> None:
         assert result["labels"] == sorted(f"graphpipe::{a}" for a in result["program"])
 
 
-def _replicated_plan() -> Any:
-    """two_branch with stage 0 (both branches) on ranks 0 and 1, the head on rank 2."""
-    model, inputs = ZOO["two_branch"]()
-    gm = trace(model, inputs)
-    g = op_graph(gm, profile(gm, inputs, 2, ProfileConfig(mode="flops")))  # same on every rank
-    (branches, _), (head, _) = groups_from_pins(g, {"a": 0, "b": 0, "cat": 1, "head": 1})
-    config = PlanConfig(devices=3, micro_batches=M)
-    return assemble(
-        g, [(branches, 2), (head, 1)], cost_model(config, 2), 3, "manual", graph_hash(gm)
-    )
-
-
 def _replicated_worker() -> dict[str, Any]:
     model, inputs = ZOO["two_branch"]()
-    the_plan = _replicated_plan()
-    pm = gp_compile(model, inputs, loss_fn=dict_loss, optimizer=_optimizer(), plan=the_plan)
+    the_plan = replicated_plan()
+    pm = gp_compile(model, inputs, loss_fn=dict_loss, optimizer=optimizer_for(), plan=the_plan)
     early: list[int] = []  # buckets already in flight when each update began
     finish = GradSync.__call__
 
@@ -318,13 +206,13 @@ def _replicated_worker() -> dict[str, Any]:
         finish(sync)
 
     GradSync.__call__ = recording  # type: ignore[method-assign]
-    return {**_train(pm, "two_branch"), "early": early}
+    return {**train(pm, "two_branch"), "early": early}
 
 
 def test_data_parallel_stage_reduces_gradients_within_its_group() -> None:
     """The replicas' sums equal one process, and they start during the last backward."""
     for rank, result in enumerate(launch(_replicated_worker, 3, timeout=TIMEOUT)):
-        _assert_matches(result, "two_branch")
+        assert_matches(result, "two_branch")
         if rank < 2:  # the replicas: every bucket was launched before the update
             assert len(result["early"]) == STEPS and min(result["early"]) > 0, result["early"]
 
@@ -335,18 +223,18 @@ def _auto_plan_worker() -> dict[str, Any]:
         model,
         inputs,
         loss_fn=dict_loss,
-        optimizer=_optimizer(),
+        optimizer=optimizer_for(),
         micro_batches=M,
         schedule="1f1b",
         replication=False,
     )
-    return {**_train(pm, "two_branch"), "stages": len(pm.plan.stages)}
+    return {**train(pm, "two_branch"), "stages": len(pm.plan.stages)}
 
 
 def test_two_ranks_with_the_plan_made_on_rank_0() -> None:
     results = launch(_auto_plan_worker, 2, timeout=TIMEOUT)
     assert results[0]["stages"] == 2
-    _assert_matches(results[1], "two_branch")
+    assert_matches(results[1], "two_branch")
 
 
 def _slow_plan_worker(delay: float) -> int:
@@ -365,7 +253,7 @@ def _slow_plan_worker(delay: float) -> int:
         model,
         inputs,
         loss_fn=dict_loss,
-        optimizer=_optimizer(),
+        optimizer=optimizer_for(),
         micro_batches=M,
         replication=False,
         runtime=RuntimeConfig(timeout=2, plan_timeout=60),

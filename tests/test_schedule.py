@@ -2,43 +2,21 @@
 
 from __future__ import annotations
 
-import itertools
-import random
 import re
 from dataclasses import replace
 
 import pytest
-from test_partition import cost, random_branchy, random_dag, synthetic
+from plans import chain_plan, random_plan
 
 from graphpipe.errors import ConfigError, ScheduleError
 from graphpipe.ir import Action, Plan, Schedule, parse_ranks
-from graphpipe.ir.cost import CostModel, LinkModel, MemoryModel
+from graphpipe.ir.cost import MemoryModel
 from graphpipe.ir.program import Comm
 from graphpipe.ir.registry import SCHEDULES
-from graphpipe.planning.partition import PlanConfig, partition_op_graph
 from graphpipe.scheduling.dryrun import check_program, check_schedule
 from graphpipe.scheduling.generators import drain_schedule, make_schedule
 from graphpipe.scheduling.program import lower
 from graphpipe.scheduling.simulate import steady_run
-
-
-def chain_plan(stages: int, micro_batches: int, latency: float = 1e-4) -> Plan:
-    """S equal stages in a chain (1 ms forward, 2 ms backward each), every one with an input
-    half as in the papers (F = I = W: the first stage's input is taken to need its
-    gradient, where a model's data input does not: `Stage.input_half`)."""
-    names = [f"op{i}" for i in range(stages)]
-    g = synthetic(
-        list(itertools.pairwise(names)), dict.fromkeys(names, 3e-3), dict.fromkeys(names, 1000)
-    )
-    c = CostModel(1, micro_batches, LinkModel(bandwidth=1e12, latency=latency))
-    config = PlanConfig(
-        devices=stages, micro_batches=micro_batches, replication=False, partitioner="sequential"
-    )
-    plan = partition_op_graph(g, c, config, "chain")
-    assert len(plan.stages) == stages
-    assert [s.input_half for s in plan.stages] == [False] + [True] * (stages - 1)
-    return replace(plan, stages=tuple(replace(s, input_half=True) for s in plan.stages))
-
 
 # -- the text form -------------------------------------------------------------------------------
 
@@ -112,21 +90,6 @@ def test_2bw_updates_once_per_mini_batch() -> None:
 
 
 # -- validity on random stage DAGs -----------------------------------------------------------------
-
-
-def random_plan(seed: int) -> Plan:
-    """A plan of a random stage DAG (branchy on odd seeds; replicated stages allowed on
-    seeds divisible by 3), with a random M and device count."""
-    rng = random.Random(seed)
-    g = random_branchy(rng) if seed % 2 else random_dag(rng, rng.randint(6, 14))
-    m = rng.choice([1, 2, 4, 8])
-    config = PlanConfig(
-        devices=rng.randint(2, min(8, g.number_of_nodes())),
-        micro_batches=m,
-        replication=seed % 3 == 0,
-        layouts=("one",),  # one stage per device: every generator's input
-    )
-    return partition_op_graph(g, cost(micro_batches=m, bandwidth=1e9), config, "x")
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -10,9 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_partition import synthetic
-from test_program import placed_plan
-from test_schedule import chain_plan
+from plans import chain_plan, placed_plan, synthetic
 from zoo import TwoBranch
 
 from benchmarks.peers import Case, timed_plan

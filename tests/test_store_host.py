@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from test_failures import MATRIX_PINS, _clock_waits
-from test_runtime import _optimizer, batch
+from training import batch, optimizer_for
 from zoo import ZOO, dict_loss
 
 from graphpipe._torch import AGENT_STORE_ENV
@@ -60,7 +60,7 @@ def _worker(rank: int, port: int, out: str, moment: str) -> None:
         model,
         inputs,
         loss_fn=dict_loss,
-        optimizer=_optimizer(),
+        optimizer=optimizer_for(),
         micro_batches=4,
         pins=MATRIX_PINS[WORLD],
         runtime=RuntimeConfig(timeout=STALL if stops else WAITED),

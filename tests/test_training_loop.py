@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_runtime import PINS, STEPS, M, _optimizer, _replicated_plan, batch
 from torch import nn
 from torch._dynamo.utils import counters
+from training import PINS, STEPS, M, batch, optimizer_for, replicated_plan
 from zoo import ZOO, dict_loss
 
 from graphpipe.compile import _scheduled
@@ -41,7 +41,7 @@ CLIP_CASES = {  # name -> (model, max norm, norm type, plan)
 
 def _clipped_reference(name: str, max_norm: float, norm_type: float) -> dict[str, Any]:
     model, _ = ZOO[name]()
-    opt = _optimizer()(model.parameters())
+    opt = optimizer_for()(model.parameters())
     norms, losses = [], []
     for step in range(STEPS):
         inputs, target = batch(name, step)
@@ -63,7 +63,7 @@ def _clip_worker() -> dict[str, Any]:
     for case, (name, max_norm, norm_type, how) in CLIP_CASES.items():
         model, inputs = ZOO[name]()
         the_plan = (
-            _replicated_plan()
+            replicated_plan()
             if how == "replicated"
             else plan(model, inputs, devices=3, micro_batches=M, pins=PINS[name])
         )
@@ -71,7 +71,7 @@ def _clip_worker() -> dict[str, Any]:
             model,
             inputs,
             loss_fn=dict_loss,
-            optimizer=_optimizer(),
+            optimizer=optimizer_for(),
             plan=the_plan,
             max_grad_norm=max_norm,
             grad_norm_type=norm_type,
@@ -166,7 +166,7 @@ def _eval_worker() -> dict[str, Any]:
             model,
             x,
             loss_fn=F.mse_loss,
-            optimizer=_optimizer(),
+            optimizer=optimizer_for(),
             micro_batches=2,
             weights=weights,
             pins=NOISY_PINS,
@@ -232,7 +232,7 @@ def _compiled_worker() -> dict[str, Any]:
             model,
             inputs,
             loss_fn=dict_loss,
-            optimizer=_optimizer(),
+            optimizer=optimizer_for(),
             micro_batches=M,
             pins={"a": 0, "b": 0, "cat": 1, "head": 1},
             compile_stages=compiled,
@@ -292,7 +292,7 @@ def test_compiled_stages_refuse_a_split_backward() -> None:
             model,
             inputs,
             loss_fn=dict_loss,
-            optimizer=_optimizer(),
+            optimizer=optimizer_for(),
             schedule="zb",
             compile_stages=True,
         )
@@ -325,7 +325,7 @@ def _recompute_worker() -> dict[Any, Any]:
                 model,
                 inputs,
                 loss_fn=dict_loss,
-                optimizer=_optimizer(),
+                optimizer=optimizer_for(),
                 schedule=schedule,
                 plan=plan(model, inputs, devices=3, micro_batches=M, pins=PINS["two_branch"]),
                 recompute=recompute,
@@ -415,7 +415,7 @@ def test_auto_recompute_is_chosen_at_the_counts_of_the_schedules_order() -> None
         spec = RunSpec.build(
             inputs,
             loss_fn=dict_loss,
-            optimizer=_optimizer(),
+            optimizer=optimizer_for(),
             micro_batches=8,
             schedule=schedule,
             plan=tight,
